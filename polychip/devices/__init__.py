@@ -1,0 +1,5 @@
+"""Plugin layer: the device-plugin API and the built-in CPU and CUDA plugins."""
+from polychip.devices.plugin import API_VERSION, Availability, DeviceInfo, DevicePlugin, Event, Stream
+from polychip.devices.discovery import get_plugin
+
+__all__ = ["API_VERSION", "Availability", "DeviceInfo", "DevicePlugin", "Event", "Stream", "get_plugin"]

@@ -1,0 +1,77 @@
+"""The built-in CPU plugin."""
+from __future__ import annotations
+
+import os
+import platform
+
+import torch
+
+from polychip.devices.plugin import Availability, DeviceInfo, DevicePlugin, Event, Stream
+
+
+def _meminfo() -> tuple[int, int]:
+    """(available, total) bytes from /proc/meminfo, or from sysconf where that is missing."""
+    try:
+        with open("/proc/meminfo") as f:
+            rows = dict(line.split(":", 1) for line in f)
+        kib = lambda k: int(rows[k].split()[0]) * 1024  # noqa: E731
+        return kib("MemAvailable"), kib("MemTotal")
+    except (OSError, KeyError, ValueError):
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return total // 2, total
+
+
+class CpuStream(Stream):
+    """The CPU runs ops in program order, so a stream is already synchronised."""
+
+    def synchronize(self) -> None:
+        return None
+
+
+class CpuEvent(Event):
+    def __init__(self):
+        self.recorded = False
+
+    def record(self, stream: Stream | None = None) -> None:
+        self.recorded = True
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return self.recorded
+
+
+class CpuPlugin(DevicePlugin):
+    name = "cpu"
+    plugin_version = "1.0"
+    torch_device_type = "cpu"
+    default_mem_fraction = 0.05  # host memory is shared with everything else
+
+    def is_available(self) -> Availability:
+        return Availability(True)
+
+    def discover(self) -> list[DeviceInfo]:
+        free, total = _meminfo()
+        return [DeviceInfo(
+            index=0, name=platform.processor() or platform.machine(),
+            total_memory=total, free_memory=free,
+            dtypes=("float32", "bfloat16", "float16", "int8"),
+            compute={"threads": float(torch.get_num_threads()), "cores": float(os.cpu_count() or 1)},
+            topology={"p2p_enabled": False, "numa_nodes": 1},
+        )]
+
+    def device_handle(self, index: int | None = None) -> torch.device:
+        return torch.device("cpu")
+
+    def mem_info(self) -> tuple[int, int]:
+        return _meminfo()
+
+    def synchronize(self) -> None:
+        return None
+
+    def stream(self) -> Stream:
+        return CpuStream()
+
+    def event(self) -> Event:
+        return CpuEvent()

@@ -1,0 +1,104 @@
+"""The built-in CUDA plugin: the only module in the core that touches ``torch.cuda``."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from polychip.devices.plugin import Availability, DeviceInfo, DevicePlugin, Event, Stream
+
+
+class CudaStream(Stream):
+    def __init__(self, device: torch.device):
+        self.raw = torch.cuda.Stream(device=device)
+        self._ctx = None
+
+    def synchronize(self) -> None:
+        self.raw.synchronize()
+
+    def __enter__(self):
+        self._ctx = torch.cuda.stream(self.raw)
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._ctx.__exit__(*exc)
+        return False
+
+
+class CudaEvent(Event):
+    def __init__(self):
+        self.raw = torch.cuda.Event()
+
+    def record(self, stream: Stream | None = None) -> None:
+        self.raw.record(stream.raw if isinstance(stream, CudaStream) else None)
+
+    def synchronize(self) -> None:
+        self.raw.synchronize()
+
+    def query(self) -> bool:
+        return self.raw.query()
+
+
+class CudaPlugin(DevicePlugin):
+    name = "cuda"
+    plugin_version = "1.0"
+    torch_device_type = "cuda"
+    default_mem_fraction = 0.85
+
+    def is_available(self) -> Availability:
+        if not torch.backends.cuda.is_built():
+            return Availability(False, "this torch build has no CUDA support")
+        if not torch.cuda.is_available():
+            return Availability(False, "torch.cuda.is_available() is False (no driver or no visible GPU)")
+        return Availability(True)
+
+    def discover(self) -> list[DeviceInfo]:
+        infos = []
+        n = torch.cuda.device_count()
+        for i in range(n):
+            props = torch.cuda.get_device_properties(i)
+            free, total = torch.cuda.mem_get_info(i)
+            dtypes = ["float32", "float16", "int8"]
+            if torch.cuda.is_bf16_supported():
+                dtypes.insert(1, "bfloat16")
+            p2p = {j: torch.cuda.can_device_access_peer(i, j) for j in range(n) if j != i}
+            infos.append(DeviceInfo(
+                index=i, name=props.name, total_memory=total, free_memory=free, dtypes=tuple(dtypes),
+                compute={"sm_count": float(props.multi_processor_count),
+                         "capability": float(f"{props.major}.{props.minor}")},
+                topology={"p2p_enabled": all(p2p.values()) if p2p else False, "peers": p2p},
+            ))
+        return infos
+
+    def init(self, spec=None, index: int = 0) -> None:
+        super().init(spec, index)
+        torch.cuda.set_device(index)
+
+    def destroy(self) -> None:
+        torch.cuda.empty_cache()
+
+    def free(self, tensor: torch.Tensor) -> None:
+        del tensor
+
+    def mem_info(self) -> tuple[int, int]:
+        return torch.cuda.mem_get_info(self.index)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.index)
+
+    def stream(self) -> Stream:
+        return CudaStream(self.device_handle())
+
+    def event(self) -> Event:
+        return CudaEvent()
+
+    def communicator_backend(self) -> str:
+        return "nccl"
+
+    def compile(self, fn: Callable) -> Callable:
+        return torch.compile(fn, dynamic=True)
+
+    def set_seed(self, seed: int) -> None:
+        torch.manual_seed(seed)
+        torch.cuda.manual_seed_all(seed)

@@ -1,0 +1,69 @@
+"""Paged attention over a KV pool, for batches that mix prefill chunks and decodes.
+
+Decodes (one query token each) are batched into one SDPA call over their
+gathered pages; each prefill chunk is one SDPA call with a causal mask offset by
+its cached prefix. Python loops run per prefill sequence, never per token.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSegment:
+    start: int            # first row of this sequence in the flat token batch
+    q_len: int            # new tokens in this chunk
+    kv_len: int           # cached prefix + q_len
+    pages: torch.Tensor   # page ids covering kv_len tokens
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor                    # [T] flat KV slot per token
+    num_decodes: int = 0                          # decode tokens come first in the batch
+    decode_pages: torch.Tensor | None = None      # [B, max_pages]
+    decode_lens: torch.Tensor | None = None       # [B] kv length per decode sequence
+    decode_mask: torch.Tensor | None = None       # [B, 1, 1, max_pages*page] bool
+    prefills: list[PrefillSegment] = field(default_factory=list)
+
+
+def _gather(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+    """cache [P, page, Hkv, D], pages [..., n] -> [..., n*page, Hkv, D]."""
+    g = cache[pages]
+    return g.reshape(*pages.shape[:-1], -1, *cache.shape[2:])
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q [T, H, D]; k, v [T, Hkv, D]; caches [P, page, Hkv, D]. Returns [T, H, D]."""
+    hkv, d = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k)
+    v_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v)
+    gqa = q.shape[1] != hkv
+    out = torch.empty_like(q)
+    nd = meta.num_decodes
+    if nd:
+        kd = _gather(k_cache, meta.decode_pages).transpose(1, 2)   # [B, Hkv, L, D]
+        vd = _gather(v_cache, meta.decode_pages).transpose(1, 2)
+        qd = q[:nd].unsqueeze(2)                                     # [B, H, 1, D]
+        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale,
+                                           enable_gqa=gqa)
+        out[:nd] = o.squeeze(2)
+    for seg in meta.prefills:
+        qs = q[seg.start:seg.start + seg.q_len].transpose(0, 1)       # [H, n, D]
+        if seg.kv_len == seg.q_len:   # no cached prefix: use the fresh k, v directly
+            ks = k[seg.start:seg.start + seg.q_len].transpose(0, 1)
+            vs = v[seg.start:seg.start + seg.q_len].transpose(0, 1)
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
+        else:
+            ks = _gather(k_cache, seg.pages)[:seg.kv_len].transpose(0, 1)
+            vs = _gather(v_cache, seg.pages)[:seg.kv_len].transpose(0, 1)
+            offset = seg.kv_len - seg.q_len
+            rows = torch.arange(seg.q_len, device=q.device).unsqueeze(1) + offset
+            mask = torch.arange(seg.kv_len, device=q.device).unsqueeze(0) <= rows
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        out[seg.start:seg.start + seg.q_len] = o.transpose(0, 1)
+    return out
