@@ -75,3 +75,6 @@ class CpuPlugin(DevicePlugin):
 
     def event(self) -> Event:
         return CpuEvent()
+
+    def fusions(self) -> tuple[str, ...]:
+        return ("qkv", "gate_up", "add_rms_norm")

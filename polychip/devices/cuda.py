@@ -99,6 +99,11 @@ class CudaPlugin(DevicePlugin):
     def compile(self, fn: Callable) -> Callable:
         return torch.compile(fn, dynamic=True)
 
+    def default_dtype(self, model_dtype: str) -> str:
+        if model_dtype in ("bfloat16", "float16"):
+            return model_dtype
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+
     def set_seed(self, seed: int) -> None:
         torch.manual_seed(seed)
         torch.cuda.manual_seed_all(seed)

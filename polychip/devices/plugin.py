@@ -139,6 +139,10 @@ class DevicePlugin(abc.ABC):
         """Fusion patterns this plugin wants the rewrite pass to apply."""
         return ()
 
+    def default_dtype(self, model_dtype: str) -> str:
+        """The dtype ``--dtype auto`` picks for a model stored in ``model_dtype``."""
+        return "float32"
+
     def set_seed(self, seed: int) -> None:
         torch.manual_seed(seed)
 

@@ -1,0 +1,37 @@
+"""``polychip <command> ...``: each command lives in ``polychip/commands/<name>.py`` and is
+imported only when run, so one broken command never breaks the others."""
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS = {
+    "serve": "start the OpenAI-compatible server",
+    "generate": "generate text offline from a prompt",
+    "devices": "list device plugins and their devices",
+    "probe": "check a device spec step by step before serving",
+    "coverage": "show which op implementation a model uses on a device",
+    "bench": "benchmarks: serving, compare, peers",
+}
+
+
+def usage() -> str:
+    rows = "\n".join(f"  {name:<10} {text}" for name, text in COMMANDS.items())
+    return f"usage: polychip <command> [options]\n\ncommands:\n{rows}\n\n`polychip <command> --help` for options."
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"polychip: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(f"polychip.commands.{name}")
+    return module.main(rest) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""SamplingParams: what a request asks of the sampler and the stop checker."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from polychip.errors import InvalidRequestError
+
+MAX_N = 64
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1                 # -1 or 0: off
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None     # None: off; k: chosen token plus k alternatives
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = [s for s in (self.stop or []) if s]
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == 0:
+            self.top_k = -1
+        self.validate()
+
+    def _bad(self, param: str, msg: str):
+        raise InvalidRequestError(f"{param} {msg}")
+
+    def validate(self) -> None:
+        if not 1 <= self.n <= MAX_N:
+            self._bad("n", f"must be in [1, {MAX_N}], got {self.n}")
+        if self.temperature < 0:
+            self._bad("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            self._bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            self._bad("top_k", f"must be -1 (off) or >= 1, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            self._bad("min_p", f"must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            self._bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                self._bad(name, f"must be in [-2, 2], got {getattr(self, name)}")
+        if self.max_tokens < 1:
+            self._bad("max_tokens", f"must be >= 1, got {self.max_tokens}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            self._bad("min_tokens", f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            self._bad("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0

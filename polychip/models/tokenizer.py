@@ -1,0 +1,116 @@
+"""Tokenizer from a HF folder (tokenizer.json + tokenizer_config.json), chat templates
+rendered with jinja2 as transformers does, and incremental detokenisation."""
+from __future__ import annotations
+
+import json
+import os
+from datetime import datetime
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+from polychip.errors import InvalidRequestError, ModelLoadError
+
+
+def _token_str(v):
+    return v.get("content") if isinstance(v, dict) else v
+
+
+def _raise(msg):
+    raise jinja2.exceptions.TemplateError(msg)
+
+
+class Tokenizer:
+    def __init__(self, tok: HFTokenizer, config: dict, eos_token_ids: tuple[int, ...] = ()):
+        self.tok = tok
+        self.config = config
+        self.chat_template = config.get("chat_template")
+        if isinstance(self.chat_template, list):  # named templates: take "default"
+            self.chat_template = next((t["template"] for t in self.chat_template if t.get("name") == "default"),
+                                      self.chat_template[0]["template"])
+        self.bos_token = _token_str(config.get("bos_token"))
+        self.eos_token = _token_str(config.get("eos_token"))
+        self.bos_token_id = tok.token_to_id(self.bos_token) if self.bos_token else None
+        ids = set(eos_token_ids)
+        if self.eos_token and tok.token_to_id(self.eos_token) is not None:
+            ids.add(tok.token_to_id(self.eos_token))
+        self.eos_token_ids = frozenset(ids)
+        self.add_bos = bool(config.get("add_bos_token", False)) and self.bos_token_id is not None
+        self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+        self._template = None
+
+    @classmethod
+    def from_dir(cls, path: str, eos_token_ids: tuple[int, ...] = ()) -> "Tokenizer":
+        tj = os.path.join(path, "tokenizer.json")
+        if not os.path.exists(tj):
+            raise ModelLoadError(f"{path}: no tokenizer.json")
+        try:
+            tok = HFTokenizer.from_file(tj)
+        except Exception as e:  # the tokenizers library raises plain Exception on bad files
+            raise ModelLoadError(f"{tj}: cannot parse tokenizer ({e})") from None
+        config = {}
+        tc = os.path.join(path, "tokenizer_config.json")
+        if os.path.exists(tc):
+            with open(tc, encoding="utf-8") as f:
+                config = json.load(f)
+        jt = os.path.join(path, "chat_template.jinja")
+        if "chat_template" not in config and os.path.exists(jt):
+            with open(jt, encoding="utf-8") as f:
+                config["chat_template"] = f.read()
+        return cls(tok, config, eos_token_ids)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self.tok.encode(text, add_special_tokens=False).ids
+        if add_special_tokens and self.add_bos and (not ids or ids[0] != self.bos_token_id):
+            ids = [self.bos_token_id] + ids
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, i: int) -> str | None:
+        return self.tok.id_to_token(i)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            **kwargs) -> str:
+        if not self.chat_template:
+            raise InvalidRequestError("this model has no chat template; use a plain completion prompt")
+        if self._template is None:
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                extensions=["jinja2.ext.loopcontrols"])
+            env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
+                x, indent=indent, ensure_ascii=ensure_ascii)
+            env.globals["raise_exception"] = _raise
+            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+            self._template = env.from_string(self.chat_template)
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+                                         **kwargs)
+        except jinja2.exceptions.TemplateError as e:
+            raise InvalidRequestError(f"chat template rejected the messages: {e}") from None
+
+
+class IncrementalDetokenizer:
+    """Turns a growing token list into text deltas, never splitting a multi-byte character."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True):
+        self.tokenizer, self.skip = tokenizer, skip_special_tokens
+        self.ids = list(prompt_ids[-6:])      # a little context so leading spaces decode right
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.text = ""
+
+    def add(self, token_id: int) -> str:
+        """Append one token; return the newly completed text (possibly empty)."""
+        self.ids.append(token_id)
+        dec = self.tokenizer.decode
+        prefix = dec(self.ids[self.prefix_offset:self.read_offset], self.skip)
+        full = dec(self.ids[self.prefix_offset:], self.skip)
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""
+        delta = full[len(prefix):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        self.text += delta
+        return delta
