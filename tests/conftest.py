@@ -56,3 +56,9 @@ def model_factory(tmp_path_factory):
         return made[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def test_device() -> str:
+    """The device the engine tests run on: POLYCHIP_TEST_DEVICE (default cpu), e.g. simxpu."""
+    return os.environ.get("POLYCHIP_TEST_DEVICE", "cpu")

@@ -125,6 +125,7 @@ class Engine:
             self._finish(req)
         t1 = time.perf_counter()
         self.stage_seconds["schedule"] += t1 - t0
+        self.counters["preemptions"] += len(sched.preempted)
         outputs = [self._output(r) for r in sched.unservable]
         if not sched.scheduled:
             return outputs

@@ -1,0 +1,102 @@
+"""Page allocator and radix cache units, with check_integrity after every operation."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from polychip.engine.kv_pool import PageAllocator
+from polychip.engine.radix_cache import RadixCache
+from polychip.errors import OutOfPagesError
+
+P = 4  # page size
+
+
+def test_allocator_refcounts_and_free_list():
+    a = PageAllocator(6)
+    x = a.alloc(4)
+    assert len(set(x)) == 4 and a.num_free == 2
+    a.incref(x[:2])
+    a.decref(x)
+    assert a.num_free == 4       # the two shared pages are still held
+    a.decref(x[:2])
+    assert a.num_free == 6
+    a.check_integrity()
+    with pytest.raises(OutOfPagesError):
+        a.alloc(7)
+    with pytest.raises(RuntimeError):
+        a.decref([0])
+
+
+def fresh():
+    a = PageAllocator(64)
+    return a, RadixCache(a, P)
+
+
+def insert_seq(a, c, tokens):
+    pages = a.alloc(len(tokens) // P)
+    c.insert(tokens, pages)
+    a.decref(pages)      # the caller's own reference goes; the tree keeps one
+    c.check_integrity()
+    return pages
+
+
+def test_match_insert_split_and_partial_pages():
+    a, c = fresh()
+    seq = list(range(12))
+    pages = insert_seq(a, c, seq)
+    got, node = c.match_prefix(seq + [99])
+    assert got == pages
+    got, _ = c.match_prefix(seq[:9])          # only whole pages match
+    assert got == pages[:2]
+    c.check_integrity()
+    # diverge after the first page: the edge splits
+    other = seq[:4] + [50, 51, 52, 53]
+    assert c.insert(other, a.alloc(2)) == 4
+    c.check_integrity()
+    assert c.match_prefix(other)[0][0] == pages[0]
+    assert c.num_pages == 4
+
+
+def test_lock_blocks_eviction_and_lru_order():
+    a, c = fresh()
+    old = insert_seq(a, c, [1] * 8)
+    new = insert_seq(a, c, [2] * 8)
+    _, node = c.match_prefix([2] * 8)      # touches the newer one again
+    c.lock(node)
+    c.check_integrity()
+    assert c.evictable_pages() == 2
+    assert c.evict(100) == 2
+    c.check_integrity()
+    assert c.match_prefix([1] * 8)[0] == []
+    assert c.match_prefix([2] * 8)[0] == new
+    c.unlock(node)
+    assert c.evict(1) == 2               # a whole leaf goes
+    c.check_integrity()
+    assert a.num_free == 64 and old != new
+
+
+def test_random_operations_keep_integrity():
+    a, c = fresh()
+    rng = random.Random(0)
+    locked = []
+    for _ in range(300):
+        op = rng.random()
+        toks = [rng.randrange(3) for _ in range(rng.randrange(1, 5) * P)]
+        if op < 0.4 and a.num_free >= len(toks) // P:
+            insert_seq(a, c, toks)
+        elif op < 0.6:
+            _, node = c.match_prefix(toks)
+            c.lock(node)
+            locked.append(node)
+        elif op < 0.8 and locked:
+            c.unlock(locked.pop(rng.randrange(len(locked))))
+        else:
+            c.evict(rng.randrange(1, 4))
+        c.check_integrity()
+        a.check_integrity()
+    for n in locked:
+        c.unlock(n)
+    c.reset()
+    c.check_integrity()
+    assert a.num_free == 64

@@ -1,0 +1,132 @@
+"""Scheduler units with a fake runner: no model, hand-made outputs."""
+from __future__ import annotations
+
+from polychip.engine.kv_pool import PageAllocator
+from polychip.engine.radix_cache import NoPrefixCache, RadixCache
+from polychip.engine.request import Request, Status
+from polychip.engine.sampling_params import SamplingParams
+from polychip.engine.scheduler import Scheduler
+
+PAGE = 4
+
+
+def make(num_pages=64, budget=16, max_running=8, policy="fcfs", radix=True):
+    alloc = PageAllocator(num_pages)
+    cache = (RadixCache if radix else NoPrefixCache)(alloc, PAGE)
+    return Scheduler(alloc, cache, PAGE, budget, max_running, policy)
+
+
+def req(rid, prompt, max_tokens=3, priority=0, t=0.0):
+    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens), detokenizer=None, priority=priority,
+                   arrival=t)
+
+
+def fake_step(s: Scheduler):
+    """Schedule, 'run' the batch and append token 7 to every request that completed its gap."""
+    out = s.schedule()
+    for r, n in out.scheduled:
+        assert n >= 1 and len(r.pages) * PAGE >= r.num_computed_tokens + n
+        r.num_computed_tokens += n
+        if r.num_computed_tokens == r.num_tokens:
+            r.output_ids.append(7)
+            if len(r.output_ids) >= r.params.max_tokens:
+                s.finish(r)
+            elif r.num_computed_tokens <= len(r.prompt_ids):
+                s.cache_progress(r)
+    s.allocator.check_integrity()
+    s.cache.check_integrity()
+    return out
+
+
+def run_all(s, limit=500):
+    steps = []
+    while s.has_unfinished() and len(steps) < limit:
+        steps.append(fake_step(s))
+    assert not s.has_unfinished()
+    return steps
+
+
+def test_budget_chunks_prefill_and_mixes_decodes():
+    s = make(budget=16)
+    a, b = req("a", list(range(10))), req("b", list(range(100, 140)))
+    s.add(a)
+    fake_step(s)                         # a: whole 10-token prompt
+    s.add(b)
+    out = fake_step(s)                   # a decodes (1 token) + b prefills 15
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("a", 1), ("b", 15)]
+    assert out.num_tokens == 16
+    steps = run_all(s)
+    assert all(o.num_tokens <= 16 for o in steps)
+    assert a.output_ids == [7, 7, 7] and b.output_ids == [7, 7, 7]
+    s.cache.reset()
+    assert s.allocator.num_free == 64
+
+
+def test_max_running_and_priority_order():
+    s = make(budget=64, max_running=2)
+    for i, prio in enumerate([5, 0, 1]):
+        s.add(req(f"r{i}", [i] * 6, priority=prio, t=float(i)))
+    out = fake_step(s)
+    assert {r.request_id for r, _ in out.scheduled} == {"r1", "r2"}   # lower value first
+    assert len(s.running) == 2 and s.waiting[0].request_id == "r0"
+    run_all(s)
+
+
+def test_lpm_prefers_longest_cached_prefix():
+    s = make(budget=64, max_running=1, policy="lpm")
+    warm = req("warm", list(range(20)), max_tokens=1)
+    s.add(warm)
+    run_all(s)
+    s.add(req("cold", [99] * 20, t=1.0))
+    s.add(req("hot", list(range(16)) + [5, 5, 5], t=2.0))
+    out = fake_step(s)
+    (first, n), = out.scheduled
+    assert first.request_id == "hot" and first.num_cached_tokens == 16 and n == 3
+    run_all(s)
+
+
+def test_preemption_when_pages_run_out_then_all_finish():
+    s = make(num_pages=6, budget=32, max_running=4, radix=False)
+    reqs = [req(f"r{i}", [i] * 7, max_tokens=6, t=float(i)) for i in range(3)]
+    for r in reqs:
+        s.add(r)
+    steps = run_all(s)
+    assert sum(len(o.preempted) for o in steps) > 0
+    assert all(r.status is Status.FINISHED and len(r.output_ids) == 6 for r in reqs)
+    assert any(r.num_preemptions for r in reqs)
+    assert s.allocator.num_free == 6
+
+
+def test_request_larger_than_pool_is_reported_unservable():
+    s = make(num_pages=2, budget=32, radix=False)
+    r = req("big", [1] * 7, max_tokens=5)
+    s.add(r)
+    outs = [fake_step(s) for _ in range(3)]
+    assert any(r in o.unservable for o in outs)
+    s.finish(r)
+    assert s.allocator.num_free == 2
+
+
+def test_abort_frees_everything_the_request_held():
+    s = make()
+    r = req("x", list(range(30)), max_tokens=50)
+    s.add(r)
+    fake_step(s)
+    fake_step(s)
+    assert r.pages
+    s.finish(r)      # what Engine.abort calls
+    s.cache.reset()
+    s.allocator.check_integrity()
+    assert s.allocator.num_free == 64 and not s.has_unfinished()
+
+
+def test_shared_prefix_waits_for_running_prefill_then_hits_cache():
+    s = make(budget=8, max_running=4)
+    prefix = list(range(16))
+    a, b = req("a", prefix + [1, 2], t=0.0), req("b", prefix + [3, 4], t=1.0)
+    s.add(a)
+    s.add(b)
+    out = fake_step(s)
+    assert [r.request_id for r, _ in out.scheduled] == ["a"]     # b waits for a's prefix
+    run_all(s)
+    assert b.num_cached_tokens == 16
