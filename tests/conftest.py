@@ -23,12 +23,13 @@ ARCHS = {
 }
 
 
-def make_hf_model(path: str, arch: str, tie: bool, layers: int = 2, seed: int = 0) -> str:
+def make_hf_model(path: str, arch: str, tie: bool, layers: int = 2, seed: int = 0,
+                  vocab_size: int = QWEN_VOCAB) -> str:
     """Save a random-weight model of ``arch`` with the Qwen3 tokenizer to ``path``."""
     import transformers
     cfg_name, model_name, extra = ARCHS[arch]
     cfg = getattr(transformers, cfg_name)(
-        vocab_size=QWEN_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
         tie_word_embeddings=tie, rms_norm_eps=1e-6, bos_token_id=151643, eos_token_id=151645, **extra)
     torch.manual_seed(seed)

@@ -86,3 +86,21 @@ def test_radix_cache_off_gives_same_tokens(model_factory, test_device):
     assert all(o.num_cached_tokens == 0 for o in outs)
     assert_matches(outs, hf_reference(path, prompts))
     assert_pool_empty(llm)
+
+
+def test_bfloat16_logprobs_close_to_transformers(model_factory, test_device):
+    import transformers
+    path = model_factory("qwen3", False)
+    prompts = make_prompts()[:4]
+    llm = LLM(path, device=test_device, dtype="bfloat16", max_total_tokens=1024, chunked_prefill_size=16)
+    assert llm.engine.loaded.dtype == torch.bfloat16
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1, logprobs=5))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    for p, o in zip(prompts, outs):
+        with torch.no_grad():
+            ref = hf(torch.tensor([p])).logits[0, -1].float().log_softmax(-1)
+        top = o.outputs[0].logprobs[0].top
+        got = torch.tensor([v for _, v in top])
+        want = ref[[t for t, _ in top]]
+        torch.testing.assert_close(got, want, atol=0.08, rtol=0)
+    assert_pool_empty(llm)
