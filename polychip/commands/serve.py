@@ -1,0 +1,140 @@
+"""polychip serve: the OpenAI-compatible HTTP server (SGLang's flag names)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+import sys
+import threading
+import time
+
+import uvicorn
+
+from polychip.commands.common import add_engine_args, config_from_args, fail, setup_logging
+from polychip.errors import ConfigError, PolychipError
+
+log = logging.getLogger("polychip.serve")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="polychip serve", description=__doc__)
+    add_engine_args(p)
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=30000)
+    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on the API")
+    g.add_argument("--enable-metrics", action="store_true", help="serve Prometheus metrics at /metrics")
+    g.add_argument("--reasoning-parser", default=None, choices=["qwen3"],
+                   help="return <think>...</think> text as reasoning_content")
+    g.add_argument("--max-waiting-requests", type=int, default=1024,
+                   help="waiting-queue limit; beyond it requests get 503 with Retry-After")
+    g.add_argument("--max-request-body-bytes", type=int, default=8 * 1024 * 1024,
+                   help="larger request bodies get 413")
+    g.add_argument("--graceful-shutdown-timeout", type=float, default=10.0,
+                   help="seconds in-flight requests get to finish after SIGINT/SIGTERM before they are aborted")
+    return p
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """Bind before loading the model, so a busy port fails in a second, not after the load."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+@contextlib.contextmanager
+def progress(label: str):
+    """A one-line elapsed-time ticker on a terminal (plain log lines otherwise)."""
+    t0, stop = time.perf_counter(), threading.Event()
+    tty = sys.stderr.isatty()
+
+    def tick():
+        while not stop.wait(0.25):
+            sys.stderr.write(f"\r{label} ... {time.perf_counter() - t0:5.1f}s")
+            sys.stderr.flush()
+    log.info("%s ...", label)
+    ticker = threading.Thread(target=tick, daemon=True) if tty else None
+    if ticker:
+        ticker.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        if ticker:
+            ticker.join()
+            sys.stderr.write("\r\033[K")
+        log.info("%s: done in %.1fs", label, time.perf_counter() - t0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    setup_logging(args.log_level)
+    if args.graceful_shutdown_timeout < 0:
+        return fail(ConfigError("--graceful-shutdown-timeout must be >= 0"))
+    try:
+        config = config_from_args(args, host=args.host, port=args.port, api_key=args.api_key,
+                                  enable_metrics=args.enable_metrics, reasoning_parser=args.reasoning_parser,
+                                  max_waiting_requests=args.max_waiting_requests,
+                                  max_request_body_bytes=args.max_request_body_bytes)
+        sock = bind(config.host, config.port)
+    except PolychipError as e:
+        return fail(e)
+    try:
+        return _serve(config, sock, args.graceful_shutdown_timeout)
+    except PolychipError as e:
+        return fail(e)
+    finally:
+        sock.close()
+
+
+def _serve(config, sock: socket.socket, grace: float) -> int:
+    from polychip.engine.engine import Engine
+    from polychip.server.openai_api import build_app
+
+    with progress(f"loading {config.model_path or 'the default model (SmolLM2-135M-Instruct)'}"):
+        engine = Engine(config)
+    app = build_app(engine, shutdown_timeout=grace)
+    uv_config = uvicorn.Config(app, log_config=None, log_level=config.log_level, access_log=False,
+                               timeout_graceful_shutdown=grace, lifespan="on")
+    server = ReadyServer(uv_config, f"http://{_url_host(config.host)}:{sock.getsockname()[1]}")
+    # our own no-op handlers: uvicorn re-raises the signal after a graceful stop
+    # and we want a clean exit status, not a KeyboardInterrupt traceback
+    previous = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        asyncio.run(server.serve(sockets=[sock]))
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+        engine.shutdown()
+    log.info("polychip stopped")
+    return 0
+
+
+def _url_host(host: str) -> str:
+    if host in ("0.0.0.0", "::"):
+        return "127.0.0.1" if host == "0.0.0.0" else "[::1]"
+    return f"[{host}]" if ":" in host else host
+
+
+class ReadyServer(uvicorn.Server):
+    """uvicorn.Server that logs one ready line, with the URL, once it accepts connections."""
+
+    def __init__(self, config: uvicorn.Config, url: str):
+        super().__init__(config)
+        self.url = url
+
+    async def startup(self, sockets=None):
+        await super().startup(sockets)
+        if self.started:
+            log.info("polychip ready: %s (OpenAI API at %s/v1)", self.url, self.url)

@@ -1,0 +1,94 @@
+"""Every failure becomes an OpenAI-style error body: {"error": {message, type, param, code}}."""
+from __future__ import annotations
+
+import json
+import logging
+import re
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from polychip.engine.async_engine import EngineDeadError, EngineOverloadedError
+from polychip.errors import InvalidRequestError, PolychipError
+
+log = logging.getLogger("polychip.server")
+
+_PARAM = re.compile(r"^([a-z_][a-z0-9_]*)\b")
+
+
+class APIError(Exception):
+    """An error with an explicit HTTP status (model not found, auth, ...)."""
+
+    def __init__(self, status: int, message: str, type_: str, param: str | None = None,
+                 code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param = status, message, type_, param
+        self.code, self.headers = code, headers
+
+
+def error_body(message: str, type_: str, param: str | None = None, code=None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, type_: str, param: str | None = None, code=None,
+                   headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, type_, param, code if code is not None else status),
+                        status_code=status, headers=headers)
+
+
+def message_of(err: Exception) -> str:
+    """The message without the ``[layer]`` prefix a PolychipError prints."""
+    return err.args[0] if isinstance(err, PolychipError) and err.args else str(err)
+
+
+def param_of(message: str, known: frozenset[str]) -> str | None:
+    """SamplingParams and friends start messages with the parameter name."""
+    m = _PARAM.match(message)
+    return m.group(1) if m and m.group(1) in known else None
+
+
+def to_response(err: Exception, known_params: frozenset[str] = frozenset()) -> JSONResponse:
+    if isinstance(err, APIError):
+        return error_response(err.status, err.message, err.type, err.param, err.code, err.headers)
+    if isinstance(err, InvalidRequestError):
+        msg = message_of(err)
+        return error_response(400, msg, "invalid_request_error", param_of(msg, known_params))
+    if isinstance(err, EngineOverloadedError):
+        return error_response(503, message_of(err), "server_overloaded", headers={"Retry-After": "1"})
+    if isinstance(err, EngineDeadError):
+        return error_response(503, message_of(err), "service_unavailable")
+    log.error("internal error: %r", err, exc_info=err)
+    return error_response(500, f"internal error: {type(err).__name__}", "internal_error")
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    if first.get("type") == "json_invalid":
+        return f"invalid JSON body: {first.get('ctx', {}).get('error', 'cannot parse')}", None
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    if not loc and first.get("type") in ("missing", "model_attributes_type", "dict_type"):
+        return "the body must be a JSON object", None
+    where = ".".join(loc) or "body"
+    return f"{where}: {first.get('msg', 'invalid value')}", (loc[0] if loc else None)
+
+
+def install_error_handlers(app: FastAPI, known_params: frozenset[str]) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError):
+        msg, param = _validation_message(exc)
+        return error_response(400, msg, "invalid_request_error", param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        kind = {404: "not_found_error", 405: "invalid_request_error"}.get(exc.status_code, "invalid_request_error")
+        return error_response(exc.status_code, str(exc.detail), kind, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(json.JSONDecodeError)
+    async def _json(request: Request, exc: json.JSONDecodeError):
+        return error_response(400, f"invalid JSON body: {exc}", "invalid_request_error")
+
+    for cls in (APIError, PolychipError, Exception):
+        app.add_exception_handler(cls, lambda request, exc: to_response(exc, known_params))

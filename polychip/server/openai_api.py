@@ -1,0 +1,127 @@
+"""The FastAPI app: OpenAI routes, health, models, metrics, and two operator endpoints
+(``/server_info`` with the KV pool state and an integrity check, ``/flush_cache``)."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from polychip.engine.async_engine import AsyncEngine
+from polychip.engine.engine import Engine
+from polychip.server import chat, completions
+from polychip.server.errors import install_error_handlers, to_response
+from polychip.server.metrics import CONTENT_TYPE, ServerMetrics
+from polychip.models.gguf import default_gguf_path
+from polychip.server.middleware import Gate
+from polychip.server.protocol import ChatCompletionRequest, CompletionRequest, model_card
+from polychip.server.serving import ServerState
+
+log = logging.getLogger("polychip.server")
+
+KNOWN_PARAMS = frozenset(ChatCompletionRequest.model_fields) | frozenset(CompletionRequest.model_fields) | {
+    "top_logprobs", "logprobs"}
+
+
+def default_model_name(engine: Engine) -> str:
+    cfg = engine.config
+    if cfg.served_model_name:
+        return cfg.served_model_name
+    if cfg.model_path:
+        return cfg.model_path
+    return os.path.splitext(os.path.basename(default_gguf_path()))[0]
+
+
+def pool_info(engine: Engine) -> dict:
+    """Runs in the engine thread: pool counts plus an integrity check."""
+    try:
+        engine.check_integrity()
+        integrity = "ok"
+    except AssertionError as e:
+        integrity = f"broken: {e}"
+    pool = engine.pool
+    return {"kv_pool": {"num_pages": pool.num_pages, "free_pages": pool.allocator.num_free,
+                        "cached_pages": engine.cache.num_pages, "page_size": pool.page_size,
+                        "integrity": integrity},
+            "num_waiting": engine.num_waiting, "num_running": engine.num_running,
+            "counters": dict(engine.counters)}
+
+
+def flush_cache(engine: Engine) -> dict:
+    released = engine.cache.evict(engine.cache.evictable_pages())
+    return {"released_pages": released, **pool_info(engine)}
+
+
+def build_app(engine: Engine, *, shutdown_timeout: float = 10.0):
+    """The ASGI app (the FastAPI app behind the Gate middleware) serving ``engine``."""
+    cfg = engine.config
+    name = default_model_name(engine)
+    ae = AsyncEngine(engine)
+    metrics = ServerMetrics(ae, name) if cfg.enable_metrics else None
+    if metrics is not None:
+        ae.on_finish = metrics.observe_finished
+    state = ServerState(ae, name, engine.loaded.model_dir, engine.max_model_len, cfg.reasoning_parser, metrics)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        ae.start(asyncio.get_running_loop())
+        yield
+        log.info("stopping the engine: aborting %d running and %d waiting request(s)",
+                 ae.stats.num_running, ae.stats.num_waiting)
+        await asyncio.to_thread(ae.shutdown, shutdown_timeout)
+
+    app = FastAPI(title="polychip", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.polychip = state
+    install_error_handlers(app, KNOWN_PARAMS)
+
+    @app.get("/health")
+    async def health():
+        if ae.alive:
+            return JSONResponse({"status": "ok"})
+        why = "crashed" if ae.error is not None else "not running"
+        return JSONResponse({"status": f"engine {why}"}, status_code=503)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card(name, state.created, state.max_model_len, state.model_root)]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, request: Request):
+        try:
+            return await chat.create_chat_completion(state, req, request)
+        except Exception as e:
+            return to_response(e, KNOWN_PARAMS)
+
+    @app.post("/v1/completions")
+    async def text_completions(req: CompletionRequest, request: Request):
+        try:
+            return await completions.create_completion(state, req, request)
+        except Exception as e:
+            return to_response(e, KNOWN_PARAMS)
+
+    @app.get("/server_info")
+    async def server_info():
+        try:
+            info = await ae.call(pool_info)
+        except Exception as e:
+            return to_response(e)
+        return {"model": name, "max_model_len": state.max_model_len, "plugin": engine.plugin.name,
+                "device_index": engine.plugin.index, **info}
+
+    @app.post("/flush_cache")
+    async def flush():
+        try:
+            return await ae.call(flush_cache)
+        except Exception as e:
+            return to_response(e)
+
+    if metrics is not None:
+        @app.get("/metrics")
+        async def prometheus():
+            return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    on_response = (lambda m, r, s: metrics.http.labels(m, r, str(s)).inc()) if metrics is not None else None
+    return Gate(app, api_key=cfg.api_key, max_body_bytes=cfg.max_request_body_bytes, on_response=on_response)
