@@ -1,0 +1,194 @@
+"""``polychip bench peers``: polychip and its peers on the same prompts in one process run, as
+ratios and as percentages of the rooflines measured in that same run."""
+from __future__ import annotations
+
+import gc
+import logging
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+
+from polychip.bench import roofline as rl
+from polychip.bench.peer_engines import LlamaCppPeer, PolychipPeer, TransformersPeer, WorkloadRun
+
+log = logging.getLogger("polychip.bench")
+
+ENGINES = ("polychip", "hf-naive", "hf-static", "llama.cpp")
+TARGETS = {"hf-naive": 5.0, "hf-static": 1.7, "llama.cpp": 2.0}   # polychip output tok/s ratios
+
+
+@dataclass
+class PeersConfig:
+    model_path: str | None = None
+    input_len: int = 800
+    output_len: int = 128
+    concurrency: int = 16
+    num_prompts: int | None = None          # None: one wave of ``concurrency``
+    decode_tokens: int = 64                 # single-stream decode length
+    shared_prefix_len: int = 700            # 0: skip the prefix-cache check
+    engines: tuple[str, ...] = ENGINES
+    seed: int = 0
+
+
+def random_prompts(n: int, length: int, vocab: int, rng: random.Random, prefix: list[int] = ()) -> list[list[int]]:
+    hi = int(vocab * 0.9)
+    return [list(prefix) + [rng.randrange(1, hi) for _ in range(length - len(prefix))] for _ in range(n)]
+
+
+def _model_files(model_path: str | None) -> tuple[str, str | None]:
+    """(HF folder for transformers, GGUF file for llama.cpp or None)."""
+    import os
+    from polychip.models import gguf
+    from polychip.models.loader import resolve_model_dir
+    folder, _ = resolve_model_dir(model_path)
+    if model_path is None:
+        return folder, gguf.default_gguf_path()
+    if os.path.isfile(model_path) and model_path.endswith(".gguf"):
+        return folder, model_path
+    return folder, None
+
+
+def _make(name: str, cfg: PeersConfig, folder: str, gguf_path: str | None):
+    if name == "polychip":
+        return PolychipPeer(cfg.model_path, max_running_requests=max(cfg.concurrency, 1))
+    if name in ("hf-naive", "hf-static"):
+        return TransformersPeer(folder, batched=name == "hf-static")
+    if name == "llama.cpp":
+        if gguf_path is None:
+            raise RuntimeError("llama.cpp needs a .gguf --model-path")
+        max_len = cfg.input_len + cfg.output_len + 8
+        return LlamaCppPeer(gguf_path, max(cfg.concurrency, 1), max_len, torch.get_num_threads())
+    raise ValueError(f"unknown engine {name!r}; known: {ENGINES}")
+
+
+def run_peers(cfg: PeersConfig) -> dict:
+    from polychip.models.loader import read_config
+    folder, gguf_path = _model_files(cfg.model_path)
+    mcfg = read_config(folder)
+    shape = rl.ModelShape.from_config(mcfg)
+    log.info("measuring the machine (bandwidth, matmul at the model's shapes)")
+    before = rl.measure_machine(shape)
+    rng = random.Random(cfg.seed)
+    n = cfg.num_prompts or cfg.concurrency
+    single = random_prompts(1, cfg.input_len, mcfg.vocab_size, rng)[0]
+    prompts = random_prompts(n, cfg.input_len, mcfg.vocab_size, rng)
+    engines, skipped = {}, {}
+    for name in cfg.engines:
+        log.info("engine %s: loading", name)
+        try:
+            eng = _make(name, cfg, folder, gguf_path)
+        except ImportError as e:
+            skipped[name] = f"not installed ({e.name or e}); `pip install polychip[llamacpp]`"
+            log.warning("skipping %s: %s", name, skipped[name])
+            continue
+        try:
+            row = {"engine": eng.name}
+            log.info("engine %s: single stream (%d prompt, %d decode tokens)", name, cfg.input_len, cfg.decode_tokens)
+            row["prefill_tok_s"], row["decode_tok_s"] = eng.single_stream(single, cfg.decode_tokens)
+            log.info("engine %s: %d x %d in / %d out at concurrency %d", name, n, cfg.input_len, cfg.output_len,
+                     cfg.concurrency)
+            run: WorkloadRun = eng.workload(prompts, cfg.output_len, cfg.concurrency)
+            row.update(wall_s=run.wall_s, output_tokens=run.output_tokens, output_tok_s=run.output_tok_s,
+                       mean_ttft_s=run.mean_ttft_s)
+            if name == "polychip":
+                row["stage_seconds"] = eng.stage_seconds()
+                if cfg.shared_prefix_len:
+                    row["shared_prefix"] = _shared_prefix_check(eng, cfg, mcfg.vocab_size, rng, run)
+            engines[name] = row
+            log.info("engine %s: %.1f output tok/s", name, run.output_tok_s)
+        finally:
+            eng.close()
+            del eng
+            gc.collect()
+    after = rl.measure_machine(shape)
+    machine = rl.best_of(before, after)
+    return _analyse(cfg, n, shape, machine, [before, after], engines, skipped)
+
+
+def _shared_prefix_check(eng, cfg: PeersConfig, vocab: int, rng, distinct: WorkloadRun) -> dict:
+    k = min(cfg.shared_prefix_len, cfg.input_len - 1)
+    prefix = random_prompts(1, k, vocab, rng)[0]
+    shared = random_prompts(len(distinct.ttft_s), cfg.input_len, vocab, rng, prefix)
+    run = eng.workload(shared, cfg.output_len, cfg.concurrency)
+    return {"prefix_len": k, "mean_ttft_s": run.mean_ttft_s, "distinct_mean_ttft_s": distinct.mean_ttft_s,
+            "ttft_speedup": distinct.mean_ttft_s / run.mean_ttft_s, "output_tok_s": run.output_tok_s}
+
+
+def _analyse(cfg, n, shape, machine, measurements, engines, skipped) -> dict:
+    roof = rl.workload_seconds(shape, machine, n, cfg.input_len, cfg.output_len, cfg.concurrency)
+    ceiling_1 = rl.single_stream_decode_ceiling(shape, machine)
+    prefill_ceiling = rl.prefill_ceiling(shape, machine)
+    for row in engines.values():
+        row["pct_workload_roofline"] = 100 * row["output_tok_s"] / roof["output_tok_s"]
+        row["pct_decode_roofline"] = 100 * row["decode_tok_s"] / ceiling_1
+        row["pct_prefill_roofline"] = 100 * row["prefill_tok_s"] / prefill_ceiling
+    ratios = {}
+    if "polychip" in engines:
+        ours = engines["polychip"]["output_tok_s"]
+        ratios = {k: ours / v["output_tok_s"] for k, v in engines.items() if k != "polychip"}
+    return {"config": vars(cfg) | {"engines": list(cfg.engines), "num_prompts": n},
+            "time": time.strftime("%Y-%m-%d %H:%M:%S"), "torch_threads": torch.get_num_threads(),
+            "model": {"non_embedding_params": shape.non_embedding_params, "decode_params": shape.decode_params,
+                      "decode_weight_bytes": shape.decode_weight_bytes},
+            "machine": machine.as_dict(), "machine_measurements": [m.as_dict() for m in measurements],
+            "roofline": roof | {"single_stream_decode_tok_s": ceiling_1, "prefill_tok_s": prefill_ceiling},
+            "engines": engines, "ratios": ratios, "skipped": skipped}
+
+
+def _f(x, d=1):
+    return "-" if x is None else f"{x:.{d}f}"
+
+
+def peers_table(res: dict) -> str:
+    roof, m = res["roofline"], res["machine"]
+    c = res["config"]
+    lines = [f"Machine (best of {len(res['machine_measurements'])} in this run, {res['torch_threads']} threads): "
+             f"read {m['bandwidth_gbs']:.1f} GB/s, copy {m['copy_gbs']:.1f} GB/s, "
+             f"matmul {m['matmul_gflops']:.1f} GFLOP/s at the model's shapes",
+             f"Rooflines: workload {c['num_prompts']} x {c['input_len']} in / {c['output_len']} out at concurrency "
+             f"{c['concurrency']}: {roof['total_s']:.1f} s = {roof['output_tok_s']:.1f} out tok/s "
+             f"(prefill {roof['prefill_s']:.1f} s + decode {roof['decode_s']:.1f} s); single-stream decode "
+             f"{roof['single_stream_decode_tok_s']:.1f} tok/s; prefill {roof['prefill_tok_s']:.0f} tok/s", "",
+             "| engine | wall s | out tok/s | % workload roofline | mean TTFT s | 1-stream prefill tok/s (% roof) "
+             "| 1-stream decode tok/s (% BW roof) | polychip x |", "|" + "---|" * 8]
+    for key, r in res["engines"].items():
+        ratio = res["ratios"].get(key)
+        lines.append(f"| {r['engine']} | {_f(r['wall_s'])} | {_f(r['output_tok_s'])} | "
+                     f"{_f(r['pct_workload_roofline'])}% | {_f(r['mean_ttft_s'], 2)} | "
+                     f"{_f(r['prefill_tok_s'], 0)} ({_f(r['pct_prefill_roofline'], 0)}%) | "
+                     f"{_f(r['decode_tok_s'])} ({_f(r['pct_decode_roofline'], 0)}%) | "
+                     f"{'-' if ratio is None else f'{ratio:.2f}x'} |")
+    for key, why in res["skipped"].items():
+        lines.append(f"| {key} | skipped: {why} |||||||")
+    return "\n".join(lines)
+
+
+def targets_report(res: dict) -> str:
+    """The issue's targets, each with the figure measured and whether it is met."""
+    eng = res["engines"].get("polychip")
+    if eng is None:
+        return ""
+    rows = ["| target | measured | met |", "|---|---|---|"]
+
+    def add(text, value, ok):
+        rows.append(f"| {text} | {value} | {'yes' if ok else 'NO'} |")
+    for peer, want in TARGETS.items():
+        if peer in res["ratios"]:
+            add(f">= {want}x {res['engines'][peer]['engine']}", f"{res['ratios'][peer]:.2f}x", res["ratios"][peer] >= want)
+    want = 75 if res["config"]["output_len"] >= 512 else None
+    add("% of workload roofline" + (f" >= {want}%" if want else ""), f"{eng['pct_workload_roofline']:.1f}%",
+        want is None or eng["pct_workload_roofline"] >= want)
+    add("single-stream decode >= 60% of BW roofline", f"{eng['pct_decode_roofline']:.1f}%",
+        eng["pct_decode_roofline"] >= 60)
+    sp = eng.get("shared_prefix")
+    if sp:
+        add(f"shared {sp['prefix_len']}-token prefix: mean TTFT >= 5x lower", f"{sp['ttft_speedup']:.2f}x "
+            f"({sp['distinct_mean_ttft_s']:.2f} s -> {sp['mean_ttft_s']:.2f} s)", sp["ttft_speedup"] >= 5)
+    st = eng.get("stage_seconds") or {}
+    total = sum(st.values())
+    if total:
+        over = 100 * (st.get("schedule", 0) + st.get("prepare", 0)) / total
+        add("schedule + prepare < 10% of step time", f"{over:.2f}%", over < 10)
+    return "\n".join(rows)
