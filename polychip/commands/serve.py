@@ -104,10 +104,12 @@ def _serve(config, sock: socket.socket, grace: float) -> int:
 
     with progress(f"loading {config.model_path or 'the default model (SmolLM2-135M-Instruct)'}"):
         engine = Engine(config)
-    app = build_app(engine, shutdown_timeout=grace)
+    app, state = build_app(engine, shutdown_timeout=grace)
+    # uvicorn's own timeout is only a backstop: ReadyServer ends streams cleanly after `grace`
     uv_config = uvicorn.Config(app, log_config=None, log_level=config.log_level, access_log=False,
-                               timeout_graceful_shutdown=grace, lifespan="on")
-    server = ReadyServer(uv_config, f"http://{_url_host(config.host)}:{sock.getsockname()[1]}")
+                               timeout_graceful_shutdown=grace + 5, lifespan="on")
+    server = ReadyServer(uv_config, f"http://{_url_host(config.host)}:{sock.getsockname()[1]}", state.engine,
+                         grace)
     # our own no-op handlers: uvicorn re-raises the signal after a graceful stop
     # and we want a clean exit status, not a KeyboardInterrupt traceback
     previous = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -128,13 +130,33 @@ def _url_host(host: str) -> str:
 
 
 class ReadyServer(uvicorn.Server):
-    """uvicorn.Server that logs one ready line, with the URL, once it accepts connections."""
+    """uvicorn.Server that logs one ready line with the URL once it accepts connections, and on
+    shutdown gives in-flight requests ``grace`` seconds before aborting them (their streams end
+    with an error event and [DONE], so no client hangs)."""
 
-    def __init__(self, config: uvicorn.Config, url: str):
+    def __init__(self, config: uvicorn.Config, url: str, async_engine, grace: float):
         super().__init__(config)
-        self.url = url
+        self.url, self.async_engine, self.grace = url, async_engine, grace
 
     async def startup(self, sockets=None):
         await super().startup(sockets)
         if self.started:
             log.info("polychip ready: %s (OpenAI API at %s/v1)", self.url, self.url)
+
+    async def shutdown(self, sockets=None):
+        ae = self.async_engine
+        busy = ae.stats.num_running + ae.stats.num_waiting
+        if busy:
+            log.info("shutting down: %d request(s) in flight get %.0fs to finish", busy, self.grace)
+
+        async def abort_later():
+            await asyncio.sleep(self.grace)
+            if ae.stats.num_running + ae.stats.num_waiting:
+                log.info("grace period over: aborting %d running and %d waiting request(s)",
+                         ae.stats.num_running, ae.stats.num_waiting)
+            ae.abort_all("the server is shutting down")
+        timer = asyncio.ensure_future(abort_later())
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()

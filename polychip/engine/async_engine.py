@@ -134,6 +134,10 @@ class AsyncEngine:
     def abort(self, request_ids: list[str]) -> None:
         self._send(("abort", request_ids))
 
+    def abort_all(self, reason: str) -> None:
+        """Abort every request; their streams end with EngineDeadError(reason) (used on shutdown)."""
+        self._send(("abort_all", reason))
+
     async def call(self, fn: Callable[[Engine], Any]) -> Any:
         """Run ``fn(engine)`` in the engine thread between steps and return its result."""
         if not self.alive:
@@ -180,6 +184,8 @@ class AsyncEngine:
             for rid in cmd[1]:
                 self._streams.pop(rid, None)
                 self.engine.abort(rid)
+        elif kind == "abort_all":
+            self._abort_streams(EngineDeadError(cmd[1]))
         elif kind == "call":
             _, fn, done = cmd
             try:
@@ -246,13 +252,16 @@ class AsyncEngine:
         for cmd in cmds:
             if cmd[0] in ("add", "call"):
                 self._resolve(cmd[-1], err)
+        self._abort_streams(err)
+
+    def _abort_streams(self, err: BaseException) -> None:
         queues = {id(s.queue): s.queue for s in self._streams.values()}
         self._streams.clear()
         for rid in [r.request_id for r in list(self.engine.scheduler.waiting) + list(self.engine.scheduler.running)]:
             try:
                 self.engine.abort(rid)
             except Exception:
-                log.exception("abort of %s failed during shutdown", rid)
+                log.exception("abort of %s failed", rid)
         if queues:
             self._post(_put_all, [(q, err) for q in queues.values()])
         self._publish()

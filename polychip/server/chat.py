@@ -9,8 +9,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from polychip.errors import InvalidRequestError
 from polychip.server.protocol import ChatCompletionRequest, usage
 from polychip.server.reasoning import PARSERS
-from polychip.server.serving import (ServerState, chat_logprobs, collect, finish_reason, resolve_max_tokens,
-                                     sse, sse_guard, sub_requests, submit)
+from polychip.server.serving import (ServerState, chat_logprobs, check_stop_token_ids, collect, finish_reason,
+                                     resolve_max_tokens, sse, sse_guard, sub_requests, submit)
 
 RESERVED_TEMPLATE_ARGS = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token"})
 
@@ -37,6 +37,7 @@ def render_prompt(state: ServerState, req: ChatCompletionRequest) -> tuple[str, 
 
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, request: Request) -> Response:
     state.check_model(req.model)
+    check_stop_token_ids(state, req.stop_token_ids)
     prompt_text, ids = render_prompt(state, req)
     max_tokens = resolve_max_tokens(state, len(ids), req.requested_max_tokens, "messages")
     params = req.sampling_params(max_tokens, req.num_logprobs())

@@ -8,8 +8,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from polychip.errors import InvalidRequestError
 from polychip.server.protocol import MAX_TOP_LOGPROBS, CompletionRequest, usage
-from polychip.server.serving import (ServerState, collect, completion_logprobs, finish_reason, resolve_max_tokens,
-                                     sse, sse_guard, sub_requests, submit)
+from polychip.server.serving import (ServerState, check_stop_token_ids, collect, completion_logprobs,
+                                     finish_reason, resolve_max_tokens, sse, sse_guard, sub_requests, submit)
 
 
 def _check_unsupported(req: CompletionRequest) -> int | None:
@@ -26,6 +26,7 @@ def _check_unsupported(req: CompletionRequest) -> int | None:
 
 async def create_completion(state: ServerState, req: CompletionRequest, request: Request) -> Response:
     state.check_model(req.model)
+    check_stop_token_ids(state, req.stop_token_ids)
     logprobs = _check_unsupported(req)
     tok = state.tokenizer
     prompts = [tok.encode(p) if isinstance(p, str) else p for p in req.prompts()]

@@ -8,6 +8,7 @@ import re
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from polychip.engine.async_engine import EngineDeadError, EngineOverloadedError
@@ -22,7 +23,7 @@ class APIError(Exception):
     """An error with an explicit HTTP status (model not found, auth, ...)."""
 
     def __init__(self, status: int, message: str, type_: str, param: str | None = None,
-                 code: str | None = None, headers: dict | None = None):
+                 code: str | int | None = None, headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param = status, message, type_, param
         self.code, self.headers = code, headers
@@ -63,22 +64,47 @@ def to_response(err: Exception, known_params: frozenset[str] = frozenset()) -> J
     return error_response(500, f"internal error: {type(err).__name__}", "internal_error")
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    errors = exc.errors()
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|[A-Za-z_]+\[.*\]|[A-Z][A-Za-z]+)$")
+
+
+def validation_message(errors: list[dict]) -> tuple[str, str | None]:
+    """(message, param) for pydantic errors; a union mismatch names the accepted types."""
     first = errors[0] if errors else {}
     if first.get("type") == "json_invalid":
         return f"invalid JSON body: {first.get('ctx', {}).get('error', 'cannot parse')}", None
-    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-    if not loc and first.get("type") in ("missing", "model_attributes_type", "dict_type"):
+    loc = [x for x in first.get("loc", ()) if x != "body"]
+    if not loc and first.get("type") in ("missing", "model_type", "model_attributes_type", "dict_type"):
         return "the body must be a JSON object", None
-    where = ".".join(loc) or "body"
-    return f"{where}: {first.get('msg', 'invalid value')}", (loc[0] if loc else None)
+    cut = next((i for i, x in enumerate(loc) if isinstance(x, str) and i > 0 and _TYPE_TAG.match(x)), None)
+    if cut is not None:
+        prefix = loc[:cut]
+        tags = list(dict.fromkeys(e["loc"][len(prefix)] for e in errors
+                                  if list(e["loc"][:cut]) == prefix and len(e["loc"]) > cut))
+        where = ".".join(map(str, prefix))
+        return f"{where}: invalid value; expected one of: {', '.join(map(str, tags))}", str(loc[0])
+    where = ".".join(map(str, loc)) or "body"
+    return f"{where}: {first.get('msg', 'invalid value')}", (str(loc[0]) if loc else None)
+
+
+def parse_body(raw: bytes, model: type[BaseModel]):
+    """JSON (whatever the content-type says) -> the request model, or a 400 APIError."""
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"invalid JSON body: {e}", "invalid_request_error") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the body must be a JSON object", "invalid_request_error")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        msg, param = validation_message(e.errors())
+        raise APIError(400, msg, "invalid_request_error", param) from None
 
 
 def install_error_handlers(app: FastAPI, known_params: frozenset[str]) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
-        msg, param = _validation_message(exc)
+        msg, param = validation_message(list(exc.errors()))
         return error_response(400, msg, "invalid_request_error", param)
 
     @app.exception_handler(StarletteHTTPException)

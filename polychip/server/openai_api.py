@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from polychip.engine.async_engine import AsyncEngine
 from polychip.engine.engine import Engine
 from polychip.server import chat, completions
-from polychip.server.errors import install_error_handlers, to_response
+from polychip.server.errors import install_error_handlers, parse_body, to_response
 from polychip.server.metrics import CONTENT_TYPE, ServerMetrics
 from polychip.models.gguf import default_gguf_path
 from polychip.server.middleware import Gate
@@ -55,8 +55,8 @@ def flush_cache(engine: Engine) -> dict:
     return {"released_pages": released, **pool_info(engine)}
 
 
-def build_app(engine: Engine, *, shutdown_timeout: float = 10.0):
-    """The ASGI app (the FastAPI app behind the Gate middleware) serving ``engine``."""
+def build_app(engine: Engine, *, shutdown_timeout: float = 10.0) -> tuple[Gate, ServerState]:
+    """(ASGI app, ServerState) serving ``engine``: the FastAPI app behind the Gate middleware."""
     cfg = engine.config
     name = default_model_name(engine)
     ae = AsyncEngine(engine)
@@ -69,8 +69,8 @@ def build_app(engine: Engine, *, shutdown_timeout: float = 10.0):
     async def lifespan(app: FastAPI):
         ae.start(asyncio.get_running_loop())
         yield
-        log.info("stopping the engine: aborting %d running and %d waiting request(s)",
-                 ae.stats.num_running, ae.stats.num_waiting)
+        left = ae.stats.num_running + ae.stats.num_waiting
+        log.info("stopping the engine%s", f" (aborting {left} request(s))" if left else "")
         await asyncio.to_thread(ae.shutdown, shutdown_timeout)
 
     app = FastAPI(title="polychip", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
@@ -89,15 +89,17 @@ def build_app(engine: Engine, *, shutdown_timeout: float = 10.0):
         return {"object": "list", "data": [model_card(name, state.created, state.max_model_len, state.model_root)]}
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest, request: Request):
+    async def chat_completions(request: Request):
         try:
+            req = parse_body(await request.body(), ChatCompletionRequest)
             return await chat.create_chat_completion(state, req, request)
         except Exception as e:
             return to_response(e, KNOWN_PARAMS)
 
     @app.post("/v1/completions")
-    async def text_completions(req: CompletionRequest, request: Request):
+    async def text_completions(request: Request):
         try:
+            req = parse_body(await request.body(), CompletionRequest)
             return await completions.create_completion(state, req, request)
         except Exception as e:
             return to_response(e, KNOWN_PARAMS)
@@ -124,4 +126,5 @@ def build_app(engine: Engine, *, shutdown_timeout: float = 10.0):
             return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     on_response = (lambda m, r, s: metrics.http.labels(m, r, str(s)).inc()) if metrics is not None else None
-    return Gate(app, api_key=cfg.api_key, max_body_bytes=cfg.max_request_body_bytes, on_response=on_response)
+    gate = Gate(app, api_key=cfg.api_key, max_body_bytes=cfg.max_request_body_bytes, on_response=on_response)
+    return gate, state

@@ -5,14 +5,18 @@ Range checks live in ``SamplingParams`` so the offline API and the server agree.
 """
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator
 
-from polychip.engine.sampling_params import SamplingParams
+from polychip.engine.sampling_params import MAX_N, SamplingParams
 from polychip.errors import InvalidRequestError
 
 MAX_TOP_LOGPROBS = 20
+GREEDY_BELOW = 1e-5       # temperatures this small mean greedy (as vLLM), not overflowing logits
+# integers the engine hands to torch must fit in int64; seeds leave room for seed + j (n choices)
+Int64 = Annotated[int, Field(ge=-2**63, le=2**63 - 1)]
+Seed = Annotated[int, Field(ge=-2**63, le=2**63 - 1 - MAX_N)]
 
 
 class StreamOptions(BaseModel):
@@ -23,13 +27,13 @@ class StreamOptions(BaseModel):
 class _Sampling(BaseModel):
     """Fields shared by chat and text completions."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str | None = None
-    n: int = 1
+    n: Int64 = 1
     temperature: float | None = None
     top_p: float | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -37,19 +41,22 @@ class _Sampling(BaseModel):
     frequency_penalty: float = 0.0
     user: str | None = None
     # vLLM / SGLang extensions
-    top_k: int | None = None
+    top_k: Int64 | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    min_tokens: int = 0
+    min_tokens: Int64 = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int64] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    priority: int = 0
+    priority: Int64 = 0
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        temperature = 1.0 if self.temperature is None else self.temperature
+        if 0 <= temperature < GREEDY_BELOW:
+            temperature = 0.0
         return SamplingParams(
-            n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
+            n=self.n, temperature=temperature,
             top_p=1.0 if self.top_p is None else self.top_p, top_k=-1 if self.top_k is None else self.top_k,
             min_p=self.min_p or 0.0, seed=self.seed,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
@@ -88,10 +95,10 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Int64 | None = None
+    max_completion_tokens: Int64 | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int64 | None = None
     tools: list[dict[str, Any]] | None = None
     # extensions
     chat_template_kwargs: dict[str, Any] | None = None
@@ -118,11 +125,11 @@ Prompt = Union[StrictStr, list[StrictStr], list[StrictInt], list[list[StrictInt]
 
 class CompletionRequest(_Sampling):
     prompt: Prompt
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    max_tokens: Int64 | None = 16
+    logprobs: Int64 | None = None
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: Int64 | None = None
 
     @field_validator("prompt")
     @classmethod

@@ -62,6 +62,13 @@ def resolve_max_tokens(state: ServerState, prompt_len: int, requested: int | Non
     return requested
 
 
+def check_stop_token_ids(state: ServerState, ids: list[int] | None) -> None:
+    vocab = state.engine.engine.model_config.vocab_size
+    bad = [i for i in ids or [] if not 0 <= i < vocab]
+    if bad:
+        raise InvalidRequestError(f"stop_token_ids has ids outside [0, {vocab}): {bad[:5]}")
+
+
 def sub_requests(request_id: str, prompts: list[list[int]], params: SamplingParams, priority: int
                  ) -> list[SubRequest]:
     """n choices per prompt as n engine requests (seeds seed + j, as ``LLM.generate`` does)."""
