@@ -1,7 +1,7 @@
-"""Model rewrite at load, in three passes: expand, replace, fuse.
+"""Model rewrite at load, in three passes, each a small function with its own test:
 
 * expand: walk the module tree and list every op call site;
-* replace: resolve each op through the registry into the model's op table;
+* replace: resolve each distinct op once through the registry into the model's op table;
 * fuse: apply the fusion patterns the plugin declares (qkv, gate_up, add_rms_norm).
 """
 from __future__ import annotations
@@ -12,71 +12,106 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
+from polychip.errors import PluginError
 from polychip.ops.registry import OpRegistry, Resolution
 
 FUSIONS = ("qkv", "gate_up", "add_rms_norm")
 
-# which ops each module kind calls (by class name), for expand
-_MODULE_OPS = {
+# the ops each module kind may call (by class name); RMSNorm calls add_rms_norm once fused
+MODULE_OPS = {
     "Linear": ("linear",),
     "Embedding": ("embedding",),
     "RMSNorm": ("rms_norm", "add_rms_norm"),
     "Attention": ("rotary_embedding", "attention"),
     "MLP": ("silu_mul",),
+    "DecoderModel": ("linear",),          # compute_logits: the (possibly tied) lm head
 }
 
 
 @dataclass(frozen=True)
 class OpSite:
-    module: str   # dotted module path
+    module: str   # dotted module path ("" is the root)
     op: str
+    version: int = 1
 
 
 def expand(model: nn.Module) -> list[OpSite]:
     """Module tree -> the op call sites it contains, in module order."""
-    sites = []
-    for path, mod in model.named_modules():
-        for op in _MODULE_OPS.get(type(mod).__name__, ()):
-            sites.append(OpSite(path, op))
-    return sites
+    return [OpSite(path, op) for path, mod in model.named_modules()
+            for op in MODULE_OPS.get(type(mod).__name__, ())]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def replace(sites: list[OpSite], registry: OpRegistry, dtype: torch.dtype,
             ops: SimpleNamespace) -> dict[str, Resolution]:
-    """Resolve each distinct op once and bind the chosen function into ``ops``."""
-    dname = str(dtype).replace("torch.", "")
+    """Resolve each distinct (op, version) once and bind the chosen function into ``ops``."""
     chosen = {}
-    for op in dict.fromkeys(s.op for s in sites):
-        res = registry.resolve(op, 1, dname)
+    for op, version in dict.fromkeys((s.op, s.version) for s in sites):
+        res = registry.resolve(op, version, dtype_name(dtype))
         setattr(ops, op, res.fn)
         chosen[op] = res
     return chosen
 
 
-def _merge_linears(parts: list[nn.Module], factory) -> nn.Module:
-    merged = factory()
+def merge_linears(parts: list[nn.Module]) -> nn.Module:
+    """One linear whose output is the parts' outputs concatenated (same class as the parts)."""
+    first = parts[0]
+    n_in = first.weight.shape[1]
+    if any(p.weight.shape[1] != n_in or p.weight.dtype != first.weight.dtype for p in parts):
+        raise ValueError("cannot merge linears with different input sizes or dtypes")
+    if len({p.bias is None for p in parts}) != 1:
+        raise ValueError("cannot merge linears where only some have a bias")
+    n_out = sum(p.weight.shape[0] for p in parts)
+    with torch.device("meta"):
+        merged = type(first)(first.ops, n_in, n_out, first.bias is not None)
     merged.weight = nn.Parameter(torch.cat([p.weight for p in parts], 0), requires_grad=False)
-    biases = [p.bias for p in parts]
-    merged.bias = None if biases[0] is None else nn.Parameter(torch.cat(biases, 0), requires_grad=False)
+    if first.bias is not None:
+        merged.bias = nn.Parameter(torch.cat([p.bias for p in parts], 0), requires_grad=False)
     return merged
 
 
-def fuse(model: nn.Module, patterns: tuple[str, ...], ops: SimpleNamespace) -> list[str]:
-    """Apply fusion patterns in place; returns the ones applied."""
-    from polychip.models.decoder import Attention, Linear, MLP
+def fuse_qkv(model: nn.Module) -> int:
+    """q_proj, k_proj, v_proj -> qkv_proj in every attention block; returns how many."""
+    n = 0
+    for mod in model.modules():
+        if getattr(mod, "qkv_proj", 0) is None and all(getattr(mod, a, None) is not None
+                                                        for a in ("q_proj", "k_proj", "v_proj")):
+            mod.qkv_proj = merge_linears([mod.q_proj, mod.k_proj, mod.v_proj])
+            mod.q_proj = mod.k_proj = mod.v_proj = None
+            n += 1
+    return n
 
+
+def fuse_gate_up(model: nn.Module) -> int:
+    """gate_proj, up_proj -> gate_up_proj in every MLP; returns how many."""
+    n = 0
+    for mod in model.modules():
+        if getattr(mod, "gate_up_proj", 0) is None and all(getattr(mod, a, None) is not None
+                                                            for a in ("gate_proj", "up_proj")):
+            mod.gate_up_proj = merge_linears([mod.gate_proj, mod.up_proj])
+            mod.gate_proj = mod.up_proj = None
+            n += 1
+    return n
+
+
+def fuse_add_rms_norm(model: nn.Module, ops: SimpleNamespace) -> int:
+    """Residual add + rms_norm as one op call; needs ``add_rms_norm`` already bound by replace."""
+    if not callable(getattr(ops, "add_rms_norm", None)):
+        raise ValueError("add_rms_norm fusion needs the add_rms_norm op resolved first (run replace)")
+    ops.fuse_add_norm = True
+    return sum(type(m).__name__ == "RMSNorm" for m in model.modules())
+
+
+def fuse(model: nn.Module, patterns: tuple[str, ...], ops: SimpleNamespace) -> list[str]:
+    """Apply fusion patterns in place; returns the ones that changed something."""
     unknown = set(patterns) - set(FUSIONS)
     if unknown:
-        raise ValueError(f"unknown fusion pattern(s) {sorted(unknown)}; known: {FUSIONS}")
-    applied = []
-    for mod in model.modules():
-        if "qkv" in patterns and isinstance(mod, Attention) and mod.qkv_proj is None:
-            parts = [mod.q_proj, mod.k_proj, mod.v_proj]
-            mod.qkv_proj = _merge_linears(parts, lambda: Linear(ops, 1, 1, False))
-            mod.q_proj = mod.k_proj = mod.v_proj = None
-        if "gate_up" in patterns and isinstance(mod, MLP) and mod.gate_up_proj is None:
-            mod.gate_up_proj = _merge_linears([mod.gate_proj, mod.up_proj], lambda: Linear(ops, 1, 1, False))
-            mod.gate_proj = mod.up_proj = None
-    ops.fuse_add_norm = "add_rms_norm" in patterns
-    applied = [p for p in FUSIONS if p in patterns]
-    return applied
+        raise PluginError(f"unknown fusion pattern(s) {sorted(unknown)}; known: {list(FUSIONS)}")
+    ops.fuse_add_norm = False
+    counts = {"qkv": fuse_qkv(model) if "qkv" in patterns else 0,
+              "gate_up": fuse_gate_up(model) if "gate_up" in patterns else 0,
+              "add_rms_norm": fuse_add_rms_norm(model, ops) if "add_rms_norm" in patterns else 0}
+    return [p for p in FUSIONS if counts[p]]

@@ -1,13 +1,17 @@
 """Operator registry keyed by (op name, version, dtype).
 
-Resolution order: the active plugin's exact match, then the native PyTorch
-reference. Each fallback is logged once with its reason and counted.
+Resolution order: the active plugin's exact match (its dtype, then its '*' entry), then the
+native PyTorch reference. Each fallback is logged once with its reason and counted in ``stats``.
+Resolution happens at load; the model keeps plain function references afterwards.
 """
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
 from typing import Callable
+
+from polychip.devices.spec import KNOWN_DTYPES as DTYPES
+from polychip.errors import PluginError
 
 log = logging.getLogger("polychip.ops")
 
@@ -23,6 +27,10 @@ class Resolution:
     source: str          # "plugin:<name>" or "native"
     reason: str = ""     # why native was chosen, when it was
 
+    @property
+    def is_fallback(self) -> bool:
+        return self.source == "native"
+
 
 class OpRegistry:
     def __init__(self, plugin_name: str = "native"):
@@ -36,15 +44,49 @@ class OpRegistry:
         self._native[(name, version)] = fn
 
     def register(self, name: str, version: int, dtype: str, fn: Callable) -> None:
-        """Plugin-side registration. ``dtype`` is a torch dtype name or '*'."""
-        self._plugin[(name, version, dtype)] = fn
+        """Plugin-side registration. ``dtype`` is a torch dtype name or '*'. A key registers once."""
+        bad = self._check(name, version, dtype, fn)
+        if bad:
+            raise PluginError(f"plugin {self.plugin_name!r} registers a bad op: {bad}")
+        key = (name, version, dtype)
+        if key in self._plugin:
+            raise PluginError(f"plugin {self.plugin_name!r} registers op {name!r} v{version} {dtype} twice")
+        self._plugin[key] = fn
         self._resolved.clear()
+
+    @staticmethod
+    def _check(name, version, dtype, fn) -> str:
+        if not isinstance(name, str) or not name:
+            return f"op name must be a non-empty string, got {name!r}"
+        if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+            return f"op {name!r}: version must be an integer >= 1, got {version!r}"
+        if dtype != ANY_DTYPE and dtype not in DTYPES:
+            return f"op {name!r}: dtype must be '*' or one of {list(DTYPES)}, got {dtype!r}"
+        if not callable(fn):
+            return f"op {name!r} v{version} {dtype}: implementation {fn!r} is not callable"
+        return ""
 
     def plugin_ops(self) -> list[tuple[str, int, str]]:
         return sorted(self._plugin)
 
+    def plugin_fn(self, name: str, version: int, dtype: str) -> Callable:
+        return self._plugin[(name, version, dtype)]
+
     def native(self, name: str, version: int = 1) -> Callable:
         return self._native[(name, version)]
+
+    def native_ops(self) -> list[tuple[str, int]]:
+        return sorted(self._native)
+
+    def _fallback_reason(self, name: str, version: int, dtype: str) -> str:
+        mine = [(v, d) for (n, v, d) in self._plugin if n == name]
+        if not mine:
+            return f"plugin {self.plugin_name!r} does not implement {name}"
+        dtypes = sorted(d for v, d in mine if v == version)
+        if dtypes:
+            return f"plugin {self.plugin_name!r} has {name} v{version} only for {dtypes}, not {dtype}"
+        return (f"plugin {self.plugin_name!r} has {name} only in version(s) {sorted({v for v, _ in mine})}, "
+                f"not v{version}")
 
     def resolve(self, name: str, version: int, dtype: str) -> Resolution:
         key = (name, version, dtype)
@@ -57,13 +99,7 @@ class OpRegistry:
             res = Resolution(name, version, dtype, fn, f"plugin:{self.plugin_name}")
             self.stats["plugin"] += 1
         else:
-            other = sorted(d for (n, v, d) in self._plugin if n == name and v == version)
-            if other:
-                reason = f"plugin {self.plugin_name!r} has {name} v{version} only for {other}, not {dtype}"
-            elif any(n == name for (n, _, _) in self._plugin):
-                reason = f"plugin {self.plugin_name!r} has {name} but not version {version}"
-            else:
-                reason = f"plugin {self.plugin_name!r} does not implement {name}"
+            reason = self._fallback_reason(name, version, dtype)
             res = Resolution(name, version, dtype, self._native[(name, version)], "native", reason)
             self.stats["fallback"] += 1
             log.info("op fallback: %s v%d %s -> native (%s)", name, version, dtype, reason)
@@ -72,3 +108,6 @@ class OpRegistry:
 
     def resolutions(self) -> list[Resolution]:
         return list(self._resolved.values())
+
+    def fallbacks(self) -> list[Resolution]:
+        return [r for r in self._resolved.values() if r.is_fallback]

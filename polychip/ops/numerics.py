@@ -1,0 +1,146 @@
+"""Check a plugin's op implementations against the native reference on random inputs.
+
+Used by ``polychip probe`` and the conformance kit. Both implementations get identical
+clones of the inputs; outputs and any inputs written in place (the KV caches) are compared.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from polychip.ops.attention import AttentionMetadata, PrefillSegment
+from polychip.ops.registry import ANY_DTYPE, OpRegistry
+
+FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 1e-2}   # atol = rtol
+
+
+@dataclass
+class OpCheck:
+    name: str
+    version: int
+    dtype: str
+    status: str            # "pass", "fail" or "skip"
+    max_abs_err: float = 0.0
+    tolerance: float = 0.0
+    detail: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status != "fail"
+
+    def line(self) -> str:
+        head = f"{self.name} v{self.version} {self.dtype}"
+        if self.status == "skip":
+            return f"{head}: skipped ({self.detail})"
+        return f"{head}: max |plugin - native| = {self.max_abs_err:.3g} (tolerance {self.tolerance:g})" + \
+            (f"; {self.detail}" if self.detail else "")
+
+
+def _rope(t: int, d: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    f = torch.outer(torch.arange(t).float() * 3, inv)
+    emb = torch.cat((f, f), -1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _attention_inputs(r, dtype, dev):
+    """One decode (6 cached tokens), one prefill chunk over a 4-token prefix, one fresh prefill."""
+    h, hkv, d, page = 4, 2, 16, 4
+    t = 1 + 3 + 2
+    meta = AttentionMetadata(
+        slot_mapping=dev(torch.tensor([5, 12, 13, 14, 16, 17])),
+        num_decodes=1, decode_pages=dev(torch.tensor([[0, 1]])), decode_lens=dev(torch.tensor([6])),
+        decode_mask=dev((torch.arange(8) < 6).view(1, 1, 1, 8)),
+        prefills=[PrefillSegment(1, 3, 7, dev(torch.tensor([2, 3]))), PrefillSegment(4, 2, 2, dev(torch.tensor([4])))])
+    return (r(t, h, d), r(t, hkv, d), r(t, hkv, d), r(6, page, hkv, d), r(6, page, hkv, d), meta, d ** -0.5)
+
+
+def sample_inputs(name: str, dtype: str, device_put: Callable, seed: int = 0) -> tuple | None:
+    """Random inputs for op ``name`` (version 1) in ``dtype``, or None when there is no recipe."""
+    if dtype not in FLOAT_DTYPES:
+        return None
+    g = torch.Generator().manual_seed(seed)
+    tdt = getattr(torch, dtype)
+
+    def r(*shape):
+        return device_put(torch.randn(*shape, generator=g).to(tdt))
+
+    t, hid = 5, 32
+    if name == "linear":
+        return r(t, hid), r(24, hid), r(24)
+    if name == "embedding":
+        return device_put(torch.randint(0, 50, (t,), generator=g)), r(50, hid)
+    if name == "rms_norm":
+        return r(t, hid), device_put(torch.rand(hid, generator=g).add(0.5).to(tdt)), 1e-6
+    if name == "add_rms_norm":
+        return r(t, hid), r(t, hid), device_put(torch.rand(hid, generator=g).add(0.5).to(tdt)), 1e-6
+    if name == "silu_mul":
+        return r(t, 48), r(t, 48)
+    if name == "rotary_embedding":
+        cos, sin = _rope(t, 16, tdt)
+        return r(t, 4, 16), r(t, 2, 16), device_put(cos), device_put(sin)
+    if name == "attention":
+        return _attention_inputs(r, tdt, device_put)
+    return None
+
+
+def _clone(args: tuple) -> tuple:
+    return tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
+
+
+def _tensors(x) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (tuple, list)):
+        return [t for item in x for t in _tensors(item)]
+    return []
+
+
+def compare(name: str, version: int, dtype: str, plugin_fn: Callable, native_fn: Callable,
+            device_put: Callable = lambda t: t, seed: int = 0) -> OpCheck:
+    args = sample_inputs(name, dtype, device_put, seed) if version == 1 else None
+    if args is None:
+        return OpCheck(name, version, dtype, "skip", detail=f"no sample inputs for {name} v{version} {dtype}")
+    tol = TOLERANCE[dtype]
+    ref_args, got_args = _clone(args), _clone(args)
+    ref = native_fn(*ref_args)
+    try:
+        got = plugin_fn(*got_args)
+    except Exception as e:  # a plugin kernel may raise anything
+        return OpCheck(name, version, dtype, "fail", tolerance=tol, detail=f"raised {type(e).__name__}: {e}")
+    want, have = _tensors((ref, ref_args)), _tensors((got, got_args))
+    if len(want) != len(have):
+        return OpCheck(name, version, dtype, "fail", tolerance=tol,
+                       detail=f"returned {len(_tensors(got))} tensors, native returns {len(_tensors(ref))}")
+    worst, problems = 0.0, []
+    for i, (a, b) in enumerate(zip(want, have)):
+        if a.shape != b.shape or a.dtype != b.dtype:
+            problems.append(f"tensor {i}: {tuple(b.shape)} {b.dtype}, expected {tuple(a.shape)} {a.dtype}")
+            continue
+        a, b = a.detach().cpu().double(), b.detach().cpu().double()
+        if not torch.isfinite(b).all():
+            problems.append(f"tensor {i} has non-finite values")
+            continue
+        if a.numel():
+            worst = max(worst, (a - b).abs().max().item())
+        if not torch.allclose(b, a, atol=tol, rtol=tol):
+            problems.append(f"tensor {i} differs beyond tolerance")
+    return OpCheck(name, version, dtype, "fail" if problems else "pass", worst, tol, "; ".join(problems))
+
+
+def check_registered_ops(registry: OpRegistry, dtypes: tuple[str, ...],
+                         device_put: Callable = lambda t: t) -> list[OpCheck]:
+    """Every plugin-registered op against native; '*' entries are checked in each float dtype given."""
+    results = []
+    for name, version, dtype in registry.plugin_ops():
+        fn = registry.plugin_fn(name, version, dtype)
+        if (name, version) not in registry.native_ops():
+            results.append(OpCheck(name, version, dtype, "skip", detail="no native reference to compare with"))
+            continue
+        native = registry.native(name, version)
+        for dt in ([d for d in dtypes if d in FLOAT_DTYPES] if dtype == ANY_DTYPE else [dtype]):
+            results.append(compare(name, version, dt, fn, native, device_put))
+    return results
