@@ -12,7 +12,7 @@ from collections import defaultdict
 import torch
 
 from polychip.config import EngineConfig
-from polychip.devices.discovery import get_plugin
+from polychip.devices.discovery import open_from_config
 from polychip.engine.kv_pool import KVPool, size_pool
 from polychip.engine.model_runner import ModelRunner
 from polychip.engine.radix_cache import NoPrefixCache, RadixCache
@@ -33,11 +33,9 @@ STAGES = ("schedule", "prepare", "forward", "sample", "detokenize")
 class Engine:
     def __init__(self, config: EngineConfig | None = None, plugin=None):
         self.config = config = config or EngineConfig()
-        self.plugin = plugin or get_plugin(config.device, config.plugins)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        if plugin is None:
-            self.plugin.init(None, 0)
+        self.plugin = plugin or open_from_config(config)   # discovered, spec-checked, initialised
         self.plugin.set_seed(config.seed)
         self.loaded = load_model(config.model_path, self.plugin, config.dtype, config.enable_fusion,
                                  config.cache_dir, config.max_model_len)

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import torch
 from safetensors import safe_open
 
+from polychip.devices.spec import require_dtypes
 from polychip.errors import ModelLoadError
 from polychip.models.config import ModelConfig
 from polychip.models.decoder import DecoderModel, rope_inv_freq
@@ -133,6 +134,7 @@ def load_model(model_path: str | None, plugin, dtype: str = "auto", enable_fusio
         raise ModelLoadError(f"tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is "
                              f"{cfg.vocab_size}: tokenizer and weights do not match")
     dname = plugin.default_dtype(cfg.torch_dtype) if dtype == "auto" else dtype
+    require_dtypes(plugin, [dname], "model dtype")
     torch_dtype = getattr(torch, dname)
     device = plugin.device_handle()
     if registry is None:
@@ -141,6 +143,8 @@ def load_model(model_path: str | None, plugin, dtype: str = "auto", enable_fusio
         plugin.register_ops(registry)
     ops = SimpleNamespace(fuse_add_norm=False)
     state = read_state_dict(model_dir, cfg, torch_dtype, device)
+    quantised = [str(t.dtype).removeprefix("torch.") for t in state.values() if not t.is_floating_point()]
+    require_dtypes(plugin, quantised, "quantised weight dtype")
     max_len = max_model_len or cfg.max_position_embeddings
     model = build_model(cfg, state, device, torch_dtype, ops, max_len)
     resolutions = passes.replace(passes.expand(model), registry, torch_dtype, ops)
