@@ -1,0 +1,211 @@
+"""SimXpuPlugin: N simulated accelerator cards whose tensors live in host memory.
+
+It reaches polychip only through the public plugin API (``polychip.devices.plugin``) and the
+validated spec it is given in ``init``. Each card has a hard capacity enforced by
+:class:`SimAllocator`; fp16 is refused like on a real XPU; collectives use gloo.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from polychip.devices.plugin import Availability, DeviceInfo, DevicePlugin, Event, Stream
+from polychip.errors import PluginError
+from polychip_simxpu import kernels
+from polychip_simxpu.allocator import Block, SimAllocator, SimOutOfMemory
+
+BOARD_CARDS = 4                       # cards on the simulated board
+CARD_MEMORY = 16 * 2**30              # bytes per card
+CARD_DTYPES = ("float32", "bfloat16", "int8")
+COMPUTE = {"tflops_fp32": 25.0, "tflops_bf16": 100.0, "tops_int8": 200.0}
+DEFAULT_ALIGNMENT, DEFAULT_GRANULARITY = 256, 2 * 2**20
+
+
+class SimStream(Stream):
+    """Work submitted on a stream counts as done only once the stream is synchronised."""
+
+    def __init__(self, plugin: "SimXpuPlugin"):
+        self.plugin, self.submitted, self.completed = plugin, 0, 0
+
+    def submit(self) -> int:
+        self.submitted += 1
+        return self.submitted
+
+    def synchronize(self) -> None:
+        self.completed = self.submitted
+
+    def __enter__(self):
+        self.plugin._streams_in_use.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        self.plugin._streams_in_use.remove(self)
+        return False
+
+
+class SimEvent(Event):
+    def __init__(self, plugin: "SimXpuPlugin"):
+        self.plugin, self.stream, self.seq = plugin, None, 0
+
+    def record(self, stream: Stream | None = None) -> None:
+        self.stream = stream if isinstance(stream, SimStream) else self.plugin.current_stream()
+        self.seq = self.stream.submitted
+
+    def synchronize(self) -> None:
+        if self.stream is not None and self.stream.completed < self.seq:
+            self.stream.synchronize()
+
+    def query(self) -> bool:
+        return self.stream is None or self.stream.completed >= self.seq
+
+
+@dataclass
+class _Live:
+    block: Block
+    finalizer: weakref.finalize
+
+
+class SimXpuPlugin(DevicePlugin):
+    name = "simxpu"
+    plugin_version = "0.1.0"
+    torch_device_type = "cpu"            # host memory backs the simulated cards
+    default_mem_fraction = 0.05
+
+    def __init__(self):
+        super().__init__()
+        self.allocator: SimAllocator | None = None
+        self._live: dict[int, _Live] = {}
+        self._default_stream = SimStream(self)
+        self._streams_in_use: list[SimStream] = []
+        self._streams = weakref.WeakSet([self._default_stream])
+        self.bytes_copied = 0
+
+    # discovery
+    def is_available(self) -> Availability:
+        return Availability(True)
+
+    def discover(self) -> list[DeviceInfo]:
+        spec = self.spec
+        ids = spec.device_ids if spec else range(BOARD_CARDS)
+        total = spec.memory.total if spec else CARD_MEMORY
+        topo = spec.topology if spec else None
+        infos = []
+        for pos, i in enumerate(ids):
+            free = self.allocator.free_bytes if self.allocator and i == self.index else total
+            topology = {"p2p_enabled": bool(topo and topo.p2p_enabled)}
+            if topo and topo.bandwidth_gbps:
+                topology["bandwidth_gbps"] = topo.bandwidth_gbps
+            if topo and topo.distance:
+                topology["distance"] = topo.distance[pos]
+            infos.append(DeviceInfo(index=i, name=f"SimXPU-{total // 2**30}G", total_memory=total,
+                                    free_memory=free,
+                                    dtypes=tuple(spec.supported_dtypes) if spec else CARD_DTYPES,
+                                    compute=dict(spec.compute) if spec and spec.compute else dict(COMPUTE),
+                                    topology=topology))
+        return infos
+
+    # lifecycle
+    def init(self, spec=None, index: int = 0) -> None:
+        super().init(spec, index)
+        attrs = dict(spec.custom_attributes) if spec else {}
+        alignment = attrs.get("alignment", DEFAULT_ALIGNMENT)
+        granularity = attrs.get("granularity", DEFAULT_GRANULARITY)
+        for key, val in (("alignment", alignment), ("granularity", granularity)):
+            if isinstance(val, bool) or not isinstance(val, int):
+                raise PluginError(f"custom_attributes.{key} must be an integer number of bytes, got {val!r}")
+        if "float16" in (spec.supported_dtypes if spec else ()):
+            raise PluginError("simxpu cards do not support float16; remove it from supported_dtypes")
+        try:
+            self.allocator = SimAllocator(spec.memory.total if spec else CARD_MEMORY, alignment, granularity)
+        except ValueError as e:
+            raise PluginError(f"simxpu:{index}: {e}") from None
+
+    def destroy(self) -> None:
+        for key in list(self._live):
+            self._release(key)
+        self.allocator = None
+
+    def device_handle(self, index: int | None = None) -> torch.device:
+        return torch.device("cpu")
+
+    # memory
+    def _require_init(self) -> SimAllocator:
+        if self.allocator is None:
+            raise PluginError("simxpu is not initialised: call init(spec, index) first")
+        return self.allocator
+
+    def alloc(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        allocator = self._require_init()
+        if dtype == torch.float16:
+            raise PluginError(f"simxpu:{self.index} does not support float16 tensors", layer="hardware")
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        if nbytes == 0:
+            return torch.empty(shape, dtype=dtype)
+        try:
+            block = allocator.alloc(nbytes)
+        except SimOutOfMemory as e:
+            raise PluginError(f"simxpu:{self.index} out of memory: {e}", layer="hardware") from None
+        tensor = torch.empty(shape, dtype=dtype)
+        key = tensor.data_ptr()
+        # a tensor dropped without free() gives its block back when it is collected
+        self._live[key] = _Live(block, weakref.finalize(tensor, self._release, key))
+        return tensor
+
+    def _release(self, key: int) -> None:
+        live = self._live.pop(key, None)
+        if live is not None:
+            live.finalizer.detach()
+            if self.allocator is not None:
+                self.allocator.free(live.block)
+
+    def free(self, tensor: torch.Tensor) -> None:
+        if tensor.numel() == 0:
+            return
+        key = tensor.data_ptr()
+        if key not in self._live:
+            raise PluginError(f"simxpu:{self.index}: free() of a tensor this device did not allocate "
+                              "(or already freed)")
+        self._release(key)
+
+    def mem_info(self) -> tuple[int, int]:
+        a = self._require_init()
+        return a.free_bytes, a.capacity
+
+    # data movement and ordering
+    def current_stream(self) -> SimStream:
+        return self._streams_in_use[-1] if self._streams_in_use else self._default_stream
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+        if dst.shape != src.shape:
+            raise PluginError(f"simxpu copy: shapes differ, {tuple(dst.shape)} vs {tuple(src.shape)}")
+        dst.copy_(src)
+        self.bytes_copied += src.numel() * src.element_size()
+        stream = self.current_stream()
+        stream.submit()
+        if not non_blocking:
+            stream.synchronize()
+        return dst
+
+    def synchronize(self) -> None:
+        for s in list(self._streams):
+            s.synchronize()
+
+    def stream(self) -> Stream:
+        s = SimStream(self)
+        self._streams.add(s)
+        return s
+
+    def event(self) -> Event:
+        return SimEvent(self)
+
+    # ops, communication
+    def register_ops(self, registry) -> None:
+        kernels.register(registry, self.spec.supported_dtypes if self.spec else CARD_DTYPES)
+
+    def communicator_backend(self) -> str:
+        return "gloo"
+
+    def fusions(self) -> tuple[str, ...]:
+        return ("qkv", "gate_up", "add_rms_norm")

@@ -1,0 +1,138 @@
+"""The simulated accelerator: hard capacity, alignment and granularity, fp16 refused, partial op set,
+gloo, and the engine's core correctness check (greedy == transformers) running on it."""
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from polychip.devices.discovery import open_device
+from polychip.errors import PluginError
+from polychip_simxpu.allocator import SimAllocator, SimOutOfMemory
+
+MiB = 2**20
+
+
+def test_allocator_rounds_to_granules_and_enforces_capacity():
+    a = SimAllocator(10 * MiB, alignment=256, granularity=MiB)
+    blocks = [a.alloc(1), a.alloc(MiB), a.alloc(MiB + 1)]
+    assert [b.size for b in blocks] == [MiB, MiB, 2 * MiB]
+    assert all(b.offset % 256 == 0 for b in blocks)
+    assert a.used == 4 * MiB and a.free_bytes == 6 * MiB
+    with pytest.raises(SimOutOfMemory, match="6291456 of 10485760 bytes free"):
+        a.alloc(7 * MiB)
+    a.alloc(6 * MiB)
+    assert a.free_bytes == 0 and a.peak == 10 * MiB
+
+
+def test_allocator_fragmentation_counts_and_frees_coalesce():
+    a = SimAllocator(4 * MiB, granularity=MiB)
+    b = [a.alloc(MiB) for _ in range(4)]
+    a.free(b[0])
+    a.free(b[2])
+    with pytest.raises(SimOutOfMemory, match="largest free range 1048576"):
+        a.alloc(2 * MiB)                       # 2 MiB free, but not in one piece
+    a.free(b[1])                               # joins b[0] and b[2]
+    assert a.largest_free == 3 * MiB
+    a.free(b[3])
+    assert a.largest_free == 4 * MiB and a.used == 0
+    with pytest.raises(ValueError, match="double free"):
+        a.free(b[3])
+
+
+def test_allocator_rejects_bad_geometry():
+    with pytest.raises(ValueError, match="power of two"):
+        SimAllocator(MiB, alignment=100)
+    with pytest.raises(ValueError, match="multiple of alignment"):
+        SimAllocator(MiB, alignment=512, granularity=768)
+
+
+def test_plugin_memory_is_accounted_and_released():
+    p = open_device("simxpu", device_config="examples/specs/simxpu-2.yaml")
+    free0, total = p.mem_info()
+    assert total == 8 * 2**30
+    t = p.alloc((1000,), torch.float32)        # 4000 bytes -> one 2 MiB granule
+    assert p.mem_info()[0] == free0 - 2 * MiB
+    p.free(t)
+    assert p.mem_info()[0] == free0
+    with pytest.raises(PluginError, match="did not allocate"):
+        p.free(t)
+    t = p.alloc((10,), torch.int8)
+    del t
+    gc.collect()                               # dropped without free(): the block comes back
+    assert p.mem_info()[0] == free0
+    with pytest.raises(PluginError, match="out of memory") as e:
+        p.alloc((9 * 2**30,), torch.uint8)
+    assert e.value.layer == "hardware"
+    with pytest.raises(PluginError, match="does not support float16"):
+        p.alloc((4,), torch.float16)
+
+
+def test_streams_complete_only_when_synchronised():
+    p = open_device("simxpu")
+    s, e = p.stream(), p.event()
+    dev = p.alloc((8,), torch.float32)
+    with s:
+        p.copy(dev, torch.ones(8), non_blocking=True)
+        e.record(s)
+    assert not e.query()                       # submitted, not yet synchronised
+    e.synchronize()
+    assert e.query()
+    assert torch.equal(dev, torch.ones(8))
+
+
+def test_spec_custom_attributes_reach_the_plugin(tmp_path):
+    import yaml
+    spec = yaml.safe_load(open("examples/specs/simxpu-2.yaml"))
+    spec["custom_attributes"] = {"alignment": 512, "granularity": 4096}
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    p = open_device("simxpu", device_config=str(path))
+    assert (p.allocator.alignment, p.allocator.granularity) == (512, 4096)
+    spec["custom_attributes"] = {"alignment": 100}
+    path.write_text(yaml.safe_dump(spec))
+    with pytest.raises(PluginError, match="alignment must be a power of two"):
+        open_device("simxpu", device_config=str(path))
+
+
+def test_kv_pool_beyond_the_card_fails_with_the_plugins_reason(tmp_path, model_factory):
+    from polychip import LLM
+    spec = tmp_path / "small.yaml"
+    spec.write_text("device_type: simxpu\ndevice_ids: [0]\nmemory: {total: 64MiB}\n"
+                    "supported_dtypes: [float32]\ncustom_attributes: {granularity: 65536}\n")
+    with pytest.raises(PluginError, match="simxpu:0 out of memory"):
+        LLM(model_factory("llama", False), device="simxpu", device_config=str(spec), max_total_tokens=2**20)
+
+
+def test_partial_op_set_falls_back_with_reasons(model_factory):
+    from polychip import LLM
+    llm = LLM(model_factory("llama", False), device="simxpu", max_total_tokens=256)
+    res = llm.engine.loaded.resolutions
+    assert {n for n, r in res.items() if not r.is_fallback} == {"embedding", "rms_norm", "add_rms_norm",
+                                                                  "silu_mul"}
+    assert res["rotary_embedding"].reason == \
+        "plugin 'simxpu' has rotary_embedding v1 only for ['bfloat16'], not float32"
+    assert res["attention"].reason == "plugin 'simxpu' does not implement attention"
+    assert llm.engine.loaded.registry.stats == {"plugin": 4, "fallback": 3}
+
+
+@pytest.mark.parametrize("arch,tie", [("llama", True), ("qwen3", False)])
+def test_engine_greedy_on_simxpu_matches_transformers(model_factory, arch, tie):
+    """The engine-core correctness check, run on the simulated accelerator."""
+    import transformers
+
+    from polychip import LLM, SamplingParams
+    path = model_factory(arch, tie)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 150000, (n,), generator=g).tolist() for n in (4, 19, 40)]
+    llm = LLM(path, device="simxpu", device_config="examples/specs/simxpu-2.yaml", max_total_tokens=1024,
+              chunked_prefill_size=16)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    for p, o in zip(prompts, outs):
+        ref = hf.generate(torch.tensor([p]), max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+        assert o.outputs[0].token_ids == ref[0, len(p):].tolist()
+    llm.engine.check_integrity()
+    llm.shutdown()
+    assert llm.engine.plugin.allocator is None
