@@ -1,0 +1,105 @@
+"""polychip coverage [--model-path M] --device D: which implementation each op of a model uses.
+
+The op list comes from one real forward (a short prefill) with a recording registry: every op the
+forward calls, the dtype it was resolved for, and plugin or native fallback with the reason.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from polychip.commands.common import fail
+from polychip.errors import PolychipError
+
+PROMPT_TOKENS = 8
+
+
+def one_forward(lm, plugin, n_tokens: int = PROMPT_TOKENS) -> None:
+    """Prefill ``n_tokens`` through the loaded model with KV caches allocated by the plugin."""
+    from polychip.models.decoder import ForwardContext
+    from polychip.ops.attention import AttentionMetadata, PrefillSegment
+    cfg, page = lm.config, 16
+    pages = -(-n_tokens // page)
+    caches = [tuple(plugin.alloc((pages, page, cfg.num_kv_heads, cfg.head_dim), lm.dtype) for _ in "kv")
+              for _ in range(cfg.num_layers)]
+    for k, v in caches:
+        k.zero_()
+        v.zero_()
+    ids = plugin.to_device(torch.arange(n_tokens, dtype=torch.int64) % cfg.vocab_size + 1)
+    pos = plugin.to_device(torch.arange(n_tokens, dtype=torch.int64))
+    meta = AttentionMetadata(slot_mapping=pos, prefills=[
+        PrefillSegment(0, n_tokens, n_tokens, plugin.to_device(torch.arange(pages)))])
+    try:
+        with torch.inference_mode():
+            hidden = lm.model(ids, pos, ForwardContext(meta, caches))
+            lm.model.compute_logits(hidden[-1:])
+        plugin.synchronize()
+    finally:
+        for k, v in caches:
+            plugin.free(k)
+            plugin.free(v)
+
+
+def coverage_rows(model_path, device, plugins=(), device_config=None, dtype="auto", enable_fusion=True):
+    from polychip.devices.discovery import open_device
+    from polychip.models.loader import load_model
+    from polychip.ops.native import register_native
+    from polychip.ops.recording import RecordingRegistry
+    plugin = open_device(device, tuple(plugins), device_config)
+    try:
+        registry = RecordingRegistry(plugin.name)
+        register_native(registry)
+        plugin.register_ops(registry)
+        lm = load_model(model_path, plugin, dtype, enable_fusion, registry=registry)
+        one_forward(lm, plugin)
+        exact = set(registry.plugin_ops())
+
+        def why(r):
+            if r.is_fallback:
+                return r.reason
+            return f"registered for {r.dtype}" if (r.name, r.version, r.dtype) in exact else \
+                "registered for any dtype ('*')"
+
+        rows = [{"op": r.name, "version": r.version, "dtype": r.dtype, "calls": calls,
+                 "implementation": r.source, "reason": why(r)} for r, calls in registry.used()]
+        return rows, lm, plugin
+    finally:
+        plugin.destroy()
+
+
+def format_table(rows: list[dict]) -> str:
+    cols = ("op", "version", "dtype", "calls", "implementation", "reason")
+    cells = [[str(r[c]) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
+    fmt = lambda vals: "  ".join(v.ljust(w) for v, w in zip(vals, widths)).rstrip()  # noqa: E731
+    return "\n".join([fmt(cols), fmt(["-" * w for w in widths])] + [fmt(row) for row in cells])
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="polychip coverage", description=__doc__)
+    p.add_argument("--model-path", default=None, help="HF folder or .gguf file (default: embedded SmolLM2)")
+    p.add_argument("--device", required=True, help="auto | cpu | cuda | <plugin>[:index]")
+    p.add_argument("--plugin", action="append", default=[], dest="plugins")
+    p.add_argument("--device-config", default=None)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--disable-fusion", action="store_true")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    try:
+        rows, lm, plugin = coverage_rows(args.model_path, args.device, args.plugins, args.device_config,
+                                         args.dtype, not args.disable_fusion)
+    except PolychipError as e:
+        return fail(e)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    n_fb = sum(r["implementation"] == "native" for r in rows)
+    print(f"model {lm.config.architecture} ({lm.model_dir}), dtype {str(lm.dtype).removeprefix('torch.')}, "
+          f"device {plugin.name}:{plugin.index}, fusions {lm.fusions}")
+    print(format_table(rows))
+    print(f"{len(rows)} ops used by one forward: {len(rows) - n_fb} from the plugin, {n_fb} native fallback",
+          file=sys.stderr)
+    return 0

@@ -1,0 +1,97 @@
+"""polychip devices [--json] [--device-config FILE] [--plugin P]: every plugin and its devices.
+
+A plugin that failed to import, declared another API version or is not available is shown
+with the step that failed and why; it is never dropped.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+from polychip.devices.discovery import PluginRecord, discover_plugins, init_plugin
+from polychip.devices.spec import DeviceSpec, check_against_devices, fmt_bytes, load_spec
+from polychip.errors import PolychipError
+
+
+def _device_row(cls, spec: DeviceSpec | None, index: int) -> dict:
+    """Open one device to report it: Ready with its figures, or Error with the reason."""
+    row = {"index": index, "status": "Ready", "reason": ""}
+    plugin = cls()
+    try:
+        init_plugin(plugin, spec, index)
+        info = next(i for i in plugin.discover() if i.index == index)
+        free, total = plugin.mem_info()
+        row.update(name=info.name, total_memory=total, free_memory=free, dtypes=list(info.dtypes),
+                   compute=info.compute, topology=info.topology)
+    except Exception as e:  # the point is to show it, whatever it is
+        row.update(status="Error", reason=str(e) if isinstance(e, PolychipError) else f"{type(e).__name__}: {e}")
+    finally:
+        try:
+            plugin.destroy()
+        except Exception:  # already reported above if it matters
+            pass
+    return row
+
+
+def describe(rec: PluginRecord, spec: DeviceSpec | None) -> dict:
+    p = rec.plugin
+    out = {"name": rec.name, "source": rec.source, "status": "Ready" if rec.ok else "Error",
+           "failed_step": rec.failed_step, "reason": rec.reason,
+           "plugin_version": getattr(p, "plugin_version", None), "api_version": getattr(p, "api_version", None),
+           "torch_device_type": getattr(p, "torch_device_type", None), "devices": []}
+    if not rec.ok:
+        return out
+    spec = spec if spec is not None and spec.device_type == rec.name else None
+    try:
+        infos = p.discover()
+        if spec is not None:
+            out["spec"] = spec.source
+            check_against_devices(spec, rec.name, infos)
+        ids = spec.device_ids if spec is not None else [i.index for i in infos]
+    except Exception as e:
+        out.update(status="Error", failed_step="discover" if spec is None else "spec",
+                   reason=str(e) if isinstance(e, PolychipError) else f"{type(e).__name__}: {e}")
+        return out
+    out["devices"] = [_device_row(type(p), spec, i) for i in ids]
+    return out
+
+
+def _text(entry: dict) -> list[str]:
+    head = f"{entry['name']} {entry['plugin_version'] or '?'}  ({entry['source']})"
+    if entry["status"] != "Ready":
+        return [f"{head}  Error at {entry['failed_step']}: {entry['reason']}"]
+    lines = [head + (f"  spec {entry['spec']}" if entry.get("spec") else "")]
+    for d in entry["devices"]:
+        if d["status"] != "Ready":
+            lines.append(f"  [{d['index']}] Error: {d['reason']}")
+            continue
+        compute = " ".join(f"{k}={v:g}" for k, v in d["compute"].items())
+        topo = " ".join(f"{k}={v}" for k, v in d["topology"].items())
+        lines.append(f"  [{d['index']}] {d['name']}  Ready  memory {fmt_bytes(d['free_memory'])} free / "
+                     f"{fmt_bytes(d['total_memory'])}  dtypes {','.join(d['dtypes'])}")
+        lines.append(f"      compute {compute or '-'}  topology {topo or '-'}")
+    return lines
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="polychip devices", description=__doc__)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--device-config", default=None, help="device spec YAML applied to the plugin it names")
+    p.add_argument("--plugin", action="append", default=[], dest="plugins",
+                   help="extra device plugin: module.path or path/to/plugin.py (repeatable)")
+    args = p.parse_args(argv)
+    from polychip.commands.common import fail
+    try:
+        spec = load_spec(args.device_config) if args.device_config else None
+    except PolychipError as e:
+        return fail(e)
+    entries = [describe(rec, spec) for rec in discover_plugins(tuple(args.plugins))]
+    if spec is not None and not any(e["name"] == spec.device_type for e in entries):
+        return fail(PolychipError(f"{spec.source}: device_type: no plugin named {spec.device_type!r}; "
+                                  f"found {[e['name'] for e in entries]}"))
+    if args.json:
+        print(json.dumps(entries, indent=2))
+    else:
+        for e in entries:
+            print("\n".join(_text(e)))
+    return 0
