@@ -12,6 +12,8 @@ import threading
 import time
 
 import uvicorn
+from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from polychip.commands.common import add_engine_args, config_from_args, fail, setup_logging
 from polychip.errors import ConfigError, PolychipError
@@ -55,26 +57,21 @@ def bind(host: str, port: int) -> socket.socket:
 
 @contextlib.contextmanager
 def progress(label: str):
-    """A one-line elapsed-time ticker on a terminal (plain log lines otherwise)."""
+    """An elapsed-time line on a terminal while ``label`` runs; log records (and the GGUF
+    converter's own bar) are printed above it through tqdm, so nothing garbles."""
     t0, stop = time.perf_counter(), threading.Event()
-    tty = sys.stderr.isatty()
-
-    def tick():
-        while not stop.wait(0.25):
-            sys.stderr.write(f"\r{label} ... {time.perf_counter() - t0:5.1f}s")
-            sys.stderr.flush()
     log.info("%s ...", label)
-    ticker = threading.Thread(target=tick, daemon=True) if tty else None
-    if ticker:
+    with logging_redirect_tqdm(), tqdm(desc=label, bar_format="{desc} ... {elapsed}", file=sys.stderr,
+                                       disable=not sys.stderr.isatty(), leave=False) as bar:
+        ticker = threading.Thread(target=lambda: [bar.refresh() for _ in iter(lambda: stop.wait(0.25), True)],
+                                  daemon=True)
         ticker.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        if ticker:
+        try:
+            yield
+        finally:
+            stop.set()
             ticker.join()
-            sys.stderr.write("\r\033[K")
-        log.info("%s: done in %.1fs", label, time.perf_counter() - t0)
+    log.info("%s: done in %.1fs", label, time.perf_counter() - t0)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -128,7 +128,11 @@ class AsyncEngine:
         stream = RequestStream(self, [s.request_id for s in subs])
         done = self._loop.create_future()
         self._send(("add", subs, stream, done))
-        await done                      # the engine thread sets it once the group is queued
+        try:
+            await done                  # the engine thread sets it once the group is queued
+        except asyncio.CancelledError:  # nobody will read the stream: do not leave it running
+            self.abort(stream.ids)
+            raise
         return stream
 
     def abort(self, request_ids: list[str]) -> None:
@@ -255,9 +259,10 @@ class AsyncEngine:
         self._abort_streams(err)
 
     def _abort_streams(self, err: BaseException) -> None:
+        """Abort every request we queued; each stream gets ``err``."""
         queues = {id(s.queue): s.queue for s in self._streams.values()}
-        self._streams.clear()
-        for rid in [r.request_id for r in list(self.engine.scheduler.waiting) + list(self.engine.scheduler.running)]:
+        rids, self._streams = list(self._streams), {}
+        for rid in rids:
             try:
                 self.engine.abort(rid)
             except Exception:

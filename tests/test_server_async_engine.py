@@ -1,0 +1,163 @@
+"""AsyncEngine on a scripted fake engine: admission, overload, abort, crash, idle without spinning."""
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from polychip.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError, SubRequest
+from polychip.engine.request import CompletionOutput, RequestOutput
+from polychip.engine.sampling_params import SamplingParams
+from polychip.errors import InvalidRequestError
+
+
+class FakeEngine:
+    """Each request yields ``max_tokens`` tokens, one per step; at most ``running`` at a time."""
+
+    def __init__(self, max_waiting=8, running=2, crash_at_step=None):
+        self.config = SimpleNamespace(max_waiting_requests=max_waiting)
+        self.reqs: dict[str, list] = {}          # id -> [tokens left, tokens made]
+        self.running_cap, self.crash_at_step = running, crash_at_step
+        self.pool = SimpleNamespace(num_pages=16, allocator=SimpleNamespace(num_free=16))
+        self.cache = SimpleNamespace(num_pages=0)
+        self.counters, self.stage_seconds = {"steps": 0, "requests_aborted": 0}, {"forward": 0.0}
+
+    def add_request(self, prompt, params, request_id, priority, arrival):
+        if not prompt:
+            raise InvalidRequestError("prompt is empty")
+        self.reqs[request_id] = [params.max_tokens, 0]
+        return request_id
+
+    def abort(self, rid):
+        if self.reqs.pop(rid, None) is not None:
+            self.counters["requests_aborted"] += 1
+            return True
+        return False
+
+    def has_unfinished(self):
+        return bool(self.reqs)
+
+    @property
+    def num_running(self):
+        return min(len(self.reqs), self.running_cap)
+
+    @property
+    def num_waiting(self):
+        return len(self.reqs) - self.num_running
+
+    def step(self):
+        self.counters["steps"] += 1
+        if self.counters["steps"] == self.crash_at_step:
+            raise RuntimeError("device fell over")
+        time.sleep(0.002)
+        outs = []
+        for rid in list(self.reqs)[:self.running_cap]:
+            r = self.reqs[rid]
+            r[0], r[1] = r[0] - 1, r[1] + 1
+            done = r[0] == 0
+            if done:
+                del self.reqs[rid]
+            comp = CompletionOutput(0, "x" * r[1], [7] * r[1], "length" if done else None, delta_text="x")
+            outs.append(RequestOutput(rid, [1], [comp], done))
+        return outs
+
+
+def sub(rid, n_tokens=3, prompt=(1, 2)):
+    return SubRequest(rid, list(prompt), SamplingParams(max_tokens=n_tokens))
+
+
+def run(coro_fn, engine):
+    async def main():
+        ae = AsyncEngine(engine)
+        ae.start()
+        try:
+            return await coro_fn(ae)
+        finally:
+            await asyncio.to_thread(ae.shutdown, 5)
+    return asyncio.run(main())
+
+
+def test_group_streams_all_choices_to_the_end():
+    async def go(ae):
+        stream = await ae.submit([sub("a-0", 3), sub("a-1", 5)])
+        seen = [(i, out.outputs[0].text, out.finished) async for i, out in stream]
+        return seen
+    seen = run(go, FakeEngine())
+    assert [x for x in seen if x[0] == 0][-1] == (0, "xxx", True)
+    assert [x for x in seen if x[0] == 1][-1] == (1, "xxxxx", True)
+    assert len(seen) == 8
+
+
+def test_invalid_request_admits_none_of_the_group():
+    eng = FakeEngine()
+
+    async def go(ae):
+        with pytest.raises(InvalidRequestError):
+            await ae.submit([sub("b-0"), sub("b-1", prompt=())])
+        return await ae.call(lambda e: dict(e.reqs))
+    assert run(go, eng) == {}
+    assert eng.counters["requests_aborted"] == 1          # the first one was rolled back
+
+
+def test_overload_refuses_beyond_the_waiting_limit():
+    async def go(ae):
+        streams = [await ae.submit([sub(f"c-{i}", 10_000)]) for i in range(2 + 2)]  # 2 running + 2 waiting
+        with pytest.raises(EngineOverloadedError):
+            await ae.submit([sub("c-x", 1)])
+        for s in streams:
+            s.close()
+        return await ae.call(lambda e: len(e.reqs))
+    assert run(go, FakeEngine(max_waiting=2)) == 0
+
+
+def test_closing_a_stream_aborts_its_requests():
+    eng = FakeEngine()
+
+    async def go(ae):
+        stream = await ae.submit([sub("d-0", 10_000), sub("d-1", 10_000)])
+        async for _ in stream:
+            break
+        stream.close()
+        return await ae.call(lambda e: len(e.reqs))
+    assert run(go, eng) == 0
+    assert eng.counters["requests_aborted"] == 2
+
+
+def test_crash_fails_streams_and_health():
+    async def go(ae):
+        stream = await ae.submit([sub("e-0", 10_000)])
+        with pytest.raises(EngineDeadError, match="device fell over"):
+            async for _ in stream:
+                pass
+        await asyncio.sleep(0.05)
+        assert not ae.alive and ae.error is not None
+        with pytest.raises(EngineDeadError):
+            await ae.submit([sub("e-1")])
+    run(go, FakeEngine(crash_at_step=5))
+
+
+def test_idle_engine_does_not_spin():
+    eng = FakeEngine()
+
+    async def go(ae):
+        stream = await ae.submit([sub("f-0", 2)])
+        async for _ in stream:
+            pass
+        steps = eng.counters["steps"]
+        await asyncio.sleep(0.3)
+        return steps, eng.counters["steps"]
+    before, after = run(go, eng)
+    assert before == after == 2
+
+
+def test_abort_all_ends_streams_with_the_reason():
+    async def go(ae):
+        stream = await ae.submit([sub("g-0", 10_000)])
+        ae.abort_all("the server is shutting down")
+        with pytest.raises(EngineDeadError, match="shutting down"):
+            async for _ in stream:
+                pass
+        return await ae.call(lambda e: len(e.reqs))
+    assert run(go, FakeEngine()) == 0
