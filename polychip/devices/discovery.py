@@ -40,11 +40,6 @@ class PluginRecord:
     def ok(self) -> bool:
         return self.failed_step is None
 
-    @property
-    def loaded(self) -> bool:
-        """Imported with the right API version (it may still be unavailable)."""
-        return self.plugin is not None and self.failed_step in (None, "is_available")
-
     def describe_failure(self) -> str:
         return f"plugin {self.name!r} ({self.source}) failed at {self.failed_step}: {self.reason}"
 

@@ -115,8 +115,6 @@ class SimXpuPlugin(DevicePlugin):
         for key, val in (("alignment", alignment), ("granularity", granularity)):
             if isinstance(val, bool) or not isinstance(val, int):
                 raise PluginError(f"custom_attributes.{key} must be an integer number of bytes, got {val!r}")
-        if "float16" in (spec.supported_dtypes if spec else ()):
-            raise PluginError("simxpu cards do not support float16; remove it from supported_dtypes")
         try:
             self.allocator = SimAllocator(spec.memory.total if spec else CARD_MEMORY, alignment, granularity)
         except ValueError as e:
