@@ -76,5 +76,10 @@ class CpuPlugin(DevicePlugin):
     def event(self) -> Event:
         return CpuEvent()
 
+    def register_ops(self, registry) -> None:
+        """float32 C++ fast paths (decode attention, small-batch linear) when they build."""
+        from polychip.devices import cpu_ops
+        cpu_ops.register(registry)
+
     def fusions(self) -> tuple[str, ...]:
         return ("qkv", "gate_up", "add_rms_norm")

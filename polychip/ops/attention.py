@@ -7,6 +7,7 @@ its cached prefix. Python loops run per prefill sequence, never per token.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -36,34 +37,57 @@ def _gather(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
     return g.reshape(*pages.shape[:-1], -1, *cache.shape[2:])
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q [T, H, D]; k, v [T, Hkv, D]; caches [P, page, Hkv, D]. Returns [T, H, D]."""
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             meta: AttentionMetadata) -> None:
+    """Store this step's k, v [T, Hkv, D] into their pool slots."""
     hkv, d = k_cache.shape[2], k_cache.shape[3]
     k_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k)
     v_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v)
-    gqa = q.shape[1] != hkv
-    out = torch.empty_like(q)
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                     scale: float) -> torch.Tensor:
+    """The decode rows: q [B, H, D] -> [B, H, D], one SDPA over the gathered pages with a length mask."""
+    kd = _gather(k_cache, meta.decode_pages).transpose(1, 2)   # [B, Hkv, L, D]
+    vd = _gather(v_cache, meta.decode_pages).transpose(1, 2)
+    o = F.scaled_dot_product_attention(q.unsqueeze(2), kd, vd, attn_mask=meta.decode_mask, scale=scale,
+                                       enable_gqa=q.shape[1] != k_cache.shape[2])
+    return o.squeeze(2)
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, seg: PrefillSegment, scale: float) -> torch.Tensor:
+    """One prefill chunk: rows seg.start .. seg.start + q_len of q, k, v -> [q_len, H, D]."""
+    gqa = q.shape[1] != k_cache.shape[2]
+    qs = q[seg.start:seg.start + seg.q_len].transpose(0, 1)       # [H, n, D]
+    if seg.kv_len == seg.q_len:   # no cached prefix: use the fresh k, v directly
+        ks = k[seg.start:seg.start + seg.q_len].transpose(0, 1)
+        vs = v[seg.start:seg.start + seg.q_len].transpose(0, 1)
+        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
+    else:
+        ks = _gather(k_cache, seg.pages)[:seg.kv_len].transpose(0, 1)
+        vs = _gather(v_cache, seg.pages)[:seg.kv_len].transpose(0, 1)
+        offset = seg.kv_len - seg.q_len
+        rows = torch.arange(seg.q_len, device=q.device).unsqueeze(1) + offset
+        mask = torch.arange(seg.kv_len, device=q.device).unsqueeze(0) <= rows
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return o.transpose(0, 1)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                    decode_fn: Callable = decode_attention) -> torch.Tensor:
+    """q [T, H, D]; k, v [T, Hkv, D]; caches [P, page, Hkv, D]. Returns [T, H, D].
+
+    ``decode_fn(q_decode, k_cache, v_cache, meta, scale)`` computes the decode rows; a plugin
+    passes its own kernel here and keeps the rest."""
+    write_kv(k, v, k_cache, v_cache, meta)
     nd = meta.num_decodes
+    if nd and not meta.prefills:
+        return decode_fn(q, k_cache, v_cache, meta, scale)
+    out = torch.empty_like(q)
     if nd:
-        kd = _gather(k_cache, meta.decode_pages).transpose(1, 2)   # [B, Hkv, L, D]
-        vd = _gather(v_cache, meta.decode_pages).transpose(1, 2)
-        qd = q[:nd].unsqueeze(2)                                     # [B, H, 1, D]
-        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale,
-                                           enable_gqa=gqa)
-        out[:nd] = o.squeeze(2)
+        out[:nd] = decode_fn(q[:nd], k_cache, v_cache, meta, scale)
     for seg in meta.prefills:
-        qs = q[seg.start:seg.start + seg.q_len].transpose(0, 1)       # [H, n, D]
-        if seg.kv_len == seg.q_len:   # no cached prefix: use the fresh k, v directly
-            ks = k[seg.start:seg.start + seg.q_len].transpose(0, 1)
-            vs = v[seg.start:seg.start + seg.q_len].transpose(0, 1)
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
-        else:
-            ks = _gather(k_cache, seg.pages)[:seg.kv_len].transpose(0, 1)
-            vs = _gather(v_cache, seg.pages)[:seg.kv_len].transpose(0, 1)
-            offset = seg.kv_len - seg.q_len
-            rows = torch.arange(seg.q_len, device=q.device).unsqueeze(1) + offset
-            mask = torch.arange(seg.kv_len, device=q.device).unsqueeze(0) <= rows
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=gqa)
-        out[seg.start:seg.start + seg.q_len] = o.transpose(0, 1)
+        out[seg.start:seg.start + seg.q_len] = prefill_attention(q, k, v, k_cache, v_cache, seg, scale)
     return out

@@ -1,0 +1,53 @@
+"""The CPU plugin's C++ fast paths (``cpu_kernels.cpp``), built once per machine with torch's
+extension builder and cached under the torch extensions folder.
+
+``load()`` returns the module, or None with the reason logged once: no compiler, no ninja,
+``POLYCHIP_CPU_KERNELS=0``, or a build error. Callers then keep the native PyTorch ops.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+
+import torch
+
+log = logging.getLogger("polychip.devices.cpu")
+
+_SOURCE = os.path.join(os.path.dirname(__file__), "cpu_kernels.cpp")
+_state: dict = {}          # one build attempt per process: {"module": module or None}
+
+
+def enabled() -> bool:
+    return os.environ.get("POLYCHIP_CPU_KERNELS", "1").lower() not in ("0", "false", "no", "off")
+
+
+def _name() -> str:
+    """A build name per source text, machine and torch version (-march=native binds it to the CPU)."""
+    with open(_SOURCE, "rb") as f:
+        key = f.read() + f"{platform.machine()}|{platform.processor()}|{torch.__version__}".encode()
+    return "polychip_cpu_kernels_" + hashlib.sha256(key).hexdigest()[:12]
+
+
+def load():
+    """The compiled module, or None (with the reason logged once)."""
+    if "module" in _state:
+        return _state["module"]
+    _state["module"] = None
+    if not enabled():
+        log.info("CPU kernels off (POLYCHIP_CPU_KERNELS=0): native PyTorch ops")
+        return None
+    if platform.machine() not in ("x86_64", "AMD64", "aarch64", "arm64"):
+        log.info("CPU kernels not built for %s: native PyTorch ops", platform.machine())
+        return None
+    try:
+        from torch.utils import cpp_extension
+        flags = ["-O3", "-ffast-math", "-fopenmp-simd", "-march=native" if platform.machine() in ("x86_64", "AMD64")
+                 else "-mcpu=native"]
+        log.info("building CPU kernels (once per machine; about a minute)")
+        _state["module"] = cpp_extension.load(_name(), [_SOURCE], extra_cflags=flags, verbose=False)
+    except Exception as e:  # a missing compiler or ninja must only cost speed, never correctness
+        log.warning("CPU kernels unavailable (%s: %s); using native PyTorch ops", type(e).__name__,
+                    str(e).splitlines()[0][:200] if str(e) else "")
+    return _state["module"]

@@ -1,0 +1,49 @@
+"""The CPU plugin's C++ kernels against the native PyTorch ops they replace."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from polychip.devices import cpu_kernels, cpu_ops
+from polychip.ops.attention import AttentionMetadata, decode_attention
+
+kernels = cpu_kernels.load()
+pytestmark = pytest.mark.skipif(kernels is None, reason="CPU kernels did not build here (see the log)")
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 1)])
+def test_paged_decode_attention_matches_native(heads, kv_heads):
+    torch.manual_seed(0)
+    page, pages, d = 16, 64, 32
+    kc, vc = torch.randn(pages, page, kv_heads, d), torch.randn(pages, page, kv_heads, d)
+    lens = torch.tensor([1, 16, 17, 300, 45])
+    width = int((lens.max() + page - 1) // page)
+    table = torch.stack([torch.randperm(pages)[:width] for _ in lens])
+    mask = (torch.arange(width * page)[None, :] < lens[:, None])[:, None, None, :]
+    meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long), num_decodes=len(lens),
+                             decode_pages=table, decode_lens=lens, decode_mask=mask)
+    q = torch.randn(len(lens), heads, d)
+    want = decode_attention(q, kc, vc, meta, 0.3)
+    got = kernels.paged_decode_attention(q, kc, vc, table, lens, 0.3)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="page id"):
+        kernels.paged_decode_attention(q, kc, vc, table + pages, lens, 0.3)
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 16])
+@pytest.mark.parametrize("n,k", [(7, 13), (96, 64), (200, 1000)])
+def test_linear_small_m_matches_f_linear(m, n, k):
+    torch.manual_seed(m)
+    x, w, b = torch.randn(m, k), torch.randn(n, k), torch.randn(n)
+    torch.testing.assert_close(kernels.linear_small_m(x, w, b), F.linear(x, w, b), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(kernels.linear_small_m(x, w, None), F.linear(x, w), atol=1e-4, rtol=1e-4)
+
+
+def test_plugin_linear_routes_by_batch_size():
+    ops = cpu_ops.make_ops(kernels)
+    w = torch.randn(32, 24)
+    with torch.inference_mode():
+        for m in (1, cpu_ops.SMALL_M, cpu_ops.SMALL_M + 1):
+            x = torch.randn(m, 24)
+            torch.testing.assert_close(ops["linear"](x, w), F.linear(x, w), atol=1e-5, rtol=1e-5)
+        x3 = torch.randn(2, 3, 24)                       # not 2-D: the native op
+        torch.testing.assert_close(ops["linear"](x3, w), F.linear(x3, w))
