@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from polychip.engine.async_engine import AsyncEngine
 from polychip.engine.engine import Engine
 from polychip.server import chat, completions
-from polychip.server.errors import install_error_handlers, parse_body, to_response
+from polychip.server.errors import error_response, install_error_handlers, parse_body, to_response
 from polychip.server.metrics import CONTENT_TYPE, ServerMetrics
 from polychip.models.gguf import default_gguf_path
 from polychip.server.middleware import Gate
@@ -120,10 +120,11 @@ def build_app(engine: Engine, *, shutdown_timeout: float = 10.0) -> tuple[Gate, 
         except Exception as e:
             return to_response(e)
 
-    if metrics is not None:
-        @app.get("/metrics")
-        async def prometheus():
-            return Response(metrics.render(), media_type=CONTENT_TYPE)
+    @app.get("/metrics")
+    async def prometheus():
+        if metrics is None:
+            return error_response(404, "metrics are off; start the server with --enable-metrics", "not_found_error")
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     on_response = (lambda m, r, s: metrics.http.labels(m, r, str(s)).inc()) if metrics is not None else None
     gate = Gate(app, api_key=cfg.api_key, max_body_bytes=cfg.max_request_body_bytes, on_response=on_response)
