@@ -52,11 +52,25 @@ def test_empty_prompt_and_out_of_vocab_ids(llm):
     ({"max_tokens": 0}, "max_tokens"), ({"temperature": -0.5}, "temperature"),
     ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"n": 0}, "n"),
     ({"min_p": 2.0}, "min_p"), ({"logprobs": 99}, "logprobs"), ({"top_k": -3}, "top_k"),
+    ({"temperature": float("nan")}, "temperature"), ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+    ({"top_k": 2**40}, "top_k"), ({"seed": 2**64}, "seed"),
 ])
 def test_bad_sampling_params(llm, kwargs, param):
     with pytest.raises(InvalidRequestError, match=f"^\\[framework\\] {param} "):
         SamplingParams(**kwargs)
     still_serves(llm)
+
+
+def test_stop_token_ids_outside_the_vocab(llm):
+    with pytest.raises(InvalidRequestError, match="stop_token_ids"):
+        llm.generate([[1, 2]], SamplingParams(max_tokens=2, stop_token_ids=[10**9]))
+    still_serves(llm)
+
+
+def test_tiny_temperature_is_greedy(llm):
+    greedy = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
+    tiny = llm.generate([[5, 6, 7]], SamplingParams(temperature=1e-40, max_tokens=4, ignore_eos=True))[0]
+    assert tiny.token_ids == greedy.token_ids
 
 
 def test_unknown_architecture_lists_supported(tmp_path, model_factory):

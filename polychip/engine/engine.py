@@ -66,6 +66,10 @@ class Engine:
         params = params or SamplingParams()
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.validate_prompt(ids)
+        bad = [t for t in params.stop_token_ids if not 0 <= t < self.model_config.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"stop_token_ids {bad[:5]} are outside the vocabulary "
+                                      f"[0, {self.model_config.vocab_size})")
         rid = request_id or f"req-{next(self._ids)}"
         if self.scheduler.find(rid) is not None:
             raise InvalidRequestError(f"request id {rid!r} is already in use")
@@ -166,10 +170,12 @@ class Engine:
         upto = streamable_len(req)
         delta = req.text[req.emitted:upto]
         req.emitted = max(req.emitted, upto)
+        new_tokens, new_logprobs = req.output_ids[req.emitted_tokens:], req.logprobs[req.emitted_logprobs:]
+        req.emitted_tokens, req.emitted_logprobs = len(req.output_ids), len(req.logprobs)
         t = req.timings
         comp = CompletionOutput(0, req.text[:upto], list(req.output_ids), req.finish_reason, req.stop_reason,
                                 list(req.logprobs) if req.params.logprobs is not None else None,
-                                delta, req.output_ids[-1:], req.logprobs[-1:])
+                                delta, new_tokens, new_logprobs)
         return RequestOutput(req.request_id, req.prompt_ids, [comp], req.finished, req.num_cached_tokens,
                              t.ttft, t.tpot(len(req.output_ids)),
                              None if t.finished is None else t.finished - t.arrival)

@@ -63,6 +63,8 @@ class Request:
         self.logprobs: list[TokenLogprob] = []
         self.text = ""                      # output text, stop strings applied
         self.emitted = 0                    # chars of ``text`` already streamed
+        self.emitted_tokens = 0             # output ids already reported as deltas
+        self.emitted_logprobs = 0
         self.timings = Timings(arrival if arrival is not None else time.monotonic())
 
     @property

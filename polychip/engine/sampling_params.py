@@ -1,12 +1,15 @@
 """SamplingParams: what a request asks of the sampler and the stop checker."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from polychip.errors import InvalidRequestError
 
 MAX_N = 64
 MAX_LOGPROBS = 20
+MAX_TOP_K = 2**31 - 1
+GREEDY_BELOW = 1e-5      # temperatures this small are greedy (dividing by them overflows)
 
 
 @dataclass
@@ -42,14 +45,20 @@ class SamplingParams:
         raise InvalidRequestError(f"{param} {msg}")
 
     def validate(self) -> None:
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
+                     "presence_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                self._bad(name, f"must be a finite number, got {getattr(self, name)}")
         if not 1 <= self.n <= MAX_N:
             self._bad("n", f"must be in [1, {MAX_N}], got {self.n}")
         if self.temperature < 0:
             self._bad("temperature", f"must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             self._bad("top_p", f"must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            self._bad("top_k", f"must be -1 (off) or >= 1, got {self.top_k}")
+        if not -1 <= self.top_k <= MAX_TOP_K:
+            self._bad("top_k", f"must be -1 (off) or in [1, {MAX_TOP_K}], got {self.top_k}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            self._bad("seed", f"must be in [0, 2**63), got {self.seed}")
         if not 0 <= self.min_p <= 1:
             self._bad("min_p", f"must be in [0, 1], got {self.min_p}")
         if self.repetition_penalty <= 0:
@@ -66,7 +75,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < GREEDY_BELOW or self.top_k == 1
 
     @property
     def has_penalties(self) -> bool:
