@@ -57,21 +57,24 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, seg: PrefillSegment, scale: float) -> torch.Tensor:
-    """One prefill chunk: rows seg.start .. seg.start + q_len of q, k, v -> [q_len, H, D]."""
+    """One prefill chunk: rows seg.start .. seg.start + q_len of q, k, v -> [q_len, H, D].
+
+    Inputs are 4-D ([1, heads, n, D]): PyTorch's CPU flash kernel takes only those, with or
+    without GQA and mask; 3-D ones fall back to the math kernel (materialised scores, ~3x slower)."""
     gqa = q.shape[1] != k_cache.shape[2]
-    qs = q[seg.start:seg.start + seg.q_len].transpose(0, 1)       # [H, n, D]
+    qs = q[seg.start:seg.start + seg.q_len].transpose(0, 1).unsqueeze(0)       # [1, H, n, D]
     if seg.kv_len == seg.q_len:   # no cached prefix: use the fresh k, v directly
-        ks = k[seg.start:seg.start + seg.q_len].transpose(0, 1)
-        vs = v[seg.start:seg.start + seg.q_len].transpose(0, 1)
+        ks = k[seg.start:seg.start + seg.q_len].transpose(0, 1).unsqueeze(0)
+        vs = v[seg.start:seg.start + seg.q_len].transpose(0, 1).unsqueeze(0)
         o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
     else:
-        ks = _gather(k_cache, seg.pages)[:seg.kv_len].transpose(0, 1)
-        vs = _gather(v_cache, seg.pages)[:seg.kv_len].transpose(0, 1)
+        ks = _gather(k_cache, seg.pages)[:seg.kv_len].transpose(0, 1).unsqueeze(0)
+        vs = _gather(v_cache, seg.pages)[:seg.kv_len].transpose(0, 1).unsqueeze(0)
         offset = seg.kv_len - seg.q_len
         rows = torch.arange(seg.q_len, device=q.device).unsqueeze(1) + offset
         mask = torch.arange(seg.kv_len, device=q.device).unsqueeze(0) <= rows
-        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=gqa)
-    return o.transpose(0, 1)
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask[None, None], scale=scale, enable_gqa=gqa)
+    return o[0].transpose(0, 1)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
