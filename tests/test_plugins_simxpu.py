@@ -96,11 +96,13 @@ def test_spec_custom_attributes_reach_the_plugin(tmp_path):
         open_device("simxpu", device_config=str(path))
 
 
-def test_kv_pool_beyond_the_card_fails_with_the_plugins_reason(tmp_path, model_factory):
+@pytest.mark.parametrize("card,what", [("64MiB", "weights"), ("256MiB", "KV pool")])
+def test_weights_or_kv_pool_beyond_the_card_fail_with_the_plugins_reason(tmp_path, model_factory, card, what):
     from polychip import LLM
     spec = tmp_path / "small.yaml"
-    spec.write_text("device_type: simxpu\ndevice_ids: [0]\nmemory: {total: 64MiB}\n"
+    spec.write_text(f"device_type: simxpu\ndevice_ids: [0]\nmemory: {{total: {card}}}\n"
                     "supported_dtypes: [float32]\ncustom_attributes: {granularity: 65536}\n")
+    # the untied random llama holds ~78 MB of weights: over 64 MiB; the 2**20-token pool is over 256 MiB
     with pytest.raises(PluginError, match="simxpu:0 out of memory"):
         LLM(model_factory("llama", False), device="simxpu", device_config=str(spec), max_total_tokens=2**20)
 

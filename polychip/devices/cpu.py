@@ -64,6 +64,9 @@ class CpuPlugin(DevicePlugin):
     def device_handle(self, index: int | None = None) -> torch.device:
         return torch.device("cpu")
 
+    def place_weight(self, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return tensor.to(dtype)     # no copy: stays memory-mapped from the safetensors file
+
     def mem_info(self) -> tuple[int, int]:
         return _meminfo()
 

@@ -100,6 +100,11 @@ class DevicePlugin(abc.ABC):
     def alloc(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, device=self.device_handle())
 
+    def place_weight(self, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """A host weight on the device, allocated through ``alloc`` so capacity limits count it."""
+        out = self.alloc(tuple(tensor.shape), dtype)
+        return self.copy(out, tensor.to(dtype))
+
     def free(self, tensor: torch.Tensor) -> None:
         """Give a tensor from ``alloc`` back (the CPU and CUDA caching allocators just drop it)."""
 

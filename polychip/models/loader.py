@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 
 from polychip.devices.spec import require_dtypes
-from polychip.errors import ModelLoadError
+from polychip.errors import ModelLoadError, PolychipError
 from polychip.models.config import ModelConfig
 from polychip.models.decoder import DecoderModel, rope_inv_freq
 from polychip.models.tokenizer import Tokenizer
@@ -86,7 +86,7 @@ def _weight_files(model_dir: str) -> list[str]:
     return files
 
 
-def read_state_dict(model_dir: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> dict:
+def read_state_dict(model_dir: str, cfg: ModelConfig, dtype: torch.dtype, plugin) -> dict:
     state = {}
     for path in _weight_files(model_dir):
         try:
@@ -96,8 +96,8 @@ def read_state_dict(model_dir: str, cfg: ModelConfig, dtype: torch.dtype, device
                     if key == "lm_head.weight" and cfg.tie_word_embeddings:
                         continue
                     t = f.get_tensor(name)
-                    state[key] = t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
-        except ModelLoadError:
+                    state[key] = plugin.place_weight(t, dtype if t.is_floating_point() else t.dtype)
+        except PolychipError:   # e.g. the plugin's out-of-memory, with its own layer
             raise
         except Exception as e:  # safetensors raises its own error types for corrupt files
             raise ModelLoadError(f"{path}: cannot read safetensors ({e})") from None
@@ -142,7 +142,7 @@ def load_model(model_path: str | None, plugin, dtype: str = "auto", enable_fusio
         register_native(registry)
         plugin.register_ops(registry)
     ops = SimpleNamespace(fuse_add_norm=False)
-    state = read_state_dict(model_dir, cfg, torch_dtype, device)
+    state = read_state_dict(model_dir, cfg, torch_dtype, plugin)
     quantised = [str(t.dtype).removeprefix("torch.") for t in state.values() if not t.is_floating_point()]
     require_dtypes(plugin, quantised, "quantised weight dtype")
     max_len = max_model_len or cfg.max_position_embeddings
