@@ -10,12 +10,13 @@ kernels = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(kernels is None, reason="CPU kernels did not build here (see the log)")
 
 
+@pytest.mark.parametrize("lengths", [[1, 16, 17, 300, 45], [700], [1000, 3]])   # one or two: split pieces
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 1)])
-def test_paged_decode_attention_matches_native(heads, kv_heads):
+def test_paged_decode_attention_matches_native(heads, kv_heads, lengths):
     torch.manual_seed(0)
     page, pages, d = 16, 64, 32
     kc, vc = torch.randn(pages, page, kv_heads, d), torch.randn(pages, page, kv_heads, d)
-    lens = torch.tensor([1, 16, 17, 300, 45])
+    lens = torch.tensor(lengths)
     width = int((lens.max() + page - 1) // page)
     table = torch.stack([torch.randperm(pages)[:width] for _ in lens])
     mask = (torch.arange(width * page)[None, :] < lens[:, None])[:, None, None, :]
@@ -36,13 +37,15 @@ def test_linear_small_m_matches_f_linear(m, n, k):
     x, w, b = torch.randn(m, k), torch.randn(n, k), torch.randn(n)
     torch.testing.assert_close(kernels.linear_small_m(x, w, b), F.linear(x, w, b), atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(kernels.linear_small_m(x, w, None), F.linear(x, w), atol=1e-4, rtol=1e-4)
+    for block in (1, 64, 4096):
+        torch.testing.assert_close(kernels.linear_blocks(x, w, b, block), F.linear(x, w, b), atol=1e-4, rtol=1e-4)
 
 
 def test_plugin_linear_routes_by_batch_size():
     ops = cpu_ops.make_ops(kernels)
     w = torch.randn(32, 24)
     with torch.inference_mode():
-        for m in (1, cpu_ops.SMALL_M, cpu_ops.SMALL_M + 1):
+        for m in (1, cpu_ops.SMALL_M, cpu_ops.SMALL_M + 1, 65):
             x = torch.randn(m, 24)
             torch.testing.assert_close(ops["linear"](x, w), F.linear(x, w), atol=1e-5, rtol=1e-5)
         x3 = torch.randn(2, 3, 24)                       # not 2-D: the native op

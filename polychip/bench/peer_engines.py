@@ -132,10 +132,15 @@ class LlamaCppPeer:
         self.lc = llama_cpp
         self.n_batch = 512
         self.max_seqs = max_seqs
-        self.llm = llama_cpp.Llama(model_path=gguf_path, n_ctx=max_seqs * max_len, n_batch=self.n_batch,
-                                   n_ubatch=self.n_batch, n_threads=threads, n_threads_batch=threads,
-                                   n_seq_max=max_seqs, kv_unified=True, verbose=False)
-        self.ctx = self.llm._ctx.ctx
+        # the model through the high-level class; a context of our own, since that class fixes
+        # one sequence per context and the workload needs ``max_seqs`` decoding together
+        self.llm = llama_cpp.Llama(model_path=gguf_path, n_ctx=64, n_threads=threads, verbose=False)
+        cp = llama_cpp.llama_context_default_params()
+        cp.n_ctx, cp.n_batch, cp.n_ubatch = max_seqs * max_len, self.n_batch, self.n_batch
+        cp.n_seq_max, cp.n_threads, cp.n_threads_batch, cp.kv_unified = max_seqs, threads, threads, True
+        self.ctx = llama_cpp.llama_init_from_model(self.llm._model.model, cp)
+        if not self.ctx:
+            raise RuntimeError("llama.cpp could not create a context")
         self.n_vocab = self.llm.n_vocab()
         self.batch = llama_cpp.llama_batch_init(max(self.n_batch, max_seqs), 0, max_seqs)
 
@@ -197,4 +202,5 @@ class LlamaCppPeer:
 
     def close(self) -> None:
         self.lc.llama_batch_free(self.batch)
+        self.lc.llama_free(self.ctx)
         self.llm.close()

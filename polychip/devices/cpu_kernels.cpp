@@ -15,7 +15,7 @@
 
 namespace {
 
-inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
+[[maybe_unused]] inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
   float s = 0.f;
 #pragma omp simd reduction(+ : s)
   for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
@@ -35,6 +35,63 @@ void check_f32(const torch::Tensor& t, const char* name) {
 
 }  // namespace
 
+namespace {
+
+typedef float vf8 __attribute__((vector_size(32)));   // GCC/Clang vector: AVX2 or better, NEON pairs
+
+inline vf8 loadu8(const float* p) {
+  vf8 v;
+  __builtin_memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline float hsum8(vf8 v) {
+  float s = 0.f;
+  for (int t = 0; t < 8; ++t) s += v[t];
+  return s;
+}
+
+inline float dot_vec(const float* __restrict a, const float* __restrict b, int64_t n) {
+  vf8 acc = vf8{};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc += loadu8(a + i) * loadu8(b + i);
+  float s = hsum8(acc);
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// One (sequence, token range) piece of decode attention over all heads: unnormalised output
+// acc [H, D], running max m [H] and sum l [H], merged across pieces afterwards.
+void decode_piece(const float* qb, const float* kp, const float* vp, const int64_t* pages, int64_t t0,
+                  int64_t t1, int64_t page, int64_t H, int64_t Hkv, int64_t D, float scale, float* acc,
+                  float* m, float* l, std::vector<float>& scores) {
+  const int64_t G = H / Hkv, row = Hkv * D, n = t1 - t0;
+  scores.resize(H * n);
+  for (int64_t t = t0; t < t1; ++t) {
+    const float* kr = kp + (pages[t / page] * page + t % page) * row;
+    for (int64_t h = 0; h < H; ++h) scores[h * n + (t - t0)] = dot_vec(qb + h * D, kr + (h / G) * D, D) * scale;
+  }
+  for (int64_t h = 0; h < H; ++h) {
+    float* sh = scores.data() + h * n;
+    float mx = sh[0];
+    for (int64_t i = 1; i < n; ++i) mx = std::max(mx, sh[i]);
+    float sum = 0.f;
+    for (int64_t i = 0; i < n; ++i) {
+      sh[i] = std::exp(sh[i] - mx);
+      sum += sh[i];
+    }
+    m[h] = mx;
+    l[h] = sum;
+  }
+  std::fill(acc, acc + H * D, 0.f);
+  for (int64_t t = t0; t < t1; ++t) {
+    const float* vr = vp + (pages[t / page] * page + t % page) * row;
+    for (int64_t h = 0; h < H; ++h) axpy(acc + h * D, vr + (h / G) * D, scores[h * n + (t - t0)], D);
+  }
+}
+
+}  // namespace
+
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_table, torch::Tensor lens, double scale) {
   check_f32(q, "q");
@@ -47,71 +104,65 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   const int64_t page = k_cache.size(1), Hkv = k_cache.size(2), P = k_cache.size(0);
   TORCH_CHECK(k_cache.size(3) == D && H % Hkv == 0, "head sizes do not match");
   TORCH_CHECK(block_table.size(0) == B && lens.size(0) == B, "one block-table row and length per query");
-  const int64_t G = H / Hkv, W = block_table.size(1), row = Hkv * D;
-  auto out = torch::empty_like(q);
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
+  const int64_t W = block_table.size(1);
   const int64_t* tab = block_table.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
-  float* op = out.data_ptr<float>();
+  int64_t max_len = 0;
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(lp[b] >= 1 && lp[b] <= W * page, "sequence length out of its block table");
     for (int64_t i = 0; i < (lp[b] + page - 1) / page; ++i)
       TORCH_CHECK(tab[b * W + i] >= 0 && tab[b * W + i] < P, "page id out of the pool");
+    max_len = std::max(max_len, lp[b]);
   }
+  // split each sequence into pieces of whole pages so that every thread has work even at batch 1
+  const int64_t threads = at::get_num_threads();
+  const int64_t splits = std::max<int64_t>(1, std::min<int64_t>((2 * threads + B - 1) / B, (max_len + 255) / 256));
+  const int64_t piece = ((max_len + splits - 1) / splits + page - 1) / page * page;
+  auto out = torch::empty_like(q);
+  auto part_acc = torch::empty({B, splits, H, D}, q.options());
+  auto part_ml = torch::full({B, splits, 2, H}, 0.f, q.options());
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k_cache.data_ptr<float>();
+  const float* vp = v_cache.data_ptr<float>();
+  float* pa = part_acc.data_ptr<float>();
+  float* pml = part_ml.data_ptr<float>();
   const float sc = static_cast<float>(scale);
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, acc(G * D);
+  at::parallel_for(0, B * splits, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / Hkv, h = task % Hkv, L = lp[b];
-      const float* qb = qp + (b * H + h * G) * D;
-      const int64_t* pages = tab + b * W;
-      scores.resize(G * L);
-      for (int64_t s = 0; s < L; s += page) {
-        const int64_t n = std::min(page, L - s);
-        const float* kr = kp + pages[s / page] * page * row + h * D;
-        for (int64_t j = 0; j < n; ++j)
-          for (int64_t g = 0; g < G; ++g) scores[g * L + s + j] = dot(qb + g * D, kr + j * row, D) * sc;
+      const int64_t b = task / splits, sp = task % splits;
+      const int64_t t0 = sp * piece, t1 = std::min(lp[b], t0 + piece);
+      float* ml = pml + task * 2 * H;
+      if (t0 >= t1) {
+        for (int64_t h = 0; h < H; ++h) ml[h] = -INFINITY;   // empty piece: weight zero in the merge
+        continue;
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      std::vector<float> inv(G);
-      for (int64_t g = 0; g < G; ++g) {
-        float* sg = scores.data() + g * L;
-        float m = sg[0];
-        for (int64_t l = 1; l < L; ++l) m = std::max(m, sg[l]);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t l = 0; l < L; ++l) {
-          sg[l] = std::exp(sg[l] - m);
-          sum += sg[l];
-        }
-        inv[g] = 1.f / sum;
-      }
-      for (int64_t s = 0; s < L; s += page) {
-        const int64_t n = std::min(page, L - s);
-        const float* vr = vp + pages[s / page] * page * row + h * D;
-        for (int64_t j = 0; j < n; ++j)
-          for (int64_t g = 0; g < G; ++g) axpy(acc.data() + g * D, vr + j * row, scores[g * L + s + j], D);
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        float* o = op + (b * H + h * G + g) * D;
-        for (int64_t d = 0; d < D; ++d) o[d] = acc[g * D + d] * inv[g];
-      }
+      decode_piece(qp + b * H * D, kp, vp, tab + b * W, t0, t1, page, H, Hkv, D, sc, pa + task * H * D, ml,
+                   ml + H, scores);
     }
   });
+  float* op = out.data_ptr<float>();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h) {
+      float mx = -INFINITY;
+      for (int64_t sp = 0; sp < splits; ++sp) mx = std::max(mx, pml[((b * splits + sp) * 2) * H + h]);
+      float total = 0.f;
+      float* o = op + (b * H + h) * D;
+      std::fill(o, o + D, 0.f);
+      for (int64_t sp = 0; sp < splits; ++sp) {
+        const float* ml = pml + (b * splits + sp) * 2 * H;
+        if (ml[h] == -INFINITY) continue;
+        const float w = std::exp(ml[h] - mx);
+        total += w * ml[H + h];
+        axpy(o, pa + ((b * splits + sp) * H + h) * D, w, D);
+      }
+      const float inv = 1.f / total;
+      for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+    }
   return out;
 }
 
 namespace {
-
-typedef float vf8 __attribute__((vector_size(32)));   // GCC/Clang vector: AVX2 or better, NEON pairs
-
-inline vf8 loadu8(const float* p) {
-  vf8 v;
-  __builtin_memcpy(&v, p, sizeof(v));
-  return v;
-}
 
 // y[m0..m0+MB, n0..n0+NB] = x w^T (+ b), register-blocked: each x and w load feeds several FMAs
 template <int MB, int NB>
@@ -176,34 +227,34 @@ torch::Tensor linear_small_m(torch::Tensor x, torch::Tensor w, c10::optional<tor
   return y;
 }
 
-// y = x w^T (+ b) for many rows: row blocks of x handed out dynamically to the intra-op threads,
-// each block one single-threaded BLAS call. A thread that the OS delays holds up one block,
-// not half the matrix (multi-threaded BLAS stalls for a whole time slice then).
-torch::Tensor linear_row_blocks(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias,
-                                int64_t block) {
+// y = x w^T (+ b): blocks of weight rows handed out dynamically to the intra-op threads, each
+// block one single-threaded BLAS call (w_blk x^T). A thread the OS delays holds up one block,
+// not half the matrix, as multi-threaded BLAS does (it stalls for a whole time slice then).
+torch::Tensor linear_blocks(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, int64_t block) {
   check_f32(x, "x");
   check_f32(w, "weight");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x [M, K], weight [N, K]");
   const int64_t M = x.size(0), N = w.size(0);
-  const float* bp = bias_ptr(bias, N);
-  auto y = torch::empty({M, N}, x.options());
-  const int64_t nblocks = (M + block - 1) / block;
-  const auto wt = w.t();
+  bias_ptr(bias, N);
+  auto yt = torch::empty({N, M}, x.options());
+  const int64_t nblocks = (N + block - 1) / block;
+  const auto xt = x.t();
   std::atomic<int64_t> next{0};
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), nblocks);
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     for (int64_t c = next.fetch_add(1); c < nblocks; c = next.fetch_add(1)) {
-      const int64_t m0 = c * block, len = std::min(block, M - m0);
-      auto ys = y.narrow(0, m0, len);
-      at::mm_out(ys, x.narrow(0, m0, len), wt);
-      if (bp) ys.add_(*bias);
+      const int64_t n0 = c * block, len = std::min(block, N - n0);
+      auto out = yt.narrow(0, n0, len);
+      at::mm_out(out, w.narrow(0, n0, len), xt);
     }
   });
+  auto y = yt.t().contiguous();
+  if (bias.has_value() && bias->defined()) y.add_(*bias);
   return y;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (float32)");
   m.def("linear_small_m", &linear_small_m, "x w^T + b for a few rows (float32)");
-  m.def("linear_row_blocks", &linear_row_blocks, "x w^T + b, row blocks on the intra-op threads (float32)");
+  m.def("linear_blocks", &linear_blocks, "x w^T + b, weight-row blocks on the intra-op threads (float32)");
 }
