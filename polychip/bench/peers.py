@@ -174,7 +174,9 @@ def targets_report(res: dict) -> str:
 
     def add(text, value, ok):
         rows.append(f"| {text} | {value} | {'yes' if ok else 'NO'} |")
+    long_output = res["config"]["output_len"] >= 512      # the seeds' workload: ~2.5x static batching
     for peer, want in TARGETS.items():
+        want = 2.5 if long_output and peer == "hf-static" else want
         if peer in res["ratios"]:
             add(f">= {want}x {res['engines'][peer]['engine']}", f"{res['ratios'][peer]:.2f}x", res["ratios"][peer] >= want)
     want = 75 if res["config"]["output_len"] >= 512 else None

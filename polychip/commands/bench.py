@@ -170,6 +170,7 @@ def main(argv: list[str]) -> int:
     pl.add_argument("--title", default="")
     args = p.parse_args(argv)
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.getLogger("httpx").setLevel(logging.WARNING)      # one line per request otherwise
     if args.cmd == "serving":
         return run_serving(args)
     if args.cmd == "compare":
