@@ -123,8 +123,8 @@ async def _sweep(cfg: ServingConfig, requests_for, concurrencies: list[int]) -> 
     limits = httpx.Limits(max_connections=max(concurrencies) + 4, max_keepalive_connections=max(concurrencies) + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(cfg.timeout_s, connect=30.0), limits=limits) as client:
         model = cfg.model or await discover_model(client, cfg)
-        warm = requests_for(1)[0]
-        await send_request(client, cfg, model, BenchRequest(warm.prompt, warm.prompt_len, 4))
+        # warm-up on a prompt of its own, so that no measured prompt starts with a cached prefix
+        await send_request(client, cfg, model, BenchRequest("Warm-up: count from one to ten.", 8, 4))
         steps = []
         for c in concurrencies:
             before = await stage_metrics.scrape(client, api_root(cfg.base_url))

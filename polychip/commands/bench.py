@@ -56,8 +56,8 @@ def _requests_factory(args):
     def requests_for(concurrency: int):
         n = args.num_prompts or concurrency
         if n not in cache:
-            if kind == "synthetic":
-                cache[n] = datasets.synthetic(tok, n, args.input_len, args.output_len, args.seed,
+            if kind == "synthetic":   # fresh prompts per step: no prefix-cache hits across steps
+                cache[n] = datasets.synthetic(tok, n, args.input_len, args.output_len, args.seed * 7919 + n,
                                               args.shared_prefix_len)
             else:
                 cache[n] = datasets.sharegpt_like(tok, args.dataset[1], n, args.input_len, args.output_len, args.seed)
