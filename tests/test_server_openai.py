@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import asyncio
 
+import time
+
 import httpx
 import openai
 import pytest
@@ -153,6 +155,9 @@ def test_request_id_header_and_models(server):
     r = httpx.post(server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
     rid = r.headers["x-request-id"]
     assert r.json()["id"] == f"cmpl-{rid}"
+    deadline = time.monotonic() + 5       # the log line is read from the server's pipe by a thread
+    while rid not in server.log and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert rid in server.log                                   # logged with the request
     assert httpx.get(server.url + "/health").status_code == 200
     assert "polychip ready: " + server.url in server.log
