@@ -85,7 +85,8 @@ class TransformersPeer:
         from transformers import AutoModelForCausalLM
         self.batched = batched
         self.name = "transformers static batch" if batched else "transformers one-by-one"
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                          local_files_only=True).eval()
         self.pad = self.model.config.eos_token_id
         if isinstance(self.pad, list):
             self.pad = self.pad[0]
