@@ -102,3 +102,12 @@ def test_recording_registry_counts_calls_per_key():
     assert torch.equal(out, x)
     used = {r.name: (r.source, n) for r, n in reg.used()}
     assert used == {"silu_mul": ("plugin:chip", 2), "linear": ("native", 1)}
+
+
+def test_unavailable_op_reason_reaches_the_fallback():
+    from polychip.ops.registry import OpRegistry
+    reg = OpRegistry("cpu")
+    reg.register_native("linear", 1, lambda x, w, b=None: x)
+    reg.register_unavailable("linear", "C++ kernels did not build (no compiler)")
+    res = reg.resolve("linear", 1, "float32")
+    assert res.is_fallback and "cannot provide linear here: C++ kernels did not build" in res.reason

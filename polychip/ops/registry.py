@@ -38,6 +38,7 @@ class OpRegistry:
         self._plugin: dict[tuple[str, int, str], Callable] = {}
         self._native: dict[tuple[str, int], Callable] = {}
         self._resolved: dict[tuple[str, int, str], Resolution] = {}
+        self._unavailable: dict[str, str] = {}     # op name -> why the plugin could not provide it
         self.stats = {"plugin": 0, "fallback": 0}
 
     def register_native(self, name: str, version: int, fn: Callable) -> None:
@@ -52,6 +53,11 @@ class OpRegistry:
         if key in self._plugin:
             raise PluginError(f"plugin {self.plugin_name!r} registers op {name!r} v{version} {dtype} twice")
         self._plugin[key] = fn
+        self._resolved.clear()
+
+    def register_unavailable(self, name: str, reason: str) -> None:
+        """A plugin says it would provide ``name`` but cannot here (e.g. its kernels did not build)."""
+        self._unavailable[name] = reason
         self._resolved.clear()
 
     @staticmethod
@@ -80,6 +86,8 @@ class OpRegistry:
 
     def _fallback_reason(self, name: str, version: int, dtype: str) -> str:
         mine = [(v, d) for (n, v, d) in self._plugin if n == name]
+        if not mine and name in self._unavailable:
+            return f"plugin {self.plugin_name!r} cannot provide {name} here: {self._unavailable[name]}"
         if not mine:
             return f"plugin {self.plugin_name!r} does not implement {name}"
         dtypes = sorted(d for v, d in mine if v == version)
