@@ -41,6 +41,37 @@ def test_linear_small_m_matches_f_linear(m, n, k):
         torch.testing.assert_close(kernels.linear_blocks(x, w, b, block), F.linear(x, w, b), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("m", [1, 2, 3, 7, 8, 9, 16, 33])
+@pytest.mark.parametrize("n,k", [(1728, 576), (49152, 576), (37, 100), (576, 1536), (37, 1536), (5, 7), (9, 8)])
+def test_linear_gemv_matches_f_linear(m, n, k):
+    torch.manual_seed(m * 7 + n)
+    x, w, b = torch.randn(m, k), torch.randn(n, k), torch.randn(n)
+    want, want_nb = F.linear(x, w, b), F.linear(x, w)
+    tol = dict(atol=1e-4 * (k / 100) ** 0.5, rtol=1e-5)          # fp32 sums of k products of N(0, 1)
+    torch.testing.assert_close(kernels.linear_gemv(x, w, b), want, **tol)
+    torch.testing.assert_close(kernels.linear_gemv(x, w, None), want_nb, **tol)
+    for threads in (1, 2):                                    # one thread: no chunks handed out
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            torch.testing.assert_close(kernels.linear_gemv(x, w, b), want, **tol)
+        finally:
+            torch.set_num_threads(before)
+
+
+def test_plugin_linear_non_contiguous_and_bias():
+    ops = cpu_ops.make_ops(kernels)
+    w = torch.randn(24, 40).t()                               # [40, 24], not contiguous
+    b = torch.randn(80)[::2]                                  # not contiguous
+    with torch.inference_mode():
+        for m in (1, 3, 16, 17):
+            x = torch.randn(24, m).t()                        # [m, 24], not contiguous
+            torch.testing.assert_close(ops["linear"](x, w, b), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(ops["linear"](x, w), F.linear(x, w), atol=1e-5, rtol=1e-5)
+        x0 = torch.randn(0, 24)
+        assert ops["linear"](x0, w, b).shape == (0, 40)
+
+
 def test_plugin_linear_routes_by_batch_size():
     ops = cpu_ops.make_ops(kernels)
     w = torch.randn(32, 24)
