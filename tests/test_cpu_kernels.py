@@ -81,3 +81,15 @@ def test_plugin_linear_routes_by_batch_size():
             torch.testing.assert_close(ops["linear"](x, w), F.linear(x, w), atol=1e-5, rtol=1e-5)
         x3 = torch.randn(2, 3, 24)                       # not 2-D: the native op
         torch.testing.assert_close(ops["linear"](x3, w), F.linear(x3, w))
+
+
+def test_kernels_off_is_a_visible_fallback(model_factory, monkeypatch):
+    from polychip.devices import cpu_kernels
+    from polychip.devices.cpu import CpuPlugin
+    from polychip.models.loader import load_model
+    monkeypatch.setenv("POLYCHIP_CPU_KERNELS", "0")
+    monkeypatch.setattr(cpu_kernels, "_state", {})     # forget this process's earlier build
+    loaded = load_model(model_factory("llama", True), CpuPlugin(), "float32")
+    for op in ("linear", "attention"):
+        res = loaded.resolutions[op]
+        assert res.is_fallback and "cannot provide" in res.reason and "POLYCHIP_CPU_KERNELS=0" in res.reason

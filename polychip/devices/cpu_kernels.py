@@ -31,16 +31,14 @@ def _name() -> str:
 
 
 def load():
-    """The compiled module, or None (with the reason logged once)."""
+    """The compiled module, or None (the reason logged once and kept in ``unavailable_reason()``)."""
     if "module" in _state:
         return _state["module"]
     _state["module"] = None
     if not enabled():
-        log.info("CPU kernels off (POLYCHIP_CPU_KERNELS=0): native PyTorch ops")
-        return None
+        return _unavailable("CPU kernels off (POLYCHIP_CPU_KERNELS=0)")
     if platform.machine() not in ("x86_64", "AMD64", "aarch64", "arm64"):
-        log.info("CPU kernels not built for %s: native PyTorch ops", platform.machine())
-        return None
+        return _unavailable(f"CPU kernels are not built for {platform.machine()}")
     try:
         from torch.utils import cpp_extension
         flags = ["-O3", "-ffast-math", "-fopenmp-simd", "-march=native" if platform.machine() in ("x86_64", "AMD64")
@@ -48,6 +46,16 @@ def load():
         log.info("building CPU kernels (once per machine; about a minute)")
         _state["module"] = cpp_extension.load(_name(), [_SOURCE], extra_cflags=flags, verbose=False)
     except Exception as e:  # a missing compiler or ninja must only cost speed, never correctness
-        log.warning("CPU kernels unavailable (%s: %s); using native PyTorch ops", type(e).__name__,
-                    str(e).splitlines()[0][:200] if str(e) else "")
+        first = str(e).splitlines()[0][:200] if str(e) else ""
+        return _unavailable(f"CPU kernels did not build ({type(e).__name__}: {first})", logging.WARNING)
     return _state["module"]
+
+
+def _unavailable(reason: str, level: int = logging.INFO):
+    _state["reason"] = reason
+    log.log(level, "%s; using native PyTorch ops", reason)
+    return None
+
+
+def unavailable_reason() -> str:
+    return _state.get("reason", "")

@@ -55,6 +55,8 @@ def register(registry) -> None:
     """Register the kernels' ops for float32 when they build; otherwise the native ops serve."""
     kernels = cpu_kernels.load()
     if kernels is None:
+        for name in ("linear", "attention"):
+            registry.register_unavailable(name, cpu_kernels.unavailable_reason())
         return
     for name, fn in make_ops(kernels).items():
         registry.register(name, 1, "float32", fn)
