@@ -180,14 +180,6 @@ class Engine:
                              t.ttft, t.tpot(len(req.output_ids)),
                              None if t.finished is None else t.finished - t.arrival)
 
-    def run_until_done(self) -> dict[str, RequestOutput]:
-        final = {}
-        while self.has_unfinished():
-            for out in self.step():
-                if out.finished:
-                    final[out.request_id] = out
-        return final
-
     def check_integrity(self) -> None:
         self.pool.allocator.check_integrity()
         self.cache.check_integrity()

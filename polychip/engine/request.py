@@ -72,17 +72,13 @@ class Request:
         return len(self.prompt_ids) + len(self.output_ids)
 
     def tokens(self, start: int, end: int) -> list[int]:
-        """all_ids[start:end] without building the whole list."""
+        """(prompt + output)[start:end] without building the whole list."""
         p = len(self.prompt_ids)
         if end <= p:
             return self.prompt_ids[start:end]
         if start >= p:
             return self.output_ids[start - p:end - p]
         return self.prompt_ids[start:] + self.output_ids[:end - p]
-
-    @property
-    def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
 
     @property
     def finished(self) -> bool:
