@@ -1,10 +1,13 @@
 """The engine's greedy tokens and logprobs equal transformers' on the same random weights."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from polychip import LLM, SamplingParams
+from polychip.errors import ModelLoadError
 
 NEW_TOKENS = 8
 
@@ -104,3 +107,24 @@ def test_bfloat16_logprobs_close_to_transformers(model_factory, test_device):
         want = ref[[t for t, _ in top]]
         torch.testing.assert_close(got, want, atol=0.08, rtol=0)
     assert_pool_empty(llm)
+
+
+def test_sharded_safetensors_with_index_load_the_same_model(model_factory, tmp_path, test_device):
+    import glob
+    import shutil
+
+    import transformers
+    path = model_factory("qwen2", False)
+    sharded = tmp_path / "sharded"
+    transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).save_pretrained(
+        sharded, max_shard_size="20MB")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{path}/{f}", sharded)
+    assert len(glob.glob(f"{sharded}/*.safetensors")) > 1 and (sharded / "model.safetensors.index.json").exists()
+    prompts = make_prompts()[:3]
+    _, whole = run_engine(path, prompts, test_device, max_total_tokens=1024)
+    _, parts = run_engine(str(sharded), prompts, test_device, max_total_tokens=1024)
+    assert [o.token_ids for o in parts] == [o.token_ids for o in whole]
+    os.remove(sorted(glob.glob(f"{sharded}/*.safetensors"))[0])
+    with pytest.raises(ModelLoadError, match="missing"):
+        LLM(str(sharded), device=test_device, max_total_tokens=1024)
