@@ -17,7 +17,6 @@ class EngineConfig:
     served_model_name: str | None = None
     dtype: str = "auto"
     max_model_len: int | None = None       # None: the model's own context length
-    trust_gguf_cache: bool = True          # reuse converted GGUF weights under cache_dir
     cache_dir: str | None = None           # None: $POLYCHIP_CACHE or ~/.cache/polychip
     # device
     device: str = "auto"
@@ -78,6 +77,3 @@ class EngineConfig:
         if "plugins" in kwargs and kwargs["plugins"] is not None:
             kwargs["plugins"] = tuple(kwargs["plugins"])
         return cls(**{k: v for k, v in kwargs.items() if v is not None or k in ("model_path",)})
-
-    def replace(self, **changes) -> "EngineConfig":
-        return dataclasses.replace(self, **changes)

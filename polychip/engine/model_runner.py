@@ -26,7 +26,6 @@ class ModelRunner:
         self.model, self.pool, self.plugin = model, pool, plugin
         self.page = pool.page_size
         self.device = plugin.device_handle()
-        self._forward = self._run
 
     def _dev(self, array: np.ndarray) -> torch.Tensor:
         return self.plugin.to_device(torch.from_numpy(array))
@@ -78,4 +77,4 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: Batch) -> torch.Tensor:
         """Logits [len(sample_reqs), vocab] in float32."""
-        return self._forward(batch.input_ids, batch.positions, batch.meta, batch.sample_rows)
+        return self._run(batch.input_ids, batch.positions, batch.meta, batch.sample_rows)

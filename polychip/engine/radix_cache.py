@@ -27,6 +27,8 @@ class Node:
 
 
 class RadixCache:
+    enabled = True
+
     def __init__(self, allocator: PageAllocator, page_size: int):
         self.allocator, self.page = allocator, page_size
         self.root = Node()
@@ -167,6 +169,8 @@ class RadixCache:
 
 class NoPrefixCache(RadixCache):
     """--disable-radix-cache: the same interface, caching nothing."""
+
+    enabled = False
 
     def match_prefix(self, tokens):
         return [], self.root

@@ -111,7 +111,7 @@ class Scheduler:
 
     def _waits_for_shared_prefix(self, req: Request, cached_pages: int) -> bool:
         """True if a running prefill is about to cache a longer prefix of this prompt."""
-        if type(self.cache) is not RadixCache:
+        if not self.cache.enabled:
             return False
         first = (cached_pages + 1) * self.page
         if first >= len(req.prompt_ids):

@@ -40,22 +40,6 @@ class ModelConfig:
             raise ModelLoadError(f"num_attention_heads ({self.num_heads}) must be a multiple of "
                                  f"num_key_value_heads ({self.num_kv_heads})")
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of K and V per token across layers, per byte of element size."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
-
-    def num_params(self, include_embedding: bool = True) -> int:
-        h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
-        attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
-        layer = attn + 3 * h * i + 2 * h
-        n = self.num_layers * layer + h
-        if include_embedding:
-            n += self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        elif not self.tie_word_embeddings:
-            n += self.vocab_size * h   # the lm_head is a real matmul
-        return n
-
     @classmethod
     def from_hf(cls, cfg: dict) -> "ModelConfig":
         archs = cfg.get("architectures") or []
