@@ -1,4 +1,5 @@
-"""The CPU plugin's C++ fast paths (``cpu_kernels.cpp``), built once per machine with torch's
+"""The CPU plugin's C++ fast paths (``cpu_kernels.cpp`` binding ``cpu_attention.cpp`` and
+``cpu_linear.cpp``), built once per machine with torch's
 extension builder and cached under the torch extensions folder.
 
 ``load()`` returns the module, or None with the reason logged once: no compiler, no ninja,
@@ -15,7 +16,9 @@ import torch
 
 log = logging.getLogger("polychip.devices.cpu")
 
-_SOURCE = os.path.join(os.path.dirname(__file__), "cpu_kernels.cpp")
+_DIR = os.path.dirname(__file__)
+_SOURCES = [os.path.join(_DIR, f) for f in ("cpu_kernels.cpp", "cpu_attention.cpp", "cpu_linear.cpp")]
+_HEADERS = [os.path.join(_DIR, "cpu_common.h")]
 _state: dict = {}          # one build attempt per process: {"module": module or None}
 
 
@@ -25,8 +28,11 @@ def enabled() -> bool:
 
 def _name() -> str:
     """A build name per source text, machine and torch version (-march=native binds it to the CPU)."""
-    with open(_SOURCE, "rb") as f:
-        key = f.read() + f"{platform.machine()}|{platform.processor()}|{torch.__version__}".encode()
+    key = b""
+    for path in _SOURCES + _HEADERS:
+        with open(path, "rb") as f:
+            key += f.read()
+    key += f"{platform.machine()}|{platform.processor()}|{torch.__version__}".encode()
     return "polychip_cpu_kernels_" + hashlib.sha256(key).hexdigest()[:12]
 
 
@@ -44,7 +50,7 @@ def load():
         flags = ["-O3", "-ffast-math", "-fopenmp-simd", "-march=native" if platform.machine() in ("x86_64", "AMD64")
                  else "-mcpu=native"]
         log.info("building CPU kernels (once per machine; about a minute)")
-        _state["module"] = cpp_extension.load(_name(), [_SOURCE], extra_cflags=flags, verbose=False)
+        _state["module"] = cpp_extension.load(_name(), _SOURCES, extra_cflags=flags, verbose=False)
     except Exception as e:  # a missing compiler or ninja must only cost speed, never correctness
         first = str(e).splitlines()[0][:200] if str(e) else ""
         return _unavailable(f"CPU kernels did not build ({type(e).__name__}: {first})", logging.WARNING)
