@@ -260,28 +260,30 @@ torch::Tensor linear_gemv(torch::Tensor x, torch::Tensor w, c10::optional<torch:
 #endif
 
 // y = x w^T (+ b): blocks of weight rows handed out dynamically to the intra-op threads, each
-// block one single-threaded BLAS call (w_blk x^T). A thread the OS delays holds up one block,
-// not half the matrix, as multi-threaded BLAS does (it stalls for a whole time slice then).
+// block one single-threaded BLAS call writing its columns of y in place (ldc = N, no transpose
+// copy). A thread the OS delays holds up one block, not half the matrix, as multi-threaded BLAS
+// does (it stalls for a whole time slice then).
 torch::Tensor linear_blocks(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, int64_t block) {
   check_f32(x, "x");
   check_f32(w, "weight");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x [M, K], weight [N, K]");
   const int64_t M = x.size(0), N = w.size(0);
-  bias_ptr(bias, N);
-  auto yt = torch::empty({N, M}, x.options());
+  const float* bp = bias_ptr(bias, N);
+  auto y = torch::empty({M, N}, x.options());
   const int64_t nblocks = (N + block - 1) / block;
-  const auto xt = x.t();
   std::atomic<int64_t> next{0};
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), nblocks);
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     for (int64_t c = next.fetch_add(1); c < nblocks; c = next.fetch_add(1)) {
       const int64_t n0 = c * block, len = std::min(block, N - n0);
-      auto out = yt.narrow(0, n0, len);
-      at::mm_out(out, w.narrow(0, n0, len), xt);
+      auto out = y.narrow(1, n0, len);
+      if (bp) {
+        at::addmm_out(out, bias->narrow(0, n0, len), x, w.narrow(0, n0, len).t());
+      } else {
+        at::mm_out(out, x, w.narrow(0, n0, len).t());
+      }
     }
   });
-  auto y = yt.t().contiguous();
-  if (bias.has_value() && bias->defined()) y.add_(*bias);
   return y;
 }
 
