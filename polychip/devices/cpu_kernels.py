@@ -1,5 +1,5 @@
-"""The CPU plugin's C++ fast paths (``cpu_kernels.cpp`` binding ``cpu_attention.cpp`` and
-``cpu_linear.cpp``), built once per machine with torch's
+"""The CPU plugin's C++ fast paths (``cpu_kernels.cpp`` binding ``cpu_attention.cpp``,
+``cpu_linear.cpp`` and ``cpu_elementwise.cpp``), built once per machine with torch's
 extension builder and cached under the torch extensions folder.
 
 ``load()`` returns the module, or None with the reason logged once: no compiler, no ninja,
@@ -17,7 +17,8 @@ import torch
 log = logging.getLogger("polychip.devices.cpu")
 
 _DIR = os.path.dirname(__file__)
-_SOURCES = [os.path.join(_DIR, f) for f in ("cpu_kernels.cpp", "cpu_attention.cpp", "cpu_linear.cpp")]
+_SOURCES = [os.path.join(_DIR, f) for f in ("cpu_kernels.cpp", "cpu_attention.cpp", "cpu_linear.cpp",
+                                                       "cpu_elementwise.cpp")]
 _HEADERS = [os.path.join(_DIR, "cpu_common.h")]
 _state: dict = {}          # one build attempt per process: {"module": module or None}
 

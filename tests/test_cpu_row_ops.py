@@ -1,0 +1,59 @@
+"""The CPU plugin's fused row ops (cpu_elementwise.cpp) against the native PyTorch ops."""
+import pytest
+import torch
+
+from polychip.devices import cpu_kernels, cpu_row_ops
+from polychip.ops import native
+
+kernels = cpu_kernels.load()
+pytestmark = pytest.mark.skipif(kernels is None, reason="CPU kernels did not build here (see the log)")
+ops = cpu_row_ops.make_ops(kernels) if kernels is not None else {}
+
+
+@pytest.mark.parametrize("rows", [1, 3, 64, 300])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_row_ops_match_native_on_fused_projection_slices(rows, threads):
+    torch.manual_seed(rows)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.inference_mode():
+            gate, up = torch.randn(rows, 2 * 1536).split([1536, 1536], -1)     # column slices, row stride 3072
+            torch.testing.assert_close(ops["silu_mul"](gate, up), native.silu_mul(gate, up))
+            x, res, w = torch.randn(rows, 576), torch.randn(rows, 576), torch.randn(576)
+            torch.testing.assert_close(ops["rms_norm"](x, w, 1e-5), native.rms_norm(x, w, 1e-5))
+            for got, want in zip(ops["add_rms_norm"](x, res, w, 1e-5), native.add_rms_norm(x, res, w, 1e-5)):
+                torch.testing.assert_close(got, want)
+            q, k, _ = torch.randn(rows, 960).split([576, 192, 192], -1)
+            q, k = q.view(rows, 9, 64), k.view(rows, 3, 64)
+            cos, sin = torch.randn(rows, 64), torch.randn(rows, 64)
+            for got, want in zip(ops["rotary_embedding"](q, k, cos, sin), native.rotary_embedding(q, k, cos, sin)):
+                torch.testing.assert_close(got, want)
+                assert got.is_contiguous()
+            qn = torch.randn(64)                                               # Qwen3 q_norm on [T, H, D] slices
+            torch.testing.assert_close(ops["rms_norm"](q, qn, 1e-6), native.rms_norm(q, qn, 1e-6))
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_row_ops_leave_their_inputs_untouched():
+    x, res, w = torch.randn(4, 32), torch.randn(4, 32), torch.randn(32)
+    x0, res0 = x.clone(), res.clone()
+    with torch.inference_mode():
+        ops["add_rms_norm"](x, res, w, 1e-6)
+    assert torch.equal(x, x0) and torch.equal(res, res0)
+
+
+def test_row_ops_take_the_native_path_for_other_dtypes():
+    x, w = torch.randn(4, 32, dtype=torch.bfloat16), torch.randn(32, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        got = ops["rms_norm"](x, w, 1e-6)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, native.rms_norm(x, w, 1e-6))
+
+
+def test_row_op_kernels_name_a_bad_shape():
+    with pytest.raises(RuntimeError, match="one value per column"):
+        kernels.rms_norm(torch.randn(4, 32), torch.randn(31), 1e-6)
+    with pytest.raises(RuntimeError, match="cos and sin"):
+        kernels.rotary_embedding(torch.randn(2, 4, 8), torch.randn(2, 1, 8), torch.randn(2, 6), torch.randn(2, 6))
