@@ -124,3 +124,31 @@ def test_roofline_arithmetic():
     assert w["output_tok_s"] == pytest.approx(48 / (prefill + 0.8))
     best = roofline.best_of(m, roofline.Machine(1.0, 5.0, 1e-9, 1))
     assert best.bandwidth_gbs == 1.0 and best.copy_gbs == 5.0 and best.matmul_gflops == m.matmul_gflops
+
+
+def test_peers_shared_prefix_check_runs_a_cold_then_a_warm_wave():
+    """Two waves share one prefix with new suffixes; speedups are against the distinct run."""
+    import random
+    from polychip.bench import peers
+    from polychip.bench.peer_engines import WorkloadRun
+
+    class FakeEngine:
+        def __init__(self):
+            self.waves, self.ttfts = [], iter([2.0, 1.0])
+
+        def workload(self, prompts, output_len, concurrency):
+            self.waves.append(prompts)
+            return WorkloadRun("fake", 1.0, 0, 4, [next(self.ttfts)] * len(prompts))
+
+    eng = FakeEngine()
+    cfg = peers.PeersConfig(input_len=12, shared_prefix_len=8, output_len=1, concurrency=3)
+    distinct = WorkloadRun("fake", 1.0, 0, 3, [10.0, 10.0, 10.0])
+    res = peers._shared_prefix_check(eng, cfg, 1000, random.Random(0), distinct)
+    cold, warm = eng.waves
+    assert all(p[:8] == cold[0][:8] for p in cold + warm) and len({tuple(p[8:]) for p in cold + warm}) == 6
+    assert res["ttft_speedup"] == 5.0 and res["warm_ttft_speedup"] == 10.0
+    report = peers.targets_report({"config": {"output_len": 1}, "ratios": {},
+                                   "engines": {"polychip": {"pct_workload_roofline": 50.0, "pct_decode_roofline": 10.0,
+                                                            "shared_prefix": res}}})
+    assert "cold: first wave: mean TTFT >= 5x lower | 5.00x (10.00 s -> 2.00 s) | yes" in report
+    assert "warm: prefix cached by an earlier wave: mean TTFT >= 5x lower | 10.00x" in report
