@@ -30,7 +30,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"polychip: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
     module = importlib.import_module(f"polychip.commands.{name}")
-    return module.main(rest) or 0
+    try:
+        rc = module.main(rest) or 0
+        sys.stdout.flush()
+        return rc
+    except BrokenPipeError:      # `polychip devices --json | head`: the reader left; not an error
+        sys.stdout = None        # no flush at exit onto the closed pipe
+        return 0
 
 
 if __name__ == "__main__":

@@ -159,3 +159,15 @@ def test_bad_input_is_one_error_line(capsys, argv, reason):
     assert code == 1 and "Traceback" not in err
     assert len(errors) == 1 and errors[0].startswith("error: [") and reason in errors[0]
     assert err.rstrip("\n").endswith(errors[0])
+
+
+def test_devices_json_into_a_closed_pipe_exits_quietly():
+    """`polychip devices --json | head -1`: the reader leaves early; no traceback, exit 0."""
+    import subprocess
+    import sys
+    proc = subprocess.Popen([sys.executable, "-m", "polychip.cli", "devices", "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()                      # closed before the command prints anything
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err.decode()
+    assert b"Traceback" not in err and b"BrokenPipe" not in err, err.decode()
