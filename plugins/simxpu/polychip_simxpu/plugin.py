@@ -147,8 +147,9 @@ class SimXpuPlugin(DevicePlugin):
             raise PluginError(f"simxpu:{self.index} out of memory: {e}", layer="hardware") from None
         tensor = torch.empty(shape, dtype=dtype)
         key = tensor.data_ptr()
-        # a tensor dropped without free() gives its block back when it is collected
-        self._live[key] = _Live(block, weakref.finalize(tensor, self._release, key))
+        # memory dropped without free() gives its block back when its storage is collected (the
+        # storage, not this tensor object: parameters and views made from it share the storage)
+        self._live[key] = _Live(block, weakref.finalize(tensor.untyped_storage(), self._release, key))
         return tensor
 
     def _release(self, key: int) -> None:
