@@ -138,3 +138,19 @@ def test_engine_greedy_on_simxpu_matches_transformers(model_factory, arch, tie):
     llm.engine.check_integrity()
     llm.shutdown()
     assert llm.engine.plugin.allocator is None
+
+
+def test_fused_weights_are_counted_by_the_cards_allocator(model_factory):
+    """The fuse pass makes qkv_proj / gate_up_proj through the plugin: the card's free memory
+    after loading is its capacity less the weights (all of them, fused ones included) and the pool."""
+    from polychip import LLM
+    llm = LLM(model_factory("llama", False), device="simxpu", max_total_tokens=256)
+    plugin, model = llm.engine.plugin, llm.engine.loaded.model
+    gc.collect()
+    free, total = plugin.mem_info()
+    params = {p.data_ptr(): p for p in model.parameters()}
+    assert all(key in plugin._live for key in params)
+    weights = sum(plugin.allocator.rounded(p.numel() * p.element_size()) for p in params.values())
+    pool = plugin.allocator.rounded(sum(t.numel() * t.element_size() for pair in llm.engine.pool.caches for t in pair))
+    assert total - free == weights + pool
+    assert model.layers[0].self_attn.qkv_proj is not None and model.layers[0].mlp.gate_up_proj is not None

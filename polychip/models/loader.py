@@ -148,7 +148,7 @@ def load_model(model_path: str | None, plugin, dtype: str = "auto", enable_fusio
     max_len = max_model_len or cfg.max_position_embeddings
     model = build_model(cfg, state, device, torch_dtype, ops, max_len)
     resolutions = passes.replace(passes.expand(model), registry, torch_dtype, ops)
-    fusions = passes.fuse(model, plugin.fusions() if enable_fusion else (), ops)
+    fusions = passes.fuse(model, plugin.fusions() if enable_fusion else (), ops, plugin)
     lm = LoadedModel(model, cfg, tokenizer, torch_dtype, model_dir, registry, resolutions, fusions,
                      time.perf_counter() - t0, from_cache)
     log.info("loaded %s (%s, %s) in %.2fs", model_dir, cfg.architecture, dname, lm.load_seconds)

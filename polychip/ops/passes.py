@@ -56,7 +56,22 @@ def replace(sites: list[OpSite], registry: OpRegistry, dtype: torch.dtype,
     return chosen
 
 
-def merge_linears(parts: list[nn.Module]) -> nn.Module:
+def _concat(tensors: list[torch.Tensor], plugin) -> torch.Tensor:
+    """torch.cat along dim 0; with a plugin, into memory from its allocator (so a capacity limit
+    sees the merged weight) and the parts given back to it."""
+    if plugin is None:
+        return torch.cat(tensors, 0)
+    out = plugin.alloc((sum(t.shape[0] for t in tensors), *tensors[0].shape[1:]), tensors[0].dtype)
+    row = 0
+    for t in tensors:
+        plugin.copy(out[row:row + t.shape[0]], t)
+        row += t.shape[0]
+    for t in tensors:
+        plugin.free(t)
+    return out
+
+
+def merge_linears(parts: list[nn.Module], plugin=None) -> nn.Module:
     """One linear whose output is the parts' outputs concatenated (same class as the parts)."""
     first = parts[0]
     n_in = first.weight.shape[1]
@@ -67,31 +82,31 @@ def merge_linears(parts: list[nn.Module]) -> nn.Module:
     n_out = sum(p.weight.shape[0] for p in parts)
     with torch.device("meta"):
         merged = type(first)(first.ops, n_in, n_out, first.bias is not None)
-    merged.weight = nn.Parameter(torch.cat([p.weight for p in parts], 0), requires_grad=False)
+    merged.weight = nn.Parameter(_concat([p.weight.data for p in parts], plugin), requires_grad=False)
     if first.bias is not None:
-        merged.bias = nn.Parameter(torch.cat([p.bias for p in parts], 0), requires_grad=False)
+        merged.bias = nn.Parameter(_concat([p.bias.data for p in parts], plugin), requires_grad=False)
     return merged
 
 
-def fuse_qkv(model: nn.Module) -> int:
+def fuse_qkv(model: nn.Module, plugin=None) -> int:
     """q_proj, k_proj, v_proj -> qkv_proj in every attention block; returns how many."""
     n = 0
     for mod in model.modules():
         if getattr(mod, "qkv_proj", 0) is None and all(getattr(mod, a, None) is not None
                                                         for a in ("q_proj", "k_proj", "v_proj")):
-            mod.qkv_proj = merge_linears([mod.q_proj, mod.k_proj, mod.v_proj])
+            mod.qkv_proj = merge_linears([mod.q_proj, mod.k_proj, mod.v_proj], plugin)
             mod.q_proj = mod.k_proj = mod.v_proj = None
             n += 1
     return n
 
 
-def fuse_gate_up(model: nn.Module) -> int:
+def fuse_gate_up(model: nn.Module, plugin=None) -> int:
     """gate_proj, up_proj -> gate_up_proj in every MLP; returns how many."""
     n = 0
     for mod in model.modules():
         if getattr(mod, "gate_up_proj", 0) is None and all(getattr(mod, a, None) is not None
                                                             for a in ("gate_proj", "up_proj")):
-            mod.gate_up_proj = merge_linears([mod.gate_proj, mod.up_proj])
+            mod.gate_up_proj = merge_linears([mod.gate_proj, mod.up_proj], plugin)
             mod.gate_proj = mod.up_proj = None
             n += 1
     return n
@@ -105,13 +120,14 @@ def fuse_add_rms_norm(model: nn.Module, ops: SimpleNamespace) -> int:
     return sum(type(m).__name__ == "RMSNorm" for m in model.modules())
 
 
-def fuse(model: nn.Module, patterns: tuple[str, ...], ops: SimpleNamespace) -> list[str]:
-    """Apply fusion patterns in place; returns the ones that changed something."""
+def fuse(model: nn.Module, patterns: tuple[str, ...], ops: SimpleNamespace, plugin=None) -> list[str]:
+    """Apply fusion patterns in place; returns the ones that changed something. With ``plugin``,
+    merged weights come from its allocator and the parts go back to it."""
     unknown = set(patterns) - set(FUSIONS)
     if unknown:
         raise PluginError(f"unknown fusion pattern(s) {sorted(unknown)}; known: {list(FUSIONS)}")
     ops.fuse_add_norm = False
-    counts = {"qkv": fuse_qkv(model) if "qkv" in patterns else 0,
-              "gate_up": fuse_gate_up(model) if "gate_up" in patterns else 0,
+    counts = {"qkv": fuse_qkv(model, plugin) if "qkv" in patterns else 0,
+              "gate_up": fuse_gate_up(model, plugin) if "gate_up" in patterns else 0,
               "add_rms_norm": fuse_add_rms_norm(model, ops) if "add_rms_norm" in patterns else 0}
     return [p for p in FUSIONS if counts[p]]
