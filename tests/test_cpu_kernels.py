@@ -32,31 +32,36 @@ def test_paged_decode_attention_matches_native(heads, kv_heads, lengths):
 
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 16])
 @pytest.mark.parametrize("n,k", [(7, 13), (96, 64), (200, 1000)])
-def test_linear_small_m_matches_f_linear(m, n, k):
+def test_linear_blocks_matches_f_linear(m, n, k):
     torch.manual_seed(m)
     x, w, b = torch.randn(m, k), torch.randn(n, k), torch.randn(n)
-    torch.testing.assert_close(kernels.linear_small_m(x, w, b), F.linear(x, w, b), atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(kernels.linear_small_m(x, w, None), F.linear(x, w), atol=1e-4, rtol=1e-4)
     for block in (1, 64, 4096):
         torch.testing.assert_close(kernels.linear_blocks(x, w, b, block), F.linear(x, w, b), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 7, 8, 9, 16, 33])
-@pytest.mark.parametrize("n,k", [(1728, 576), (49152, 576), (37, 100), (576, 1536), (37, 1536), (5, 7), (9, 8)])
-def test_linear_gemv_matches_f_linear(m, n, k):
-    torch.manual_seed(m * 7 + n)
-    x, w, b = torch.randn(m, k), torch.randn(n, k), torch.randn(n)
-    want, want_nb = F.linear(x, w, b), F.linear(x, w)
+@pytest.mark.parametrize("n,k", [(3072, 576), (576, 1536), (37, 100), (50, 33), (13, 17), (5, 7), (9, 16), (8, 1)])
+def test_linear_tiles_matches_f_linear(n, k):
+    """Every M up to 70 (tile tails in M), N off the tile and chunk sizes, K off the vector width."""
+    torch.manual_seed(n + k)
+    w, b = torch.randn(n, k), torch.randn(n)
     tol = dict(atol=1e-4 * (k / 100) ** 0.5, rtol=1e-5)          # fp32 sums of k products of N(0, 1)
-    torch.testing.assert_close(kernels.linear_gemv(x, w, b), want, **tol)
-    torch.testing.assert_close(kernels.linear_gemv(x, w, None), want_nb, **tol)
-    for threads in (1, 2):                                    # one thread: no chunks handed out
-        before = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
-            torch.testing.assert_close(kernels.linear_gemv(x, w, b), want, **tol)
-        finally:
-            torch.set_num_threads(before)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):                                    # one thread: no chunks handed out
+            torch.set_num_threads(threads)
+            for m in range(1, 71) if n * k < 10**5 else (1, 2, 3, 4, 5, 7, 16, 17, 64, 70):
+                x = torch.randn(m, k)
+                torch.testing.assert_close(kernels.linear_tiles(x, w, b), F.linear(x, w, b), **tol)
+                torch.testing.assert_close(kernels.linear_tiles(x, w, None), F.linear(x, w), **tol)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_linear_tiles_empty_sizes():
+    w, b = torch.randn(4, 0), torch.randn(4)
+    torch.testing.assert_close(kernels.linear_tiles(torch.randn(3, 0), w, b), b.expand(3, 4))
+    torch.testing.assert_close(kernels.linear_tiles(torch.randn(3, 0), w, None), torch.zeros(3, 4))
+    assert kernels.linear_tiles(torch.randn(0, 5), torch.randn(4, 5), None).shape == (0, 4)
 
 
 def test_plugin_linear_non_contiguous_and_bias():
@@ -76,7 +81,7 @@ def test_plugin_linear_routes_by_batch_size():
     ops = cpu_ops.make_ops(kernels)
     w = torch.randn(32, 24)
     with torch.inference_mode():
-        for m in (1, cpu_ops.SMALL_M, cpu_ops.SMALL_M + 1, 65):
+        for m in (1, 2, cpu_ops.TILES_MAX_M, cpu_ops.TILES_MAX_M + 1):
             x = torch.randn(m, 24)
             torch.testing.assert_close(ops["linear"](x, w), F.linear(x, w), atol=1e-5, rtol=1e-5)
         x3 = torch.randn(2, 3, 24)                       # not 2-D: the native op

@@ -4,8 +4,7 @@
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_table, torch::Tensor lens, double scale);
-torch::Tensor linear_small_m(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
-torch::Tensor linear_gemv(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
+torch::Tensor linear_tiles(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
 torch::Tensor linear_blocks(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, int64_t block);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
@@ -14,8 +13,7 @@ std::vector<torch::Tensor> rotary_embedding(torch::Tensor q, torch::Tensor k, to
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (float32)");
-  m.def("linear_small_m", &linear_small_m, "x w^T + b for a few rows (float32)");
-  m.def("linear_gemv", &linear_gemv, "x w^T + b for up to ~16 rows, AVX2/FMA, weights streamed once (float32)");
+  m.def("linear_tiles", &linear_tiles, "x w^T + b for decode-sized batches, register tiles (float32)");
   m.def("linear_blocks", &linear_blocks, "x w^T + b, weight-row blocks on the intra-op threads (float32)");
   m.def("rms_norm", &rms_norm, "rms_norm over the last dimension (float32)");
   m.def("add_rms_norm", &add_rms_norm, "(rms_norm(residual + x), residual + x) (float32)");

@@ -3,11 +3,11 @@ PyTorch ops, the native ops everywhere else.
 
 * ``attention``: decode rows read K/V straight from the paged pool (the native op gathers
   every sequence's pages into a new tensor in each layer, then runs a masked SDPA);
-* ``linear``: with at most ``SMALL_M`` rows (single-stream decode), ``linear_gemv``: AVX2/FMA
-  dot products, one sequential weight stream per thread (BLAS gemv reaches ~1/3 of the
-  bandwidth here; ~1.6x the register-blocked ``linear_small_m``, which interleaves 4 rows);
-  with more rows, blocks of weight rows handed out dynamically to the intra-op threads, one
-  single-threaded BLAS call each. Multi-threaded BLAS splits the matrix statically and stalls
+* ``linear``: up to ``TILES_MAX_M`` rows (decode), ``linear_tiles``: AVX-512 register tiles
+  of x rows by weight rows, each weight tile read from memory once and reused from L1 for all
+  rows (MKL's gemm and gemv reach about half its speed here); with more rows (prefill), blocks of
+  weight rows handed out dynamically to the intra-op threads, one single-threaded BLAS call each.
+  Both hand out work dynamically: multi-threaded BLAS splits the matrix statically and stalls
   for whole scheduler time slices (12-16 ms a call at batch 16) whenever another process
   holds a core; quiet, it is ~10% faster on prefill-sized matmuls only.
 """
@@ -21,8 +21,7 @@ import torch.nn.functional as F
 from polychip.devices import cpu_kernels
 from polychip.ops.attention import AttentionMetadata, paged_attention
 
-SMALL_M = 1            # from 2 rows MKL's gemm streams the weights faster (~28 vs ~22 GB/s)
-BLOCK_ROWS_DECODE = 1024     # weight rows per block for up to 64 input rows
+TILES_MAX_M = 64       # rows up to which linear_tiles beats BLAS (bench/linear_kernels.py)
 BLOCK_ROWS_PREFILL = 512
 
 
@@ -42,10 +41,9 @@ def make_ops(kernels) -> dict:
         x, weight = x.contiguous(), weight.contiguous()
         if bias is not None:
             bias = bias.contiguous()
-        m = x.shape[0]
-        if m <= SMALL_M:
-            return kernels.linear_gemv(x, weight, bias)
-        return kernels.linear_blocks(x, weight, bias, BLOCK_ROWS_DECODE if m <= 64 else BLOCK_ROWS_PREFILL)
+        if x.shape[0] <= TILES_MAX_M:
+            return kernels.linear_tiles(x, weight, bias)
+        return kernels.linear_blocks(x, weight, bias, BLOCK_ROWS_PREFILL)
 
     attention = functools.partial(paged_attention, decode_fn=decode_attention)
     return {"attention": attention, "linear": linear}
