@@ -157,3 +157,16 @@ def test_quantised_weights_count_against_the_spec(tmp_path, tiny_model):
     with pytest.raises(DeviceSpecError, match=r"quantised weight dtype int8 is not supported .* \['float32', "
                                               r"'bfloat16'\]"):
         LLM(str(quant), device="simxpu", device_config=spec, max_total_tokens=64)
+
+
+def test_a_spec_declaring_less_memory_caps_what_the_plugin_reports():
+    from types import SimpleNamespace
+    from polychip.devices.plugin import capped_mem_info
+    gib = 2**30
+    spec = SimpleNamespace(memory=SimpleNamespace(total=40 * gib))
+    assert capped_mem_info(70 * gib, 80 * gib, spec, used_by_us=10 * gib) == (30 * gib, 40 * gib)
+    assert capped_mem_info(20 * gib, 80 * gib, spec, used_by_us=10 * gib) == (20 * gib, 40 * gib)  # others use more
+    assert capped_mem_info(70 * gib, 80 * gib, spec, used_by_us=50 * gib) == (0, 40 * gib)
+    assert capped_mem_info(70 * gib, 80 * gib, None, used_by_us=10 * gib) == (70 * gib, 80 * gib)
+    full = SimpleNamespace(memory=SimpleNamespace(total=80 * gib))
+    assert capped_mem_info(70 * gib, 80 * gib, full, used_by_us=10 * gib) == (70 * gib, 80 * gib)

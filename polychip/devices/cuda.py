@@ -5,7 +5,7 @@ from typing import Callable
 
 import torch
 
-from polychip.devices.plugin import Availability, DeviceInfo, DevicePlugin, Event, Stream
+from polychip.devices.plugin import Availability, DeviceInfo, DevicePlugin, Event, Stream, capped_mem_info
 
 
 class CudaStream(Stream):
@@ -82,7 +82,8 @@ class CudaPlugin(DevicePlugin):
         del tensor
 
     def mem_info(self) -> tuple[int, int]:
-        return torch.cuda.mem_get_info(self.index)
+        free, total = torch.cuda.mem_get_info(self.index)
+        return capped_mem_info(free, total, self.spec, torch.cuda.memory_reserved(self.index))
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.index)

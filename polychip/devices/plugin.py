@@ -64,6 +64,15 @@ class Event(abc.ABC):
     def query(self) -> bool: ...
 
 
+def capped_mem_info(free: int, total: int, spec: Any, used_by_us: int) -> tuple[int, int]:
+    """(free, total) as the device reports them, capped at a spec's ``memory.total`` when it
+    declares less than the device has: this process may use only the declared share."""
+    cap = getattr(getattr(spec, "memory", None), "total", None)
+    if cap is None or cap >= total:
+        return free, total
+    return max(0, min(free, cap - used_by_us)), cap
+
+
 class DevicePlugin(abc.ABC):
     """Base class for device plugins. Subclasses set the identity attributes."""
 
