@@ -98,3 +98,10 @@ def test_kernels_off_is_a_visible_fallback(model_factory, monkeypatch):
     for op in ("linear", "attention"):
         res = loaded.resolutions[op]
         assert res.is_fallback and "cannot provide" in res.reason and "POLYCHIP_CPU_KERNELS=0" in res.reason
+
+
+def test_linear_blocks_in_inference_mode():
+    """The blocks' BLAS calls write an inference tensor on the pool's threads, which must see the mode."""
+    x, w = torch.randn(80, 64), torch.randn(300, 64)
+    with torch.inference_mode():
+        torch.testing.assert_close(kernels.linear_blocks(x, w, None, 64), F.linear(x, w), atol=1e-4, rtol=1e-4)

@@ -5,6 +5,8 @@
 // linear_blocks: blocks of weight rows on the intra-op threads, one single-threaded BLAS call each.
 #include "cpu_common.h"
 
+#include <ATen/ThreadLocalState.h>
+
 using namespace polychip_cpu;
 
 torch::Tensor linear_blocks(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, int64_t block);
@@ -195,7 +197,9 @@ torch::Tensor linear_blocks(torch::Tensor x, torch::Tensor w, c10::optional<torc
   const int64_t nblocks = (N + block - 1) / block;
   std::atomic<int64_t> next{0};
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), nblocks);
+  const at::ThreadLocalState caller;   // inference mode etc.: the pool's threads do not inherit it
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    at::ThreadLocalStateGuard guard(caller);
     for (int64_t c = next.fetch_add(1); c < nblocks; c = next.fetch_add(1)) {
       const int64_t n0 = c * block, len = std::min(block, N - n0);
       auto out = y.narrow(1, n0, len);
