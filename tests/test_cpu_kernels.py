@@ -10,24 +10,57 @@ kernels = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(kernels is None, reason="CPU kernels did not build here (see the log)")
 
 
-@pytest.mark.parametrize("lengths", [[1, 16, 17, 300, 45], [700], [1000, 3]])   # one or two: split pieces
-@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 1)])
-def test_paged_decode_attention_matches_native(heads, kv_heads, lengths):
-    torch.manual_seed(0)
-    page, pages, d = 16, 64, 32
-    kc, vc = torch.randn(pages, page, kv_heads, d), torch.randn(pages, page, kv_heads, d)
+def _decode_case(heads, kv_heads, d, lengths, page=16, seed=0):
+    """Paged caches with pages in random order, the native op's result and the kernel's arguments."""
+    g = torch.Generator().manual_seed(seed)
     lens = torch.tensor(lengths)
     width = int((lens.max() + page - 1) // page)
-    table = torch.stack([torch.randperm(pages)[:width] for _ in lens])
+    pages = max(64, width * len(lengths) // 2)
+    kc, vc = torch.randn(pages, page, kv_heads, d, generator=g), torch.randn(pages, page, kv_heads, d, generator=g)
+    table = torch.stack([torch.randperm(pages, generator=g)[:width] for _ in lens])
     mask = (torch.arange(width * page)[None, :] < lens[:, None])[:, None, None, :]
     meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long), num_decodes=len(lens),
                              decode_pages=table, decode_lens=lens, decode_mask=mask)
-    q = torch.randn(len(lens), heads, d)
-    want = decode_attention(q, kc, vc, meta, 0.3)
-    got = kernels.paged_decode_attention(q, kc, vc, table, lens, 0.3)
+    q = torch.randn(len(lens), heads, d, generator=g)
+    scale = d ** -0.5
+    return decode_attention(q, kc, vc, meta, scale), (q, kc, vc, table, lens, scale)
+
+
+def _with_threads(threads, fn):
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("d", [32, 64, 128, 24])        # 24: the portable (non-AVX-512) path
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 1), (16, 2)])
+def test_paged_decode_attention_matches_native(heads, kv_heads, d, threads):
+    # lengths around a page and a 16-token block, and long ones that are cut into pieces
+    want, args = _decode_case(heads, kv_heads, d, [1, 15, 16, 17, 700, 2000, 33])
+    got = _with_threads(threads, lambda: kernels.paged_decode_attention(*args))
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    q, kc, vc, table, lens, scale = args
     with pytest.raises(RuntimeError, match="page id"):
-        kernels.paged_decode_attention(q, kc, vc, table + pages, lens, 0.3)
+        kernels.paged_decode_attention(q, kc, vc, table + kc.shape[0], lens, scale)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("batch", list(range(1, 18)))
+def test_paged_decode_attention_batches(batch, threads):
+    lengths = [(97 * i) % 900 + 1 for i in range(1, batch + 1)]
+    want, args = _decode_case(9, 3, 64, lengths, seed=batch)
+    got = _with_threads(threads, lambda: kernels.paged_decode_attention(*args))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("page", [1, 5, 32])
+def test_paged_decode_attention_page_sizes(page):
+    want, args = _decode_case(9, 3, 64, [1, 33, 100, 700], page=page)
+    torch.testing.assert_close(kernels.paged_decode_attention(*args), want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 16])
