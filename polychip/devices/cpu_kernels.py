@@ -21,6 +21,10 @@ _SOURCES = [os.path.join(_DIR, f) for f in ("cpu_kernels.cpp", "cpu_attention.cp
                                                        "cpu_elementwise.cpp")]
 _HEADERS = [os.path.join(_DIR, "cpu_common.h")]
 _state: dict = {}          # one build attempt per process: {"module": module or None}
+# -fopenmp, not just -fopenmp-simd: without _OPENMP, ATen's at::parallel_for compiles to a serial loop
+# (GOMP_* then resolve to torch's own libgomp, a dependency of libtorch_cpu)
+_FLAGS = ["-O3", "-ffast-math", "-fopenmp",
+          "-march=native" if platform.machine() in ("x86_64", "AMD64") else "-mcpu=native"]
 
 
 def enabled() -> bool:
@@ -28,12 +32,12 @@ def enabled() -> bool:
 
 
 def _name() -> str:
-    """A build name per source text, machine and torch version (-march=native binds it to the CPU)."""
+    """A build name per source text, flags, machine and torch version (-march=native binds it to the CPU)."""
     key = b""
     for path in _SOURCES + _HEADERS:
         with open(path, "rb") as f:
             key += f.read()
-    key += f"{platform.machine()}|{platform.processor()}|{torch.__version__}".encode()
+    key += f"{platform.machine()}|{platform.processor()}|{torch.__version__}|{_FLAGS}".encode()
     return "polychip_cpu_kernels_" + hashlib.sha256(key).hexdigest()[:12]
 
 
@@ -48,10 +52,8 @@ def load():
         return _unavailable(f"CPU kernels are not built for {platform.machine()}")
     try:
         from torch.utils import cpp_extension
-        flags = ["-O3", "-ffast-math", "-fopenmp-simd", "-march=native" if platform.machine() in ("x86_64", "AMD64")
-                 else "-mcpu=native"]
         log.info("building CPU kernels (once per machine; about a minute)")
-        _state["module"] = cpp_extension.load(_name(), _SOURCES, extra_cflags=flags, verbose=False)
+        _state["module"] = cpp_extension.load(_name(), _SOURCES, extra_cflags=_FLAGS, verbose=False)
     except Exception as e:  # a missing compiler or ninja must only cost speed, never correctness
         first = str(e).splitlines()[0][:200] if str(e) else ""
         return _unavailable(f"CPU kernels did not build ({type(e).__name__}: {first})", logging.WARNING)
