@@ -22,7 +22,7 @@ from polychip.devices import cpu_kernels
 from polychip.ops.attention import AttentionMetadata, paged_attention
 
 TILES_MAX_M = 64       # rows up to which linear_tiles beats BLAS (bench/linear_kernels.py)
-BLOCK_ROWS_PREFILL = 512
+BLOCK_ROWS_PREFILL = 256    # 576-row outputs split evenly across 2 threads; 512 left one thread idle for 64 rows
 
 
 def make_ops(kernels) -> dict:
