@@ -101,9 +101,8 @@ class CpuPlugin(DevicePlugin):
 
     def register_ops(self, registry) -> None:
         """float32 C++ fast paths (decode attention, linear, row ops) when they build."""
-        from polychip.devices import cpu_ops, cpu_row_ops
+        from polychip.devices import cpu_ops
         cpu_ops.register(registry)
-        cpu_row_ops.register(registry)
 
     def fusions(self) -> tuple[str, ...]:
         return ("qkv", "gate_up", "add_rms_norm")

@@ -9,7 +9,8 @@ PyTorch ops, the native ops everywhere else.
   weight rows handed out dynamically to the intra-op threads, one single-threaded BLAS call each.
   Both hand out work dynamically: multi-threaded BLAS splits the matrix statically and stalls
   for whole scheduler time slices (12-16 ms a call at batch 16) whenever another process
-  holds a core; quiet, it is ~10% faster on prefill-sized matmuls only.
+  holds a core; quiet, it is ~3-5% faster on an 800-token prefill (A/B in one process).
+* the row ops of ``cpu_row_ops`` (rms_norm, add_rms_norm, silu_mul, rotary_embedding).
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from polychip.devices import cpu_kernels
+from polychip.devices import cpu_kernels, cpu_row_ops
 from polychip.ops.attention import AttentionMetadata, paged_attention
 
 TILES_MAX_M = 64       # rows up to which linear_tiles beats BLAS (bench/linear_kernels.py)
@@ -49,12 +50,15 @@ def make_ops(kernels) -> dict:
     return {"attention": attention, "linear": linear}
 
 
+OPS = ("linear", "attention") + cpu_row_ops.ROW_OPS
+
+
 def register(registry) -> None:
     """Register the kernels' ops for float32 when they build; otherwise the native ops serve."""
     kernels = cpu_kernels.load()
     if kernels is None:
-        for name in ("linear", "attention"):
+        for name in OPS:
             registry.register_unavailable(name, cpu_kernels.unavailable_reason())
         return
-    for name, fn in make_ops(kernels).items():
+    for name, fn in (make_ops(kernels) | cpu_row_ops.make_ops(kernels)).items():
         registry.register(name, 1, "float32", fn)

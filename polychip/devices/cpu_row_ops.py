@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import torch
 
-from polychip.devices import cpu_kernels
 from polychip.ops import native
 
 ROW_OPS = ("rms_norm", "add_rms_norm", "silu_mul", "rotary_embedding")
@@ -43,14 +42,3 @@ def make_ops(kernels) -> dict:
 
     return {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "silu_mul": silu_mul,
             "rotary_embedding": rotary_embedding}
-
-
-def register(registry) -> None:
-    """Register the row ops for float32 when the kernels build; otherwise the native ops serve."""
-    kernels = cpu_kernels.load()
-    if kernels is None:
-        for name in ROW_OPS:
-            registry.register_unavailable(name, cpu_kernels.unavailable_reason())
-        return
-    for name, fn in make_ops(kernels).items():
-        registry.register(name, 1, "float32", fn)
