@@ -31,9 +31,9 @@ class WorkloadRun:
 class PolychipPeer:
     name = "polychip"
 
-    def __init__(self, model_path: str | None, **engine_args):
+    def __init__(self, model_path: str | None, device: str = "cpu", **engine_args):
         from polychip.engine.llm import LLM
-        self.llm = LLM(model_path, dtype="float32", **engine_args)
+        self.llm = LLM(model_path, dtype="float32", device=device, **engine_args)
         self._warm()
 
     def _warm(self) -> None:
@@ -67,26 +67,31 @@ class PolychipPeer:
 
 
 class _FirstTokenClock:
-    """A transformers logits processor that notes when each generation step's logits arrive."""
+    """A transformers logits processor that notes when each generation step's logits arrive
+    (after ``sync``: on an accelerator they arrive when the device finishes, not when queued)."""
 
-    def __init__(self):
+    def __init__(self, sync):
         self.times: list[float] = []
+        self.sync = sync
 
     def __call__(self, input_ids, scores):
+        self.sync()
         self.times.append(time.perf_counter())
         return scores
 
 
 class TransformersPeer:
     """``transformers`` generate: ``batched=False`` serves requests one by one (the naive server),
-    ``batched=True`` runs static batches of ``concurrency`` prompts."""
+    ``batched=True`` runs static batches of ``concurrency`` prompts; on ``plugin``'s device."""
 
-    def __init__(self, model_dir: str, batched: bool):
+    def __init__(self, model_dir: str, batched: bool, plugin):
         from transformers import AutoModelForCausalLM
         self.batched = batched
+        self.plugin = plugin
         self.name = "transformers static batch" if batched else "transformers one-by-one"
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
                                                           local_files_only=True).eval()
+        self.model.to(plugin.device_handle())
         self.pad = self.model.config.eos_token_id
         if isinstance(self.pad, list):
             self.pad = self.pad[0]
@@ -97,10 +102,12 @@ class TransformersPeer:
         width = max(map(len, prompts))
         ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in prompts])        # left padding
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-        clock = _FirstTokenClock()
+        ids, mask = self.plugin.to_device(ids), self.plugin.to_device(mask)
+        clock = _FirstTokenClock(self.plugin.synchronize)
         with torch.inference_mode():
             self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
                                 do_sample=False, pad_token_id=self.pad, logits_processor=LogitsProcessorList([clock]))
+        self.plugin.synchronize()
         return clock.times
 
     def workload(self, prompts: list[list[int]], output_len: int, concurrency: int) -> WorkloadRun:

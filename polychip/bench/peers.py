@@ -30,6 +30,7 @@ class PeersConfig:
     shared_prefix_len: int = 700            # 0: skip the prefix-cache check
     engines: tuple[str, ...] = ENGINES
     seed: int = 0
+    device: str = "cpu"                     # polychip, transformers and the rooflines run here
 
 
 def random_prompts(n: int, length: int, vocab: int, rng: random.Random, prefix: list[int] = ()) -> list[list[int]]:
@@ -50,11 +51,11 @@ def _model_files(model_path: str | None) -> tuple[str, str | None]:
     return folder, None
 
 
-def _make(name: str, cfg: PeersConfig, folder: str, gguf_path: str | None):
+def _make(name: str, cfg: PeersConfig, folder: str, gguf_path: str | None, plugin):
     if name == "polychip":
-        return PolychipPeer(cfg.model_path, max_running_requests=max(cfg.concurrency, 1))
+        return PolychipPeer(cfg.model_path, cfg.device, max_running_requests=max(cfg.concurrency, 1))
     if name in ("hf-naive", "hf-static"):
-        return TransformersPeer(folder, batched=name == "hf-static")
+        return TransformersPeer(folder, name == "hf-static", plugin)
     if name == "llama.cpp":
         if gguf_path is None:
             raise RuntimeError("llama.cpp needs a .gguf --model-path")
@@ -63,22 +64,54 @@ def _make(name: str, cfg: PeersConfig, folder: str, gguf_path: str | None):
     raise ValueError(f"unknown engine {name!r}; known: {ENGINES}")
 
 
-def run_peers(cfg: PeersConfig) -> dict:
+def device_label(plugin) -> str:
+    """'cuda:0 (NVIDIA H200)': the torch device and, where the plugin names it, the hardware."""
+    handle = str(plugin.device_handle())
+    names = [i.name for i in plugin.discover() if i.index == plugin.index]
+    return f"{handle} ({names[0]})" if names and names[0] else handle
+
+
+def run_peers(cfg: PeersConfig, plugin=None) -> dict:
+    """All engines on ``plugin`` (opened from ``cfg.device`` when None; llama.cpp only on the CPU)."""
+    from polychip.devices.discovery import open_device
+    own = plugin is None
+    plugin = open_device(cfg.device) if own else plugin
+    try:
+        return _run_on(cfg, plugin)
+    finally:
+        if own:
+            plugin.destroy()
+
+
+def _skip_reason(name: str, plugin, gguf_path: str | None) -> str | None:
+    if name != "llama.cpp":
+        return None
+    if plugin.name != "cpu":
+        return f"a CPU peer; not run on --device {plugin.name}"
+    return None if gguf_path else "needs a .gguf --model-path"
+
+
+def _run_on(cfg: PeersConfig, plugin) -> dict:
     from polychip.models.loader import read_config
     folder, gguf_path = _model_files(cfg.model_path)
     mcfg = read_config(folder)
     shape = rl.ModelShape.from_config(mcfg)
-    log.info("measuring the machine (bandwidth, matmul at the model's shapes)")
-    before = rl.measure_machine(shape)
+    log.info("measuring %s (bandwidth, matmul at the model's shapes)", plugin.device_handle())
+    before = rl.measure_machine(shape, plugin=plugin)
     rng = random.Random(cfg.seed)
     n = cfg.num_prompts or cfg.concurrency
     single = random_prompts(1, cfg.input_len, mcfg.vocab_size, rng)[0]
     prompts = random_prompts(n, cfg.input_len, mcfg.vocab_size, rng)
     engines, skipped = {}, {}
     for name in cfg.engines:
+        why = _skip_reason(name, plugin, gguf_path)
+        if why:
+            skipped[name] = why
+            log.warning("skipping %s: %s", name, skipped[name])
+            continue
         log.info("engine %s: loading", name)
         try:
-            eng = _make(name, cfg, folder, gguf_path)
+            eng = _make(name, cfg, folder, gguf_path, plugin)
         except ImportError as e:
             skipped[name] = f"not installed ({e.name or e}); `pip install polychip[llamacpp]`"
             log.warning("skipping %s: %s", name, skipped[name])
@@ -102,9 +135,11 @@ def run_peers(cfg: PeersConfig) -> dict:
             eng.close()
             del eng
             gc.collect()
-    after = rl.measure_machine(shape)
+    after = rl.measure_machine(shape, plugin=plugin)
     machine = rl.best_of(before, after)
-    return _analyse(cfg, n, shape, machine, [before, after], engines, skipped)
+    res = _analyse(cfg, n, shape, machine, [before, after], engines, skipped)
+    res["device"] = device_label(plugin)
+    return res
 
 
 def _shared_prefix_check(eng, cfg: PeersConfig, vocab: int, rng, distinct: WorkloadRun) -> dict:
@@ -152,7 +187,9 @@ def _f(x, d=1):
 def peers_table(res: dict) -> str:
     roof, m = res["roofline"], res["machine"]
     c = res["config"]
-    lines = [f"Machine (best of {len(res['machine_measurements'])} in this run, {res['torch_threads']} threads): "
+    device = res.get("device", m.get("device", "cpu"))      # results from before --device: the CPU
+    lines = [f"Machine ({device}, best of {len(res['machine_measurements'])} in this run, "
+             f"{res['torch_threads']} threads): "
              f"read {m['bandwidth_gbs']:.1f} GB/s, copy {m['copy_gbs']:.1f} GB/s, "
              f"matmul {m['matmul_gflops']:.1f} GFLOP/s at the model's shapes",
              f"Rooflines: workload {c['num_prompts']} x {c['input_len']} in / {c['output_len']} out at concurrency "

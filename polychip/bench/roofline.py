@@ -4,11 +4,15 @@
 * matmul FLOP/s: the best of a few passes over one decoder layer's matmuls at the model's shapes;
 * the workload roofline: prompt tokens x 2 x (non-embedding params) / FLOP/s, plus, for each
   decode step, the larger of weight bytes / bandwidth and batch x 2 x params / FLOP/s.
+
+Both are measured on a device plugin's device (the CPU when none is given); the plugin's
+``synchronize`` runs before every clock read, since accelerator work is asynchronous.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -60,35 +64,47 @@ class Machine:
     copy_gbs: float           # copy (read + write) bandwidth
     matmul_gflops: float      # at the model's shapes
     threads: int
+    device: str = "cpu"       # the torch device the ceilings were measured on
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
-def _best(fn, reps: int) -> float:
+def _target(plugin) -> tuple[torch.device, Callable[[], None]]:
+    """(torch device, synchronise) of ``plugin``; the CPU, with nothing to wait for, when None."""
+    if plugin is None:
+        return torch.device("cpu"), lambda: None
+    return plugin.device_handle(), plugin.synchronize
+
+
+def _best(fn, reps: int, sync: Callable[[], None] = lambda: None) -> float:
     fn()
+    sync()
     best = float("inf")
     for _ in range(reps):
         t = time.perf_counter()
         fn()
+        sync()
         best = min(best, time.perf_counter() - t)
     return best
 
 
-def measure_bandwidth(mib: int = 512, reps: int = 5, dtype=torch.float32) -> tuple[float, float]:
-    """(read GB/s, copy GB/s), best of ``reps``."""
-    x = torch.ones(mib * 2**20 // torch.tensor([], dtype=dtype).element_size(), dtype=dtype)
+def measure_bandwidth(mib: int = 512, reps: int = 5, dtype=torch.float32, plugin=None) -> tuple[float, float]:
+    """(read GB/s, copy GB/s) on ``plugin``'s device, best of ``reps``."""
+    device, sync = _target(plugin)
+    x = torch.ones(mib * 2**20 // torch.tensor([], dtype=dtype).element_size(), dtype=dtype, device=device)
     y = torch.empty_like(x)
     nbytes = x.numel() * x.element_size()
-    read = nbytes / _best(lambda: x.sum(), reps) / 1e9
-    copy = 2 * nbytes / _best(lambda: y.copy_(x), reps) / 1e9
+    read = nbytes / _best(lambda: x.sum(), reps, sync) / 1e9
+    copy = 2 * nbytes / _best(lambda: y.copy_(x), reps, sync) / 1e9
     return read, copy
 
 
-def measure_matmul(shape: ModelShape, tokens: int = 512, reps: int = 5, dtype=torch.float32) -> float:
-    """GFLOP/s of one layer's matmuls on ``tokens`` rows, best of ``reps``."""
-    ws = [torch.randn(o, i, dtype=dtype) * 0.02 for o, i in shape.layer_matmuls()]
-    xs = {i: torch.randn(tokens, i, dtype=dtype) for _, i in shape.layer_matmuls()}
+def measure_matmul(shape: ModelShape, tokens: int = 512, reps: int = 5, dtype=torch.float32, plugin=None) -> float:
+    """GFLOP/s of one layer's matmuls on ``tokens`` rows on ``plugin``'s device, best of ``reps``."""
+    device, sync = _target(plugin)
+    ws = [torch.randn(o, i, dtype=dtype, device=device) * 0.02 for o, i in shape.layer_matmuls()]
+    xs = {i: torch.randn(tokens, i, dtype=dtype, device=device) for _, i in shape.layer_matmuls()}
     flops = sum(2 * tokens * o * i for o, i in shape.layer_matmuls())
 
     def layer():
@@ -96,18 +112,20 @@ def measure_matmul(shape: ModelShape, tokens: int = 512, reps: int = 5, dtype=to
             F.linear(xs[w.shape[1]], w)
 
     with torch.inference_mode():
-        return flops / _best(layer, reps) / 1e9
+        return flops / _best(layer, reps, sync) / 1e9
 
 
-def measure_machine(shape: ModelShape, reps: int = 5) -> Machine:
-    read, copy = measure_bandwidth(reps=reps)
-    return Machine(read, copy, measure_matmul(shape, reps=reps), torch.get_num_threads())
+def measure_machine(shape: ModelShape, reps: int = 5, plugin=None, mib: int = 512) -> Machine:
+    """The ceilings of ``plugin``'s device (the CPU when None)."""
+    read, copy = measure_bandwidth(mib, reps, plugin=plugin)
+    return Machine(read, copy, measure_matmul(shape, reps=reps, plugin=plugin), torch.get_num_threads(),
+                   str(_target(plugin)[0]))
 
 
 def best_of(a: Machine, b: Machine) -> Machine:
     """The machine's ceiling from two measurements in one run (noise only ever slows it down)."""
     return Machine(max(a.bandwidth_gbs, b.bandwidth_gbs), max(a.copy_gbs, b.copy_gbs),
-                   max(a.matmul_gflops, b.matmul_gflops), a.threads)
+                   max(a.matmul_gflops, b.matmul_gflops), a.threads, a.device)
 
 
 def decode_step_seconds(shape: ModelShape, m: Machine, batch: int) -> float:

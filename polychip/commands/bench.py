@@ -109,6 +109,17 @@ def run_compare(args) -> int:
     return 1 if bad else 0
 
 
+def _open_peers_device(device: str):
+    """The plugin ``--device`` names, or None after printing why it cannot be opened."""
+    from polychip.devices.discovery import open_device
+    from polychip.errors import PolychipError
+    try:
+        return open_device(device)
+    except PolychipError as e:
+        print(f"error: --device {device!r} cannot be opened: {e}", file=sys.stderr)
+        return None
+
+
 def run_peers_cmd(args) -> int:
     import torch
 
@@ -121,8 +132,14 @@ def run_peers_cmd(args) -> int:
         print(f"error: unknown engine(s) {sorted(unknown)}; known: {', '.join(ENGINES)}", file=sys.stderr)
         return 2
     cfg = PeersConfig(args.model_path, args.input_len, args.output_len, args.concurrency, args.num_prompts,
-                      args.decode_tokens, args.shared_prefix_len, engines, args.seed)
-    res = run_peers(cfg)
+                      args.decode_tokens, args.shared_prefix_len, engines, args.seed, args.device)
+    plugin = _open_peers_device(args.device)
+    if plugin is None:
+        return 2
+    try:
+        res = run_peers(cfg, plugin)
+    finally:
+        plugin.destroy()
     text = f"{peers_table(res)}\n\nTargets:\n\n{targets_report(res)}\n"
     st = res["engines"].get("polychip", {}).get("stage_seconds")
     if st:
@@ -150,6 +167,9 @@ def _peers_parser(sub) -> None:
     p.add_argument("--engines", default="polychip,hf-naive,hf-static,llama.cpp")
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu",
+                   help="where polychip, transformers and the rooflines run: cpu, cuda[:N] or a plugin name "
+                        "(llama.cpp only runs on cpu)")
     p.add_argument("--json", default=None, help="write the result here (and a .md beside it)")
 
 
