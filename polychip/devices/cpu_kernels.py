@@ -52,7 +52,7 @@ def load():
         return _unavailable(f"CPU kernels are not built for {platform.machine()}")
     try:
         from torch.utils import cpp_extension
-        log.info("building CPU kernels (once per machine; about a minute)")
+        log.info("loading CPU kernels (the first load on a machine compiles them: about a minute)")
         _state["module"] = cpp_extension.load(_name(), _SOURCES, extra_cflags=_FLAGS, verbose=False)
     except Exception as e:  # a missing compiler or ninja must only cost speed, never correctness
         first = str(e).splitlines()[0][:200] if str(e) else ""
