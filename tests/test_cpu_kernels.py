@@ -139,3 +139,14 @@ def test_linear_blocks_in_inference_mode():
     x, w = torch.randn(80, 64), torch.randn(300, 64)
     with torch.inference_mode():
         torch.testing.assert_close(kernels.linear_blocks(x, w, None, 64), F.linear(x, w), atol=1e-4, rtol=1e-4)
+
+
+def test_an_earlier_build_is_imported_directly_and_a_broken_one_is_rebuilt(tmp_path, caplog):
+    from polychip.devices import cpu_kernels
+    assert cpu_kernels._import_built("nothing_here", str(tmp_path / "missing.so")) is None
+    broken = tmp_path / "broken.so"
+    broken.write_bytes(b"half a build")
+    assert cpu_kernels._import_built("broken", str(broken)) is None
+    assert "did not import" in caplog.text and "building again" in caplog.text
+    built = kernels.__file__                                   # this process's module came from its build folder
+    assert cpu_kernels._import_built(kernels.__name__, built).linear_tiles is not None

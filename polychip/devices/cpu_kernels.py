@@ -8,6 +8,7 @@ extension builder and cached under the torch extensions folder.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import logging
 import os
 import platform
@@ -41,6 +42,28 @@ def _name() -> str:
     return "polychip_cpu_kernels_" + hashlib.sha256(key).hexdigest()[:12]
 
 
+def _build_dir(name: str) -> str:
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "torch_extensions")
+    path = os.path.join(root, "polychip", name)
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def _import_built(name: str, path: str):
+    """The module from an earlier build (the name carries the sources' hash), without the ~2 s that
+    cpp_extension.load spends asking ninja whether it is up to date; None if it is not there."""
+    if not os.path.exists(path):
+        return None
+    try:
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    except ImportError as e:        # a half-written build: build again
+        log.warning("CPU kernels at %s did not import (%s); building again", path, e)
+        return None
+
+
 def load():
     """The compiled module, or None (the reason logged once and kept in ``unavailable_reason()``)."""
     if "module" in _state:
@@ -52,8 +75,13 @@ def load():
         return _unavailable(f"CPU kernels are not built for {platform.machine()}")
     try:
         from torch.utils import cpp_extension
-        log.info("loading CPU kernels (the first load on a machine compiles them: about a minute)")
-        _state["module"] = cpp_extension.load(_name(), _SOURCES, extra_cflags=_FLAGS, verbose=False)
+        name = _name()
+        folder = _build_dir(name)
+        _state["module"] = _import_built(name, os.path.join(folder, name + ".so"))
+        if _state["module"] is None:
+            log.info("building CPU kernels (once per machine; about a minute)")
+            _state["module"] = cpp_extension.load(name, _SOURCES, extra_cflags=_FLAGS, build_directory=folder,
+                                                  verbose=False)
     except Exception as e:  # a missing compiler or ninja must only cost speed, never correctness
         first = str(e).splitlines()[0][:200] if str(e) else ""
         return _unavailable(f"CPU kernels did not build ({type(e).__name__}: {first})", logging.WARNING)
