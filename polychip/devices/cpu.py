@@ -78,14 +78,10 @@ class CpuPlugin(DevicePlugin):
             log.info("cpu: %s", self.memory.reason)
 
     def alloc(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """On huge pages: the KV pool and, through the base place_weight, the weights (copies, not
+        the safetensors file's 4 KiB mapping), which decode reads every step (batch-16 step 13-19%
+        faster in an A/B, batch 1 3-5%)."""
         return self.memory.empty(shape, dtype)
-
-    def place_weight(self, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """A copy on huge pages (decode reads every weight each step): 1.2-1.5x the bandwidth of
-        the safetensors file's 4 KiB mapping."""
-        out = self.alloc(tuple(tensor.shape), dtype)
-        out.copy_(tensor)
-        return out
 
     def mem_info(self) -> tuple[int, int]:
         return _meminfo()

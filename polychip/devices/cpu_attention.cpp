@@ -6,6 +6,34 @@ using namespace polychip_cpu;
 
 namespace {
 
+inline void axpy(float* __restrict y, const float* __restrict x, float a, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+}
+
+typedef float vf8 __attribute__((vector_size(32)));   // GCC/Clang vector: AVX2 or better, NEON pairs
+
+inline vf8 loadu8(const float* p) {
+  vf8 v;
+  __builtin_memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline float hsum8(vf8 v) {
+  float s = 0.f;
+  for (int t = 0; t < 8; ++t) s += v[t];
+  return s;
+}
+
+inline float dot_vec(const float* __restrict a, const float* __restrict b, int64_t n) {
+  vf8 acc = vf8{};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc += loadu8(a + i) * loadu8(b + i);
+  float s = hsum8(acc);
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
 // One (sequence, token range) piece of decode attention over all heads: unnormalised output
 // acc [H, D], running max m [H] and sum l [H], merged across pieces afterwards.
 void decode_piece(const float* qb, const float* kp, const float* vp, const int64_t* pages, int64_t t0,

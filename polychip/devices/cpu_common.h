@@ -1,26 +1,16 @@
-// Helpers shared by the CPU plugin's kernels (cpu_attention.cpp, cpu_linear.cpp).
+// Helpers shared by the CPU plugin's kernels (cpu_attention.cpp, cpu_linear.cpp, cpu_elementwise.cpp).
 #pragma once
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <optional>
 #include <vector>
 
 namespace polychip_cpu {
-
-[[maybe_unused]] inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
-  float s = 0.f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
-
-inline void axpy(float* __restrict y, const float* __restrict x, float a, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
-}
 
 inline void check_f32(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
@@ -28,28 +18,24 @@ inline void check_f32(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
 }
 
-
-typedef float vf8 __attribute__((vector_size(32)));   // GCC/Clang vector: AVX2 or better, NEON pairs
-
-inline vf8 loadu8(const float* p) {
-  vf8 v;
-  __builtin_memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline float hsum8(vf8 v) {
-  float s = 0.f;
-  for (int t = 0; t < 8; ++t) s += v[t];
-  return s;
-}
-
-inline float dot_vec(const float* __restrict a, const float* __restrict b, int64_t n) {
-  vf8 acc = vf8{};
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) acc += loadu8(a + i) * loadu8(b + i);
-  float s = hsum8(acc);
-  for (; i < n; ++i) s += a[i] * b[i];
-  return s;
+// fn(c) for every c in [0, nchunks), chunks handed out one at a time to the intra-op threads (a
+// thread the OS delays holds up one chunk, not a static share). An fn that calls ATen needs
+// aten_state: the caller's thread-local state (inference mode), which the pool's threads lack.
+template <typename F>
+void for_each_chunk(int64_t nchunks, const F& fn, bool aten_state = false) {
+  const int64_t workers = std::min<int64_t>(std::max(1, at::get_num_threads()), nchunks);
+  if (workers <= 1) {
+    for (int64_t c = 0; c < nchunks; ++c) fn(c);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  std::optional<at::ThreadLocalState> caller;
+  if (aten_state) caller.emplace();
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    std::optional<at::ThreadLocalStateGuard> guard;
+    if (caller) guard.emplace(*caller);
+    for (int64_t c = next.fetch_add(1); c < nchunks; c = next.fetch_add(1)) fn(c);
+  });
 }
 
 }  // namespace polychip_cpu

@@ -5,8 +5,6 @@
 // linear_blocks: blocks of weight rows on the intra-op threads, one single-threaded BLAS call each.
 #include "cpu_common.h"
 
-#include <ATen/ThreadLocalState.h>
-
 using namespace polychip_cpu;
 
 torch::Tensor linear_blocks(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, int64_t block);
@@ -164,16 +162,8 @@ torch::Tensor linear_tiles(torch::Tensor x, torch::Tensor w, c10::optional<torch
   const int64_t chunk_bytes = M == 1 ? 65536 : 524288;
   int64_t rows = std::max<int64_t>(NR, (chunk_bytes / 4 / K) / NR * NR);
   rows = std::min(rows, std::max<int64_t>(NR, (N / (4 * threads)) / NR * NR));
-  const int64_t nchunks = (N + rows - 1) / rows;
-  const int64_t workers = std::min(threads, nchunks);
-  auto run = [&](int64_t c) { tile_rows(xp, wp, yp, bp, M, N, K, c * rows, std::min(N, (c + 1) * rows), MR, NR); };
-  if (workers <= 1) {
-    for (int64_t c = 0; c < nchunks; ++c) run(c);
-    return y;
-  }
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    for (int64_t c = next.fetch_add(1); c < nchunks; c = next.fetch_add(1)) run(c);
+  for_each_chunk((N + rows - 1) / rows, [&](int64_t c) {
+    tile_rows(xp, wp, yp, bp, M, N, K, c * rows, std::min(N, (c + 1) * rows), MR, NR);
   });
   return y;
 }
@@ -194,22 +184,14 @@ torch::Tensor linear_blocks(torch::Tensor x, torch::Tensor w, c10::optional<torc
   const int64_t M = x.size(0), N = w.size(0);
   const float* bp = bias_ptr(bias, N);
   auto y = torch::empty({M, N}, x.options());
-  const int64_t nblocks = (N + block - 1) / block;
-  std::atomic<int64_t> next{0};
-  const int64_t workers = std::min<int64_t>(at::get_num_threads(), nblocks);
-  const at::ThreadLocalState caller;   // inference mode etc.: the pool's threads do not inherit it
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    at::ThreadLocalStateGuard guard(caller);
-    for (int64_t c = next.fetch_add(1); c < nblocks; c = next.fetch_add(1)) {
-      const int64_t n0 = c * block, len = std::min(block, N - n0);
-      auto out = y.narrow(1, n0, len);
-      if (bp) {
-        at::addmm_out(out, bias->narrow(0, n0, len), x, w.narrow(0, n0, len).t());
-      } else {
-        at::mm_out(out, x, w.narrow(0, n0, len).t());
-      }
+  for_each_chunk((N + block - 1) / block, [&](int64_t c) {
+    const int64_t n0 = c * block, len = std::min(block, N - n0);
+    auto out = y.narrow(1, n0, len);
+    if (bp) {
+      at::addmm_out(out, bias->narrow(0, n0, len), x, w.narrow(0, n0, len).t());
+    } else {
+      at::mm_out(out, x, w.narrow(0, n0, len).t());
     }
-  });
+  }, /*aten_state=*/true);
   return y;
 }
-
