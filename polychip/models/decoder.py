@@ -78,11 +78,11 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, ctx: ForwardContext):
         t = x.shape[0]
-        if self.qkv_proj is not None:
-            q, k, v = self.qkv_proj(x).split([self.nh * self.d, self.nkv * self.d, self.nkv * self.d], -1)
+        if self.qkv_proj is not None:   # one view and one split: at batch 1 each ATen call counts
+            q, k, v = self.qkv_proj(x).view(t, -1, self.d).split([self.nh, self.nkv, self.nkv], 1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q, k, v = q.view(t, self.nh, self.d), k.view(t, self.nkv, self.d), v.view(t, self.nkv, self.d)
+            q, k, v = q.view(t, self.nh, self.d), k.view(t, self.nkv, self.d), v.view(t, self.nkv, self.d)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.ops.rotary_embedding(q, k, cos, sin)
