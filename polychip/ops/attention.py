@@ -2,7 +2,8 @@
 
 Decodes (one query token each) are batched into one SDPA call over their
 gathered pages; each prefill chunk is one SDPA call with a causal mask offset by
-its cached prefix. Python loops run per prefill sequence, never per token.
+its cached prefix. Python loops run per prefill sequence, never per token. Plugins
+replace either part with their own kernels (``decode_fn``, ``prefill_fn``).
 """
 from __future__ import annotations
 
@@ -29,6 +30,9 @@ class AttentionMetadata:
     decode_lens: torch.Tensor | None = None       # [B] kv length per decode sequence
     decode_mask: torch.Tensor | None = None       # [B, 1, 1, max_pages*page] bool
     prefills: list[PrefillSegment] = field(default_factory=list)
+    # the prefills as tensors for kernels that take them all in one call, built on first use by
+    # prefill_tables() and then kept for the step's other layers
+    prefill_table: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
 
 def _gather(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
@@ -43,6 +47,21 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     hkv, d = k_cache.shape[2], k_cache.shape[3]
     k_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k)
     v_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v)
+
+
+def prefill_tables(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """(segments [S, 3] int64 rows (start, q_len, kv_len), block table [S, W] int64, padded with
+    page 0) for meta.prefills; built once per metadata (one step), not once per layer."""
+    if meta.prefill_table is None:
+        segs = meta.prefills
+        device = segs[0].pages.device
+        width = max(len(s.pages) for s in segs)
+        table = torch.zeros(len(segs), width, dtype=torch.int64, device=device)
+        for i, s in enumerate(segs):
+            table[i, :len(s.pages)] = s.pages
+        rows = torch.tensor([[s.start, s.q_len, s.kv_len] for s in segs], dtype=torch.int64, device=device)
+        meta.prefill_table = (rows, table)
+    return meta.prefill_table
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
@@ -77,20 +96,28 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
     return o[0].transpose(0, 1)
 
 
+def sdpa_prefills(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+    """Every prefill chunk of the batch into its rows of out, one SDPA call each."""
+    for seg in meta.prefills:
+        out[seg.start:seg.start + seg.q_len] = prefill_attention(q, k, v, k_cache, v_cache, seg, scale)
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                    decode_fn: Callable = decode_attention) -> torch.Tensor:
+                    decode_fn: Callable = decode_attention, prefill_fn: Callable = sdpa_prefills) -> torch.Tensor:
     """q [T, H, D]; k, v [T, Hkv, D]; caches [P, page, Hkv, D]. Returns [T, H, D].
 
-    ``decode_fn(q_decode, k_cache, v_cache, meta, scale)`` computes the decode rows; a plugin
-    passes its own kernel here and keeps the rest."""
+    ``decode_fn(q_decode, k_cache, v_cache, meta, scale)`` returns the decode rows and
+    ``prefill_fn(q, k, v, k_cache, v_cache, meta, scale, out)`` writes every prefill chunk's rows
+    of ``out`` (contiguous, q's shape); a plugin passes its own kernels here and keeps the rest."""
     write_kv(k, v, k_cache, v_cache, meta)
     nd = meta.num_decodes
     if nd and not meta.prefills:
         return decode_fn(q, k_cache, v_cache, meta, scale)
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if nd:
         out[:nd] = decode_fn(q[:nd], k_cache, v_cache, meta, scale)
-    for seg in meta.prefills:
-        out[seg.start:seg.start + seg.q_len] = prefill_attention(q, k, v, k_cache, v_cache, seg, scale)
+    if meta.prefills:
+        prefill_fn(q, k, v, k_cache, v_cache, meta, scale, out)
     return out
