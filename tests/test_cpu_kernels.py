@@ -4,7 +4,8 @@ import torch
 import torch.nn.functional as F
 
 from polychip.devices import cpu_kernels, cpu_ops
-from polychip.ops.attention import AttentionMetadata, decode_attention
+from polychip.ops.attention import (AttentionMetadata, PrefillSegment, decode_attention, paged_attention,
+                                    prefill_tables)
 
 kernels = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(kernels is None, reason="CPU kernels did not build here (see the log)")
@@ -61,6 +62,161 @@ def test_paged_decode_attention_batches(batch, threads):
 def test_paged_decode_attention_page_sizes(page):
     want, args = _decode_case(9, 3, 64, [1, 33, 100, 700], page=page)
     torch.testing.assert_close(kernels.paged_decode_attention(*args), want, atol=1e-5, rtol=1e-5)
+
+
+# (q_len, kv_len): one-token chunks, chunks ending just before, on and after a page or a 16-token
+# boundary, whole prompts (q_len == kv_len), and long prefixes cut into many key and query blocks
+PREFILL_SPECS = [(1, 1), (1, 17), (15, 16), (16, 16), (17, 17), (16, 33), (33, 100), (100, 100), (3, 700),
+                 (200, 1000)]
+
+
+def _prefill_case(heads, kv_heads, d, specs, page, seed=0, first_row=5):
+    """Segments at their own offsets in one flat batch (rows before first_row and between the
+    segments belong to nobody), caches with pages in random order, and SDPA's result on each
+    segment's gathered pages with a causal mask offset by its prefix."""
+    g = torch.Generator().manual_seed(seed)
+    widths = [(kv + page - 1) // page for _, kv in specs]
+    pool = sum(widths) + 3
+    kc, vc = torch.randn(pool, page, kv_heads, d, generator=g), torch.randn(pool, page, kv_heads, d, generator=g)
+    perm = torch.randperm(pool, generator=g)
+    segs, start, used = [], first_row, 0
+    for (q_len, kv_len), w in zip(specs, widths):
+        segs.append(PrefillSegment(start, q_len, kv_len, perm[used:used + w]))
+        start, used = start + q_len + 2, used + w
+    q = torch.randn(start, heads, d, generator=g)
+    scale = d ** -0.5
+    want = {}
+    for s in segs:
+        ks = kc[s.pages].reshape(-1, kv_heads, d)[:s.kv_len].transpose(0, 1)[None]
+        vs = vc[s.pages].reshape(-1, kv_heads, d)[:s.kv_len].transpose(0, 1)[None]
+        qs = q[s.start:s.start + s.q_len].transpose(0, 1)[None]
+        mask = torch.arange(s.kv_len)[None, :] <= torch.arange(s.q_len)[:, None] + (s.kv_len - s.q_len)
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask[None, None], scale=scale,
+                                           enable_gqa=heads != kv_heads)
+        want[s.start] = o[0].transpose(0, 1)
+    meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long), prefills=segs)
+    return want, meta, (q, kc, vc, scale)
+
+
+def _run_prefill(meta, q, kc, vc, scale, fill=7.0):
+    out = torch.full_like(q, fill)
+    segments, table = prefill_tables(meta)
+    kernels.paged_prefill_attention(q, kc, vc, out, segments, table, scale)
+    return out
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("page", [1, 16])
+@pytest.mark.parametrize("d", [24, 64, 128])
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 1), (16, 2)])
+def test_paged_prefill_attention_matches_sdpa(heads, kv_heads, d, page, threads):
+    want, meta, (q, kc, vc, scale) = _prefill_case(heads, kv_heads, d, PREFILL_SPECS, page, seed=d + page)
+    got = _with_threads(threads, lambda: _run_prefill(meta, q, kc, vc, scale))
+    mine = torch.zeros(q.shape[0], dtype=torch.bool)
+    for s in meta.prefills:
+        torch.testing.assert_close(got[s.start:s.start + s.q_len], want[s.start], atol=1e-5, rtol=1e-5)
+        mine[s.start:s.start + s.q_len] = True
+    assert (got[~mine] == 7.0).all()                          # rows of no segment are left alone
+
+
+@pytest.mark.parametrize("page", [1, 5, 16])
+@pytest.mark.parametrize("q_len", [1, 2, 15, 16, 17, 31, 48, 65])
+def test_paged_prefill_attention_chunk_sizes(q_len, page):
+    """Every chunk after prefixes off, on and past page and block boundaries; one segment per call."""
+    for prefix in (0, 1, page - 1, page, 63, 64, 65):
+        want, meta, (q, kc, vc, scale) = _prefill_case(9, 3, 64, [(q_len, prefix + q_len)], page, seed=q_len)
+        s = meta.prefills[0]
+        got = _run_prefill(meta, q, kc, vc, scale)[s.start:s.start + s.q_len]
+        torch.testing.assert_close(got, want[s.start], atol=1e-5, rtol=1e-5)
+
+
+def test_paged_prefill_attention_large_scores():
+    """Scores tens apart (a near one-hot softmax, earlier key blocks rescaled by ~e^-50) and very
+    negative ones: no NaN, and as close to a float64 reference as float32 SDPA gets (rounding in
+    scores of size ~100 is amplified by exp, so both are off by ~1e-5 there)."""
+    want, meta, (q, kc, vc, scale) = _prefill_case(9, 3, 64, [(40, 300), (64, 64)], 16, seed=3)
+    q.mul_(30.0)
+    kc[:, :, 0].mul_(-4.0)
+    got = _run_prefill(meta, q, kc, vc, scale)
+    assert torch.isfinite(got).all()
+    for s in meta.prefills:
+        ks = kc[s.pages].reshape(-1, 3, 64)[:s.kv_len].transpose(0, 1)[None]
+        vs = vc[s.pages].reshape(-1, 3, 64)[:s.kv_len].transpose(0, 1)[None]
+        qs = q[s.start:s.start + s.q_len].transpose(0, 1)[None]
+        mask = (torch.arange(s.kv_len)[None, :] <= torch.arange(s.q_len)[:, None] + (s.kv_len - s.q_len))[None, None]
+        exact = F.scaled_dot_product_attention(qs.double(), ks.double(), vs.double(), scale=scale, attn_mask=mask,
+                                               enable_gqa=True)[0].transpose(0, 1)
+        sdpa = F.scaled_dot_product_attention(qs, ks, vs, scale=scale, attn_mask=mask, enable_gqa=True)[0].transpose(0, 1)
+        sdpa_err = (sdpa.double() - exact).abs().max().item()
+        err = (got[s.start:s.start + s.q_len].double() - exact).abs().max().item()
+        assert sdpa_err > 1e-6 and err <= 2 * sdpa_err, (err, sdpa_err)
+
+
+def test_paged_prefill_attention_bad_input():
+    _, meta, (q, kc, vc, scale) = _prefill_case(9, 3, 64, [(3, 20), (4, 4)], 16)
+    segments, table = prefill_tables(meta)
+    out = torch.empty_like(q)
+    with pytest.raises(RuntimeError, match="page id"):
+        kernels.paged_prefill_attention(q, kc, vc, out, segments, table + kc.shape[0], scale)
+    with pytest.raises(RuntimeError, match="out of its block table"):
+        kernels.paged_prefill_attention(q, kc, vc, out, segments + torch.tensor([0, 0, 40]), table, scale)
+    with pytest.raises(RuntimeError, match="rows out of q"):
+        kernels.paged_prefill_attention(q, kc, vc, out, segments + torch.tensor([q.shape[0], 0, 0]), table, scale)
+    with pytest.raises(RuntimeError, match="more queries than keys"):
+        kernels.paged_prefill_attention(q, kc, vc, out, segments + torch.tensor([0, 5, 0]), table, scale)
+    with pytest.raises(RuntimeError, match="out must have"):
+        kernels.paged_prefill_attention(q, kc, vc, out[1:], segments, table, scale)
+
+
+def test_prefill_tables_are_built_once_per_step():
+    _, meta, _ = _prefill_case(4, 4, 24, [(3, 20), (4, 4), (1, 40)], 16)
+    segments, table = prefill_tables(meta)
+    assert prefill_tables(meta)[1] is table                   # the step's other layers reuse them
+    assert segments.tolist() == [[s.start, s.q_len, s.kv_len] for s in meta.prefills]
+    for row, s in zip(table, meta.prefills):
+        assert row[:len(s.pages)].tolist() == s.pages.tolist() and (row[len(s.pages):] == 0).all()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_plugin_attention_mixed_batch_matches_native(threads):
+    """The plugin's attention op on decodes plus prefill chunks (new K/V written to the pool first),
+    against the native op on a copy of the pool; q not contiguous."""
+    g = torch.Generator().manual_seed(threads)
+    page, heads, kv_heads, d = 16, 9, 3, 64
+    pool = 40
+    kc, vc = torch.randn(pool, page, kv_heads, d, generator=g), torch.randn(pool, page, kv_heads, d, generator=g)
+    perm = torch.randperm(pool, generator=g)
+    # two decodes (kv 30 and 17), then chunks of 20 after a 45-token prefix and of 9 with none
+    seqs = [(30, 1), (17, 1), (65, 20), (9, 9)]
+    slots, prefills, dec_pages, dec_lens, start, used = [], [], [], [], 0, 0
+    for kv_len, n in seqs:
+        w = (kv_len + page - 1) // page
+        pages = perm[used:used + w]
+        used += w
+        pos = torch.arange(kv_len - n, kv_len)
+        slots.append(pages[pos // page] * page + pos % page)
+        if n == 1:
+            dec_pages.append(pages)
+            dec_lens.append(kv_len)
+        else:
+            prefills.append(PrefillSegment(start, n, kv_len, pages))
+        start += n
+    width = max(len(p) for p in dec_pages)
+    table = torch.zeros(len(dec_pages), width, dtype=torch.long)
+    for i, p in enumerate(dec_pages):
+        table[i, :len(p)] = p
+    lens = torch.tensor(dec_lens)
+    meta = AttentionMetadata(slot_mapping=torch.cat(slots), num_decodes=len(dec_pages), decode_pages=table,
+                             decode_lens=lens, prefills=prefills,
+                             decode_mask=(torch.arange(width * page)[None, :] < lens[:, None])[:, None, None, :])
+    q = torch.randn(heads, start, d, generator=g).transpose(0, 1)       # [T, H, D], not contiguous
+    k, v = torch.randn(start, kv_heads, d, generator=g), torch.randn(start, kv_heads, d, generator=g)
+    attention = cpu_ops.make_ops(kernels)["attention"]
+    with torch.inference_mode():
+        want = paged_attention(q, k, v, kc.clone(), vc.clone(), meta, d ** -0.5)
+        got = _with_threads(threads, lambda: attention(q, k, v, kc, vc, meta, d ** -0.5))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert meta.prefill_table is not None                     # the kernel path ran
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 16])

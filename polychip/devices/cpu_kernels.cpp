@@ -1,9 +1,11 @@
 // The CPU plugin's compiled module (built by cpu_kernels.py): the kernels of cpu_attention.cpp,
-// cpu_linear.cpp and cpu_elementwise.cpp, all float32.
+// cpu_prefill_attention.cpp, cpu_linear.cpp and cpu_elementwise.cpp, all float32.
 #include <torch/extension.h>
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_table, torch::Tensor lens, double scale);
+void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor out,
+                             torch::Tensor segments, torch::Tensor block_table, double scale);
 torch::Tensor linear_tiles(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
 torch::Tensor linear_blocks(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, int64_t block);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
@@ -13,6 +15,8 @@ std::vector<torch::Tensor> rotary_embedding(torch::Tensor q, torch::Tensor k, to
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (float32)");
+  m.def("paged_prefill_attention", &paged_prefill_attention,
+        "causal paged attention for prefill chunks, written into out's rows (float32)");
   m.def("linear_tiles", &linear_tiles, "x w^T + b for decode-sized batches, register tiles (float32)");
   m.def("linear_blocks", &linear_blocks, "x w^T + b, weight-row blocks on the intra-op threads (float32)");
   m.def("rms_norm", &rms_norm, "rms_norm over the last dimension (float32)");
