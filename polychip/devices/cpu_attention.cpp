@@ -343,7 +343,8 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   }
   // split each sequence into pieces of whole pages so that every thread has work even at batch 1
   const int64_t threads = at::get_num_threads();
-  const int64_t splits = std::max<int64_t>(1, std::min<int64_t>((2 * threads + B - 1) / B, (max_len + 255) / 256));
+  int64_t splits = std::max<int64_t>(1, std::min<int64_t>((2 * threads + B - 1) / B, (max_len + 255) / 256));
+  while (splits > 1 && B * splits % threads != 0) --splits;   // as many tasks per thread: not 3 on 2 threads
   const int64_t piece = ((max_len + splits - 1) / splits + page - 1) / page * page;
   auto out = torch::empty_like(q);
   auto part_acc = torch::empty({B, splits, H, D}, q.options());
