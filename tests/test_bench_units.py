@@ -152,3 +152,4 @@ def test_peers_shared_prefix_check_runs_a_cold_then_a_warm_wave():
                                                             "shared_prefix": res}}})
     assert "cold: first wave: mean TTFT >= 5x lower | 5.00x (10.00 s -> 2.00 s) | yes" in report
     assert "warm: prefix cached by an earlier wave: mean TTFT >= 5x lower | 10.00x" in report
+    assert "| % of workload roofline | 50.0% | - |" in report     # the 75% target is for 512 output tokens
