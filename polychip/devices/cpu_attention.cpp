@@ -175,6 +175,14 @@ struct Streams {
       for (int i = 0; i < kPrefetch && ahead[s].left > 0; ++i) ahead[s].next();
     }
   }
+  // x[s] = kv head g's D = DC * 16 values of stream s's current row
+  template <int DC>
+  void load(int64_t g, __m512 (&x)[S][DC]) const {
+#pragma GCC unroll 4
+    for (int s = 0; s < S; ++s)
+#pragma GCC unroll 8
+      for (int c = 0; c < DC; ++c) x[s][c] = _mm512_loadu_ps(w[s].r + g * DC * 16 + c * 16);
+  }
   void next() {
     for (int s = 0; s < S; ++s) {
       w[s].next();
@@ -201,10 +209,7 @@ void score_piece(const float* qs, Streams<S> st, int64_t len, int64_t H, int64_t
       __m512* f = fold + i * H;
       for (int64_t g = 0; g < Hkv; ++g) {
         __m512 x[S][DC];
-#pragma GCC unroll 4
-        for (int s = 0; s < S; ++s)
-#pragma GCC unroll 8
-          for (int c = 0; c < DC; ++c) x[s][c] = _mm512_loadu_ps(st.w[s].r + g * D + c * 16);
+        st.template load<DC>(g, x);
         for (int64_t hh = 0; hh < G; ++hh, q += D) {
           __m512 p[S];
           __m512 qc = _mm512_loadu_ps(q);
@@ -237,10 +242,7 @@ void accumulate_piece(const float* w, Streams<S> st, int64_t len, int64_t H, int
     const float* wi = w + i * S;   // step i's slots: block i / (16 / S), lanes S * (i % (16 / S)) + s
     for (int64_t g = 0; g < Hkv; ++g) {
       __m512 x[S][DC];
-#pragma GCC unroll 4
-      for (int s = 0; s < S; ++s)
-#pragma GCC unroll 8
-        for (int c = 0; c < DC; ++c) x[s][c] = _mm512_loadu_ps(st.w[s].r + g * D + c * 16);
+      st.template load<DC>(g, x);
       for (int64_t hh = 0; hh < G; ++hh, a += D, wi += nsc) {
         __m512 ws[S];
 #pragma GCC unroll 4
