@@ -23,8 +23,9 @@ _SOURCES = [os.path.join(_DIR, f) for f in ("cpu_kernels.cpp", "cpu_attention.cp
 _HEADERS = [os.path.join(_DIR, "cpu_common.h")]
 _state: dict = {}          # one build attempt per process: {"module": module or None}
 # -fopenmp, not just -fopenmp-simd: without _OPENMP, ATen's at::parallel_for compiles to a serial loop
-# (GOMP_* then resolve to torch's own libgomp, a dependency of libtorch_cpu)
-_FLAGS = ["-O3", "-ffast-math", "-fopenmp",
+# (GOMP_* then resolve to torch's own libgomp, a dependency of libtorch_cpu). -fno-finite-math-only:
+# the attention kernels mark empty pieces and masked scores with -inf, which fast-math may assume away
+_FLAGS = ["-O3", "-ffast-math", "-fno-finite-math-only", "-fopenmp",
           "-march=native" if platform.machine() in ("x86_64", "AMD64") else "-mcpu=native"]
 
 

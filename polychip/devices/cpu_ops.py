@@ -4,8 +4,8 @@ PyTorch ops, the native ops everywhere else.
 * ``attention``: decode rows read K/V straight from the paged pool (the native op gathers
   every sequence's pages into a new tensor in each layer, then runs a masked SDPA); so do the
   prefill chunks, all of a batch's in one call (``paged_prefill_attention``: register-tiled
-  flash attention that loads each K/V row once for the query heads sharing it, ~160-175 GFLOP/s
-  of causal FLOPs on 2 cores against SDPA's 55-110, bench/prefill_attention_kernel.py);
+  flash attention that loads each K/V row once for the query heads sharing it, 174-186 GFLOP/s
+  of causal FLOPs on 2 cores against SDPA's 62-116, bench/prefill_attention_kernel.py);
 * ``linear``: up to ``TILES_MAX_M`` rows (decode), ``linear_tiles``: AVX-512 register tiles
   of x rows by weight rows, each weight tile read from memory once and reused from L1 for all
   rows (MKL's gemm and gemv reach about half its speed here); with more rows (prefill), blocks of

@@ -25,7 +25,7 @@ namespace {
 // rescales of Ot), 256 about the same again; 32 rows ~6% and 64 ~3% slower than 48, 96 about even.
 constexpr int64_t kKeyBlock = 128;                // keys per softmax step
 constexpr int64_t kRows = 48;                     // target rows (heads x positions) per work item
-constexpr float kNeg = -1e30f;                    // finite: the module builds with -ffast-math
+constexpr float kNeg = -1e30f;                    // a finite "masked" score: exp2 of it minus any max is 0
 constexpr float kLog2e = 1.4426950408889634f;
 
 // vec: kL float lanes. AVX-512 intrinsics here; elsewhere GCC / Clang vector extensions of the
