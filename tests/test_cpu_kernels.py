@@ -4,8 +4,8 @@ import torch
 import torch.nn.functional as F
 
 from polychip.devices import cpu_kernels, cpu_ops
-from polychip.ops.attention import (AttentionMetadata, PrefillSegment, decode_attention, paged_attention,
-                                    prefill_tables)
+from polychip.devices.ops import AttentionMetadata, PrefillSegment
+from polychip.ops.attention import decode_attention, paged_attention
 
 kernels = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(kernels is None, reason="CPU kernels did not build here (see the log)")
@@ -100,7 +100,7 @@ def _prefill_case(heads, kv_heads, d, specs, page, seed=0, first_row=5):
 
 def _run_prefill(meta, q, kc, vc, scale, fill=7.0):
     out = torch.full_like(q, fill)
-    segments, table = prefill_tables(meta)
+    segments, table = meta.prefill_tables()
     kernels.paged_prefill_attention(q, kc, vc, out, segments, table, scale)
     return out
 
@@ -154,7 +154,7 @@ def test_paged_prefill_attention_large_scores():
 
 def test_paged_prefill_attention_bad_input():
     _, meta, (q, kc, vc, scale) = _prefill_case(9, 3, 64, [(3, 20), (4, 4)], 16)
-    segments, table = prefill_tables(meta)
+    segments, table = meta.prefill_tables()
     out = torch.empty_like(q)
     with pytest.raises(RuntimeError, match="page id"):
         kernels.paged_prefill_attention(q, kc, vc, out, segments, table + kc.shape[0], scale)
@@ -170,8 +170,8 @@ def test_paged_prefill_attention_bad_input():
 
 def test_prefill_tables_are_built_once_per_step():
     _, meta, _ = _prefill_case(4, 4, 24, [(3, 20), (4, 4), (1, 40)], 16)
-    segments, table = prefill_tables(meta)
-    assert prefill_tables(meta)[1] is table                   # the step's other layers reuse them
+    segments, table = meta.prefill_tables()
+    assert meta.prefill_tables()[1] is table                   # the step's other layers reuse them
     assert segments.tolist() == [[s.start, s.q_len, s.kv_len] for s in meta.prefills]
     for row, s in zip(table, meta.prefills):
         assert row[:len(s.pages)].tolist() == s.pages.tolist() and (row[len(s.pages):] == 0).all()

@@ -26,6 +26,7 @@ from typing import Callable
 import torch
 
 from polychip.devices.discovery import open_device
+from polychip.devices.ops import FUSIONS
 from polychip.devices.plugin import API_VERSION, Availability, DeviceInfo, DevicePlugin, Event, Stream
 from polychip.devices.probe import StepFailed, check_alloc_free, check_copy, check_ops, check_stream_event
 from polychip.devices.spec import KNOWN_DTYPES, supported_dtypes
@@ -68,7 +69,6 @@ def check_identity(target: Target) -> str:
         _require(isinstance(handle, torch.device) and handle.type == p.torch_device_type,
                  f"device_handle() returned {handle!r}, expected a torch.device of type {p.torch_device_type!r}")
         _require(isinstance(p.communicator_backend(), str), "communicator_backend() must name a backend")
-        from polychip.ops.passes import FUSIONS
         _require(set(p.fusions()) <= set(FUSIONS), f"fusions() {p.fusions()} are not all in {FUSIONS}")
         _require(p.default_dtype("float32") in supported_dtypes(p),
                  f"default_dtype('float32') = {p.default_dtype('float32')!r} is not a supported dtype")
@@ -216,7 +216,8 @@ def check_generation(target: Target) -> str:
 
 
 # what a plugin may import from polychip: the plugin API, specs and errors
-PUBLIC_MODULES = ("polychip.devices", "polychip.devices.plugin", "polychip.devices.spec", "polychip.errors")
+PUBLIC_MODULES = ("polychip.devices", "polychip.devices.plugin", "polychip.devices.ops", "polychip.devices.spec",
+                  "polychip.errors")
 
 
 def source_problems(path: str) -> list[str]:

@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from polychip.devices import cpu_kernels, cpu_row_ops
-from polychip.ops.attention import AttentionMetadata, paged_attention, prefill_tables
+from polychip.devices.ops import AttentionMetadata
+from polychip.ops.attention import paged_attention
 
 TILES_MAX_M = 64       # rows up to which linear_tiles beats BLAS (bench/linear_kernels.py)
 BLOCK_ROWS_PREFILL = 256    # 576-row outputs split evenly across 2 threads; 512 left one thread idle for 64 rows
@@ -39,7 +40,7 @@ def make_ops(kernels) -> dict:
 
     def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
-        segments, table = prefill_tables(meta)
+        segments, table = meta.prefill_tables()
         kernels.paged_prefill_attention(q.contiguous(), k_cache, v_cache, out, segments, table, scale)
 
     def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -18,7 +18,7 @@ from polychip.models.config import ModelConfig
 
 @dataclass
 class ForwardContext:
-    meta: object                                   # ops.attention.AttentionMetadata
+    meta: object                                   # devices.ops.AttentionMetadata
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
 
 

@@ -10,7 +10,7 @@ from typing import Callable
 
 import torch
 
-from polychip.ops.attention import AttentionMetadata, PrefillSegment
+from polychip.devices.ops import AttentionMetadata, PrefillSegment
 from polychip.ops.registry import ANY_DTYPE, OpRegistry
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")

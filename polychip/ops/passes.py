@@ -12,10 +12,9 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
+from polychip.devices.ops import FUSIONS
 from polychip.errors import PluginError
 from polychip.ops.registry import OpRegistry, Resolution
-
-FUSIONS = ("qkv", "gate_up", "add_rms_norm")
 
 # the ops each module kind may call (by class name); RMSNorm calls add_rms_norm once fused
 MODULE_OPS = {
