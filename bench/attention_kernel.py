@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from polychip.devices import cpu_kernels
+from polychip.devices.cpu import kernels as cpu_kernels
 from polychip.devices.ops import AttentionMetadata
 from polychip.ops.attention import decode_attention
 

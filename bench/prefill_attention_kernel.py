@@ -16,7 +16,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from polychip.devices import cpu_kernels
+from polychip.devices.cpu import kernels as cpu_kernels
 from polychip.devices.ops import AttentionMetadata, PrefillSegment
 from polychip.ops.attention import sdpa_prefills
 

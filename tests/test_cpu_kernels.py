@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from polychip.devices import cpu_kernels, cpu_ops
+from polychip.devices.cpu import kernels as cpu_kernels, ops as cpu_ops
 from polychip.devices.ops import AttentionMetadata, PrefillSegment
 from polychip.ops.attention import decode_attention, paged_attention
 
@@ -278,7 +278,7 @@ def test_plugin_linear_routes_by_batch_size():
 
 
 def test_kernels_off_is_a_visible_fallback(model_factory, monkeypatch):
-    from polychip.devices import cpu_kernels, cpu_ops
+    from polychip.devices.cpu import kernels as cpu_kernels, ops as cpu_ops
     from polychip.devices.cpu import CpuPlugin
     from polychip.models.loader import load_model
     monkeypatch.setenv("POLYCHIP_CPU_KERNELS", "0")
@@ -298,7 +298,7 @@ def test_linear_blocks_in_inference_mode():
 
 
 def test_an_earlier_build_is_imported_directly_and_a_broken_one_is_rebuilt(tmp_path, caplog):
-    from polychip.devices import cpu_kernels
+    from polychip.devices.cpu import kernels as cpu_kernels
     assert cpu_kernels._import_built("nothing_here", str(tmp_path / "missing.so")) is None
     broken = tmp_path / "broken.so"
     broken.write_bytes(b"half a build")

@@ -1,8 +1,8 @@
-"""The CPU plugin's fused row ops (cpu_elementwise.cpp) against the native PyTorch ops."""
+"""The CPU plugin's fused row ops (devices/cpu/csrc/elementwise.cpp) against the native PyTorch ops."""
 import pytest
 import torch
 
-from polychip.devices import cpu_kernels, cpu_row_ops
+from polychip.devices.cpu import kernels as cpu_kernels, row_ops as cpu_row_ops
 from polychip.ops import native
 
 kernels = cpu_kernels.load()

@@ -22,7 +22,7 @@ from polychip.errors import DeviceSpecError, PluginError
 
 ENTRY_POINT_GROUP = "polychip.devices"
 ENV_VAR = "POLYCHIP_PLUGINS"
-BUILTIN = {"cpu": "polychip.devices.cpu:CpuPlugin", "cuda": "polychip.devices.cuda:CudaPlugin"}
+BUILTIN = {"cpu": "polychip.devices.cpu.plugin:CpuPlugin", "cuda": "polychip.devices.cuda:CudaPlugin"}
 AUTO_ORDER = ("cuda", "cpu")
 
 

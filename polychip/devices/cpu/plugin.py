@@ -7,7 +7,7 @@ import platform
 
 import torch
 
-from polychip.devices.cpu_memory import HugePageAllocator
+from polychip.devices.cpu.memory import HugePageAllocator
 from polychip.devices.plugin import Availability, DeviceInfo, DevicePlugin, Event, Stream
 
 log = logging.getLogger("polychip.devices.cpu")
@@ -97,8 +97,8 @@ class CpuPlugin(DevicePlugin):
 
     def register_ops(self, registry) -> None:
         """float32 C++ fast paths (decode attention, linear, row ops) when they build."""
-        from polychip.devices import cpu_ops
-        cpu_ops.register(registry)
+        from polychip.devices.cpu import ops
+        ops.register(registry)
 
     def fusions(self) -> tuple[str, ...]:
         return ("qkv", "gate_up", "add_rms_norm")

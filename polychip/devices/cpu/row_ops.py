@@ -1,4 +1,4 @@
-"""The CPU plugin's float32 row ops (``cpu_elementwise.cpp``): rms_norm, add_rms_norm, silu_mul
+"""The CPU plugin's float32 row ops (``csrc/elementwise.cpp``): rms_norm, add_rms_norm, silu_mul
 and rotary_embedding, each one C++ call where the native op is 4-10 ATen calls. At batch 1 the
 dispatch of those calls costs more than their arithmetic (~4 ms of a ~30 ms decode step).
 """

@@ -1,4 +1,4 @@
-"""The CPU plugin's float32 ops: C++ kernels (``cpu_kernels``) where they beat the native
+"""The CPU plugin's float32 ops: C++ kernels (``kernels``) where they beat the native
 PyTorch ops, the native ops everywhere else.
 
 * ``attention``: decode rows read K/V straight from the paged pool (the native op gathers
@@ -13,7 +13,7 @@ PyTorch ops, the native ops everywhere else.
   Both hand out work dynamically: multi-threaded BLAS splits the matrix statically and stalls
   for whole scheduler time slices (12-16 ms a call at batch 16) whenever another process
   holds a core; quiet, it is ~3-5% faster on an 800-token prefill (A/B in one process).
-* the row ops of ``cpu_row_ops`` (rms_norm, add_rms_norm, silu_mul, rotary_embedding).
+* the row ops of ``row_ops`` (rms_norm, add_rms_norm, silu_mul, rotary_embedding).
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from polychip.devices import cpu_kernels, cpu_row_ops
+from polychip.devices.cpu import kernels as cpu_kernels, row_ops
 from polychip.devices.ops import AttentionMetadata
 from polychip.ops.attention import paged_attention
 
@@ -59,7 +59,7 @@ def make_ops(kernels) -> dict:
     return {"attention": attention, "linear": linear}
 
 
-OPS = ("linear", "attention") + cpu_row_ops.ROW_OPS
+OPS = ("linear", "attention") + row_ops.ROW_OPS
 
 
 def register(registry) -> None:
@@ -69,5 +69,5 @@ def register(registry) -> None:
         for name in OPS:
             registry.register_unavailable(name, cpu_kernels.unavailable_reason())
         return
-    for name, fn in (make_ops(kernels) | cpu_row_ops.make_ops(kernels)).items():
+    for name, fn in (make_ops(kernels) | row_ops.make_ops(kernels)).items():
         registry.register(name, 1, "float32", fn)
