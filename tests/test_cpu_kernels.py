@@ -6,8 +6,12 @@ import torch.nn.functional as F
 from polychip.devices.cpu import kernels as cpu_kernels, ops as cpu_ops
 from polychip.devices.ops import AttentionMetadata, PrefillSegment
 from polychip.ops.attention import decode_attention, paged_attention
+from polychip.ops.native import register_native
+from polychip.ops.registry import OpRegistry
 
 kernels = cpu_kernels.load()
+NATIVE = OpRegistry("cpu")             # the registry the plugin takes its native ops from
+register_native(NATIVE)
 pytestmark = pytest.mark.skipif(kernels is None, reason="CPU kernels did not build here (see the log)")
 
 
@@ -211,12 +215,24 @@ def test_plugin_attention_mixed_batch_matches_native(threads):
                              decode_mask=(torch.arange(width * page)[None, :] < lens[:, None])[:, None, None, :])
     q = torch.randn(heads, start, d, generator=g).transpose(0, 1)       # [T, H, D], not contiguous
     k, v = torch.randn(start, kv_heads, d, generator=g), torch.randn(start, kv_heads, d, generator=g)
-    attention = cpu_ops.make_ops(kernels)["attention"]
+    attention = cpu_ops.make_ops(kernels, NATIVE.native)["attention"]
     with torch.inference_mode():
         want = paged_attention(q, k, v, kc.clone(), vc.clone(), meta, d ** -0.5)
         got = _with_threads(threads, lambda: attention(q, k, v, kc, vc, meta, d ** -0.5))
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert meta.prefill_table is not None                     # the kernel path ran
+
+
+def test_attention_is_the_registrys_frame_with_the_kernels_as_its_halves():
+    seen = {}
+
+    def frame(*args, decode_fn, prefill_fn):
+        seen.update(args=args, decode_fn=decode_fn, prefill_fn=prefill_fn)
+        return "framed"
+
+    ops = cpu_ops.make_ops(kernels, lambda name: frame if name == "attention" else NATIVE.native(name))
+    assert ops["attention"]("q", "k") == "framed" and seen["args"] == ("q", "k")
+    assert callable(seen["decode_fn"]) and callable(seen["prefill_fn"])
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 16])
@@ -254,7 +270,7 @@ def test_linear_tiles_empty_sizes():
 
 
 def test_plugin_linear_non_contiguous_and_bias():
-    ops = cpu_ops.make_ops(kernels)
+    ops = cpu_ops.make_ops(kernels, NATIVE.native)
     w = torch.randn(24, 40).t()                               # [40, 24], not contiguous
     b = torch.randn(80)[::2]                                  # not contiguous
     with torch.inference_mode():
@@ -267,7 +283,7 @@ def test_plugin_linear_non_contiguous_and_bias():
 
 
 def test_plugin_linear_routes_by_batch_size():
-    ops = cpu_ops.make_ops(kernels)
+    ops = cpu_ops.make_ops(kernels, NATIVE.native)
     w = torch.randn(32, 24)
     with torch.inference_mode():
         for m in (1, 2, cpu_ops.TILES_MAX_M, cpu_ops.TILES_MAX_M + 1):

@@ -18,20 +18,21 @@ PyTorch ops, the native ops everywhere else.
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from polychip.devices.cpu import kernels as cpu_kernels, row_ops
-from polychip.devices.ops import AttentionMetadata
-from polychip.ops.attention import paged_attention
+from polychip.devices.ops import AttentionMetadata, OpRegistrar
 
 TILES_MAX_M = 64       # rows up to which linear_tiles beats BLAS (bench/linear_kernels.py)
 BLOCK_ROWS_PREFILL = 256    # 576-row outputs split evenly across 2 threads; 512 left one thread idle for 64 rows
 
 
-def make_ops(kernels) -> dict:
-    """{op name: function} for the float32 ops the kernels speed up."""
+def make_ops(kernels, native: Callable[[str], Callable]) -> dict:
+    """{op name: function} for the float32 ops the kernels speed up; ``native(name)`` gives the native
+    ops (the registry's), here the attention frame that takes the kernels as its two halves."""
 
     def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -55,19 +56,20 @@ def make_ops(kernels) -> dict:
             return kernels.linear_tiles(x, weight, bias)
         return kernels.linear_blocks(x, weight, bias, BLOCK_ROWS_PREFILL)
 
-    attention = functools.partial(paged_attention, decode_fn=decode_attention, prefill_fn=prefill_attention)
+    attention = functools.partial(native("attention"), decode_fn=decode_attention, prefill_fn=prefill_attention)
     return {"attention": attention, "linear": linear}
 
 
 OPS = ("linear", "attention") + row_ops.ROW_OPS
 
 
-def register(registry) -> None:
+def register(registry: OpRegistrar) -> None:
     """Register the kernels' ops for float32 when they build; otherwise the native ops serve."""
     kernels = cpu_kernels.load()
     if kernels is None:
         for name in OPS:
             registry.register_unavailable(name, cpu_kernels.unavailable_reason())
         return
-    for name, fn in (make_ops(kernels) | row_ops.make_ops(kernels)).items():
+    ops = make_ops(kernels, registry.native) | row_ops.make_ops(kernels, registry.native)
+    for name, fn in ops.items():
         registry.register(name, 1, "float32", fn)
