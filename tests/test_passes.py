@@ -17,7 +17,7 @@ from polychip.ops.registry import OpRegistry
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from polychip.devices.conformance import make_tiny_model
+    from polychip.pluginkit.conformance import make_tiny_model
     return make_tiny_model(str(tmp_path_factory.mktemp("tiny")))
 
 

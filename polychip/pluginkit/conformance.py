@@ -2,7 +2,7 @@
 
 As a function::
 
-    from polychip.devices import conformance
+    from polychip.pluginkit import conformance
     conformance.assert_conformant(conformance.Target("mychip", plugins=("my_pkg.plugin",)))
 
 As pytest parametrisation::
@@ -28,8 +28,12 @@ import torch
 from polychip.devices.discovery import open_device
 from polychip.devices.ops import FUSIONS
 from polychip.devices.plugin import API_VERSION, Availability, DeviceInfo, DevicePlugin, Event, Stream
-from polychip.devices.probe import StepFailed, check_alloc_free, check_copy, check_ops, check_stream_event
 from polychip.devices.spec import KNOWN_DTYPES, supported_dtypes
+from polychip.engine.llm import LLM
+from polychip.engine.sampling_params import SamplingParams
+from polychip.models.config import ModelConfig
+from polychip.models.decoder import DecoderModel
+from polychip.pluginkit.probe import StepFailed, check_alloc_free, check_copy, check_ops, check_stream_event
 
 
 class ConformanceError(AssertionError):
@@ -163,8 +167,6 @@ def make_tiny_model(path: str, seed: int = 0) -> str:
     from safetensors.torch import save_file
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    from polychip.models.config import ModelConfig
-    from polychip.models.decoder import DecoderModel
     os.makedirs(path, exist_ok=True)
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
@@ -192,7 +194,6 @@ def make_tiny_model(path: str, seed: int = 0) -> str:
 
 
 def greedy_tokens(model_path: str, device: str, plugins=(), device_config=None) -> list[list[int]]:
-    from polychip import LLM, SamplingParams
     llm = LLM(model_path, device=device, plugins=tuple(plugins), device_config=device_config, dtype="float32",
               max_total_tokens=512, chunked_prefill_size=16)
     try:
