@@ -9,8 +9,6 @@ import logging
 import time
 from collections import defaultdict
 
-import torch
-
 from polychip.config import EngineConfig
 from polychip.devices.discovery import open_from_config
 from polychip.engine.kv_pool import KVPool, size_pool
@@ -21,7 +19,7 @@ from polychip.engine.sampler import Sampler
 from polychip.engine.sampling_params import SamplingParams
 from polychip.engine.scheduler import Scheduler
 from polychip.engine.stop import check_stop, streamable_len
-from polychip.errors import InvalidRequestError
+from polychip.errors import ConfigError, InvalidRequestError
 from polychip.models.loader import load_model
 from polychip.models.tokenizer import IncrementalDetokenizer
 
@@ -33,8 +31,9 @@ STAGES = ("schedule", "prepare", "forward", "sample", "detokenize")
 class Engine:
     def __init__(self, config: EngineConfig | None = None, plugin=None):
         self.config = config = config or EngineConfig()
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        if plugin is not None and config.num_threads:
+            raise ConfigError("num_threads is applied when the engine opens its device; for a plugin opened "
+                              "by the caller, pass num_threads to open_device instead")
         self.plugin = plugin or open_from_config(config)   # discovered, spec-checked, initialised
         self.plugin.set_seed(config.seed)
         self.loaded = load_model(config.model_path, self.plugin, config.dtype, config.enable_fusion,

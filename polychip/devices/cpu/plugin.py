@@ -72,8 +72,11 @@ class CpuPlugin(DevicePlugin):
         super().__init__()
         self.memory = HugePageAllocator()
 
-    def init(self, spec=None, index: int = 0) -> None:
+    def init(self, spec=None, index: int = 0, num_threads: int | None = None) -> None:
+        """``num_threads``: torch's intra-op threads, which run the kernels and the native ops."""
         super().init(spec, index)
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
         if not self.memory.enabled:
             log.info("cpu: %s", self.memory.reason)
 
