@@ -9,7 +9,7 @@ Every import counts: top-level, inside functions, under ``if TYPE_CHECKING``, re
     engine
     models  ops  quant  distributed
     devices
-    config.py  errors.py
+    config.py  errors.py  dtypes.py
 """
 from __future__ import annotations
 
@@ -40,14 +40,15 @@ LAYER_OF = {
     "polychip.devices": "devices",
     "polychip.config": "leaves",
     "polychip.errors": "leaves",
+    "polychip.dtypes": "leaves",            # the dtype vocabulary
 }
 
 ABOVE_ENGINE = {"pluginkit", "entry points"}
 ABOVE_MODELS = {"engine"} | ABOVE_ENGINE
 # importer layer -> (layers it must not import, the rule in words)
 FORBIDDEN = {
-    "leaves": (set(LAYER_OF.values()) - {"leaves"}, "config.py and errors.py import nothing from the package "
-                                                    "but each other"),
+    "leaves": (set(LAYER_OF.values()) - {"leaves"}, "config.py, errors.py and dtypes.py import nothing from "
+                                                    "the package but each other"),
     "devices": ({"ops", "models", "quant", "distributed"} | ABOVE_MODELS,
                 "the plugin layer (devices/) never imports ops, models, the engine, the server or the kit"),
     "ops": ({"models"} | ABOVE_MODELS, "ops never import models or the engine (or above)"),

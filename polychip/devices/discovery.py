@@ -256,5 +256,4 @@ def open_device(device: str = "auto", plugins: tuple[str, ...] = (), device_conf
 
 def open_from_config(config) -> DevicePlugin:
     """Open the device an :class:`~polychip.config.EngineConfig` names."""
-    return open_device(config.device, tuple(config.plugins), config.device_config,
-                       num_threads=config.num_threads or None)
+    return open_device(config.device, tuple(config.plugins), config.device_config, num_threads=config.num_threads)

@@ -31,7 +31,7 @@ STAGES = ("schedule", "prepare", "forward", "sample", "detokenize")
 class Engine:
     def __init__(self, config: EngineConfig | None = None, plugin=None):
         self.config = config = config or EngineConfig()
-        if plugin is not None and config.num_threads:
+        if plugin is not None and config.num_threads is not None:
             raise ConfigError("num_threads is applied when the engine opens its device; for a plugin opened "
                               "by the caller, pass num_threads to open_device instead")
         self.plugin = plugin or open_from_config(config)   # discovered, spec-checked, initialised

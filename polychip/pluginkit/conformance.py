@@ -28,7 +28,8 @@ import torch
 from polychip.devices.discovery import open_device
 from polychip.devices.ops import FUSIONS
 from polychip.devices.plugin import API_VERSION, Availability, DeviceInfo, DevicePlugin, Event, Stream
-from polychip.devices.spec import KNOWN_DTYPES, supported_dtypes
+from polychip.devices.spec import supported_dtypes
+from polychip.dtypes import KNOWN_DTYPES
 from polychip.engine.llm import LLM
 from polychip.engine.sampling_params import SamplingParams
 from polychip.models.config import ModelConfig
