@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from polychip.engine.kv_pool import PageAllocator
-from polychip.engine.radix_cache import NoPrefixCache, RadixCache
+from polychip.engine.prefix_cache import NoPrefixCache
+from polychip.engine.radix_cache import RadixCache
 from polychip.engine.request import Request, Status
 from polychip.engine.sampling_params import SamplingParams
 from polychip.engine.scheduler import Scheduler
@@ -12,7 +13,7 @@ PAGE = 4
 
 def make(num_pages=64, budget=16, max_running=8, policy="fcfs", radix=True):
     alloc = PageAllocator(num_pages)
-    cache = (RadixCache if radix else NoPrefixCache)(alloc, PAGE)
+    cache = RadixCache(alloc, PAGE) if radix else NoPrefixCache()
     return Scheduler(alloc, cache, PAGE, budget, max_running, policy)
 
 

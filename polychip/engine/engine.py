@@ -15,7 +15,8 @@ from polychip.config import EngineConfig
 from polychip.devices.discovery import open_from_config
 from polychip.engine.kv_pool import KVPool, size_pool
 from polychip.engine.model_runner import ModelRunner
-from polychip.engine.radix_cache import NoPrefixCache, RadixCache
+from polychip.engine.prefix_cache import NoPrefixCache
+from polychip.engine.radix_cache import RadixCache
 from polychip.engine.request import CompletionOutput, Request, RequestOutput, Status
 from polychip.engine.sampler import Sampler
 from polychip.engine.sampling_params import SamplingParams
@@ -47,8 +48,7 @@ class Engine:
         num_pages = size_pool(config, self.plugin, per_page, page)
         self.pool = KVPool(self.plugin, mc.num_layers, num_pages, page, mc.num_kv_heads, mc.head_dim,
                            self.loaded.dtype)
-        cache_cls = NoPrefixCache if config.disable_radix_cache else RadixCache
-        self.cache = cache_cls(self.pool.allocator, page)
+        self.cache = NoPrefixCache() if config.disable_radix_cache else RadixCache(self.pool.allocator, page)
         self.scheduler = Scheduler(self.pool.allocator, self.cache, page, config.chunked_prefill_size,
                                    config.max_running_requests, config.schedule_policy)
         self.runner = ModelRunner(self.loaded.model, self.pool, self.plugin)

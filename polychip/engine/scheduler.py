@@ -11,7 +11,7 @@ import logging
 from dataclasses import dataclass, field
 
 from polychip.engine.kv_pool import PageAllocator
-from polychip.engine.radix_cache import RadixCache
+from polychip.engine.prefix_cache import PrefixCache
 from polychip.engine.request import Request, Status
 from polychip.errors import OutOfPagesError
 
@@ -30,7 +30,7 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, allocator: PageAllocator, cache: RadixCache, page_size: int, token_budget: int,
+    def __init__(self, allocator: PageAllocator, cache: PrefixCache, page_size: int, token_budget: int,
                  max_running: int, policy: str = "fcfs"):
         self.allocator, self.cache, self.page = allocator, cache, page_size
         self.budget, self.max_running, self.policy = token_budget, max_running, policy
