@@ -1,4 +1,4 @@
-"""Engine: owns the plugin, model, KV pool, prefix cache, scheduler, runner and sampler.
+"""Engine: owns the plugin, model, KV pool, page manager, scheduler, runner and sampler.
 
 Not thread-safe: one thread calls ``add_request`` / ``abort`` / ``step``.
 """
@@ -15,8 +15,8 @@ from polychip.config import EngineConfig
 from polychip.devices.discovery import open_from_config
 from polychip.engine.kv_pool import KVPool, size_pool
 from polychip.engine.model_runner import ModelRunner
-from polychip.engine.prefix_cache import NoPrefixCache
-from polychip.engine.radix_cache import RadixCache
+from polychip.engine.page_manager import PageManager
+from polychip.engine.prefix_cache import PrefixCache
 from polychip.engine.request import CompletionOutput, Request, RequestOutput, Status
 from polychip.engine.sampler import Sampler
 from polychip.engine.sampling_params import SamplingParams
@@ -48,9 +48,9 @@ class Engine:
         num_pages = size_pool(config, self.plugin, per_page, page)
         self.pool = KVPool(self.plugin, mc.num_layers, num_pages, page, mc.num_kv_heads, mc.head_dim,
                            self.loaded.dtype)
-        self.cache = NoPrefixCache() if config.disable_radix_cache else RadixCache(self.pool.allocator, page)
-        self.scheduler = Scheduler(self.pool.allocator, self.cache, page, config.chunked_prefill_size,
-                                   config.max_running_requests, config.schedule_policy)
+        self.pages = PageManager(self.pool.allocator, page, prefix_cache=not config.disable_radix_cache)
+        self.scheduler = Scheduler(self.pages, config.chunked_prefill_size, config.max_running_requests,
+                                   config.schedule_policy)
         self.runner = ModelRunner(self.loaded.model, self.pool, self.plugin)
         self.eos_ids = self.tokenizer.eos_token_ids
         self.sampler = Sampler(self.plugin, config.seed, self.eos_ids)
@@ -157,7 +157,7 @@ class Engine:
             outputs.append(self._output(req))
         for req, _ in sched.scheduled:
             if not req.finished and req.num_computed_tokens <= len(req.prompt_ids):
-                self.scheduler.cache_progress(req)
+                self.pages.cache_progress(req)
         t5 = time.perf_counter()
         for name, dt in zip(STAGES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
             self.stage_seconds[name] += dt
@@ -180,9 +180,14 @@ class Engine:
                              t.ttft, t.tpot(len(req.output_ids)),
                              None if t.finished is None else t.finished - t.arrival)
 
+    @property
+    def cache(self) -> PrefixCache:
+        """The prefix cache (owned by ``self.pages``)."""
+        return self.pages.cache
+
     def check_integrity(self) -> None:
-        self.pool.allocator.check_integrity()
-        self.cache.check_integrity()
+        """Raise ``IntegrityError`` if the page accounting is broken."""
+        self.pages.check_integrity()
 
     def shutdown(self) -> None:
         self.pool.release()
