@@ -10,28 +10,31 @@ from polychip.engine.scheduler import Scheduler
 PAGE = 4
 
 
+class SilentDetokenizer:
+    """The stop checks detokenize each token; these tests use no text."""
+
+    def add(self, token: int) -> str:
+        return ""
+
+
 def make(num_pages=64, budget=16, max_running=8, policy="fcfs", radix=True):
     pages = PageManager(PageAllocator(num_pages), PAGE, prefix_cache=radix)
-    return Scheduler(pages, budget, max_running, policy)
+    return Scheduler(pages, budget, max_running, policy, max_model_len=10**6)
 
 
 def req(rid, prompt, max_tokens=3, priority=0, t=0.0):
-    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens), detokenizer=None, priority=priority,
+    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens), SilentDetokenizer(), priority=priority,
                    arrival=t)
 
 
 def fake_step(s: Scheduler):
-    """Schedule, 'run' the batch and append token 7 to every request that completed its gap."""
+    """Schedule, 'run' the batch, sample token 7 for every request that completes its gap,
+    and book the step with the scheduler's own ``update``."""
     out = s.schedule()
     for r, n in out.scheduled:
         assert n >= 1 and len(r.pages) * PAGE >= r.num_computed_tokens + n
-        r.num_computed_tokens += n
-        if r.num_computed_tokens == r.num_tokens:
-            r.output_ids.append(7)
-            if len(r.output_ids) >= r.params.max_tokens:
-                s.finish(r)
-            elif r.num_computed_tokens <= len(r.prompt_ids):
-                s.pages.cache_progress(r)
+    sampled = [r for r, n in out.scheduled if r.num_computed_tokens + n == r.num_tokens]
+    s.update(out, sampled, [7] * len(sampled), [None] * len(sampled))
     s.pages.check_integrity()
     return out
 
@@ -101,7 +104,7 @@ def test_request_larger_than_pool_is_reported_unservable():
     s.add(r)
     outs = [fake_step(s) for _ in range(3)]
     assert any(r in o.unservable for o in outs)
-    s.finish(r)
+    assert r.finished and r.finish_reason == "length" and not s.has_unfinished()
     assert s.pages.allocator.num_free == 2
 
 

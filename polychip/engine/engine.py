@@ -1,12 +1,13 @@
 """Engine: owns the plugin, model, KV pool, page manager, scheduler, runner and sampler.
 
+A step reads: schedule -> prepare -> execute -> sample -> update -> outputs.
+
 Not thread-safe: one thread calls ``add_request`` / ``abort`` / ``step``.
 """
 from __future__ import annotations
 
 import itertools
 import logging
-import time
 from collections import defaultdict
 
 import torch
@@ -17,18 +18,17 @@ from polychip.engine.kv_pool import KVPool, size_pool
 from polychip.engine.model_runner import ModelRunner
 from polychip.engine.page_manager import PageManager
 from polychip.engine.prefix_cache import PrefixCache
-from polychip.engine.request import CompletionOutput, Request, RequestOutput, Status
+from polychip.engine.request import CompletionOutput, Request, RequestOutput
 from polychip.engine.sampler import Sampler
 from polychip.engine.sampling_params import SamplingParams
 from polychip.engine.scheduler import Scheduler
-from polychip.engine.stop import check_stop, streamable_len
+from polychip.engine.stats import StageTimer
+from polychip.engine.stop import streamable_len
 from polychip.errors import InvalidRequestError
 from polychip.models.loader import load_model
 from polychip.models.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("polychip.engine")
-
-STAGES = ("schedule", "prepare", "forward", "sample", "detokenize")
 
 
 class Engine:
@@ -49,13 +49,14 @@ class Engine:
         self.pool = KVPool(self.plugin, mc.num_layers, num_pages, page, mc.num_kv_heads, mc.head_dim,
                            self.loaded.dtype)
         self.pages = PageManager(self.pool.allocator, page, prefix_cache=not config.disable_radix_cache)
-        self.scheduler = Scheduler(self.pages, config.chunked_prefill_size, config.max_running_requests,
-                                   config.schedule_policy)
-        self.runner = ModelRunner(self.loaded.model, self.pool, self.plugin)
         self.eos_ids = self.tokenizer.eos_token_ids
+        self.scheduler = Scheduler(self.pages, config.chunked_prefill_size, config.max_running_requests,
+                                   config.schedule_policy, eos_ids=self.eos_ids, max_model_len=self.max_model_len)
+        self.runner = ModelRunner(self.loaded.model, self.pool, self.plugin)
         self.sampler = Sampler(self.plugin, config.seed, self.eos_ids)
         self._ids = itertools.count()
         self.stage_seconds: dict[str, float] = defaultdict(float)
+        self._timer = StageTimer(self.stage_seconds)
         self.counters: dict[str, int] = defaultdict(int)
         log.info("KV pool: %d pages x %d tokens (%.1f MiB)", num_pages, page, num_pages * per_page / 2**20)
 
@@ -97,7 +98,7 @@ class Engine:
         if req is None:
             return False
         req.finish_reason = "abort"
-        self._finish(req)
+        self.scheduler.finish(req)
         self.counters["requests_aborted"] += 1
         return True
 
@@ -112,58 +113,30 @@ class Engine:
     def num_running(self) -> int:
         return len(self.scheduler.running)
 
-    def _finish(self, req: Request) -> None:
-        req.timings.finished = time.monotonic()
-        self.scheduler.finish(req)
-
     # the step
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; returns an output for every request that made progress."""
-        t0 = time.perf_counter()
-        sched = self.scheduler.schedule()
-        for req in sched.unservable:
-            log.warning("%s needs more KV pages than the whole pool; finishing with 'length'", req.request_id)
-            req.finish_reason = "length"
-            self._finish(req)
-        t1 = time.perf_counter()
-        self.stage_seconds["schedule"] += t1 - t0
-        self.counters["preemptions"] += len(sched.preempted)
-        outputs = [self._output(r) for r in sched.unservable]
-        if not sched.scheduled:
-            return outputs
-        batch = self.runner.prepare(sched.scheduled)
-        t2 = time.perf_counter()
-        logits = self.runner.execute(batch)
-        t3 = time.perf_counter()
-        tokens, logprobs = self.sampler(logits, batch.sample_reqs) if batch.sample_reqs else ([], [])
-        t4 = time.perf_counter()
-        now = time.monotonic()
-        prompt_tokens = 0
-        for req, n in sched.scheduled:
-            c = req.num_computed_tokens
-            prompt_tokens += max(0, min(len(req.prompt_ids), c + n) - c)
-            req.num_computed_tokens += n
-            if req.timings.first_scheduled is None:
-                req.timings.first_scheduled = now
-        for req, tok, lp in zip(batch.sample_reqs, tokens, logprobs):
-            if req.timings.first_token is None:
-                req.timings.first_token = now
-            req.output_ids.append(tok)
-            if lp is not None:
-                req.logprobs.append(lp)
-            check_stop(req, tok, self.eos_ids, self.max_model_len)
-            if req.finish_reason is not None:
-                self._finish(req)
-            outputs.append(self._output(req))
-        for req, _ in sched.scheduled:
-            if not req.finished and req.num_computed_tokens <= len(req.prompt_ids):
-                self.pages.cache_progress(req)
-        t5 = time.perf_counter()
-        for name, dt in zip(STAGES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
-            self.stage_seconds[name] += dt
-        self.counters["steps"] += 1
-        self.counters["prompt_tokens"] += prompt_tokens
-        self.counters["generation_tokens"] += len(tokens)
+        timer = self._timer
+        with timer("schedule"):
+            sched = self.scheduler.schedule()
+        sampled, tokens, logprobs = [], [], []
+        if sched.scheduled:
+            with timer("prepare"):
+                batch = self.runner.prepare(sched.scheduled)
+            with timer("forward"):
+                logits = self.runner.execute(batch)
+            with timer("sample"):
+                sampled = batch.sample_reqs
+                if sampled:
+                    tokens, logprobs = self.sampler(logits, sampled)
+        with timer("detokenize"):
+            outputs = [self._output(r) for r in self.scheduler.update(sched, sampled, tokens, logprobs)]
+        c = self.counters
+        c["preemptions"] += len(sched.preempted)
+        if sched.scheduled:
+            c["steps"] += 1
+        c["prompt_tokens"] += sched.num_prompt_tokens
+        c["generation_tokens"] += len(tokens)
         return outputs
 
     def _output(self, req: Request) -> RequestOutput:

@@ -8,10 +8,12 @@ recomputed (its finished pages stay in the prefix cache while memory allows).
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 from polychip.engine.page_manager import PageManager
-from polychip.engine.request import Request, Status
+from polychip.engine.request import Request, Status, TokenLogprob
+from polychip.engine.stop import check_stop
 
 log = logging.getLogger("polychip.scheduler")
 
@@ -21,6 +23,7 @@ class SchedulerOutput:
     scheduled: list[tuple[Request, int]] = field(default_factory=list)   # decodes first
     preempted: list[Request] = field(default_factory=list)
     unservable: list[Request] = field(default_factory=list)   # cannot grow even alone in the pool
+    num_prompt_tokens: int = 0          # prompt tokens this step computes
 
     @property
     def num_tokens(self) -> int:
@@ -28,9 +31,11 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, pages: PageManager, token_budget: int, max_running: int, policy: str = "fcfs"):
+    def __init__(self, pages: PageManager, token_budget: int, max_running: int, policy: str = "fcfs", *,
+                 eos_ids: frozenset[int] = frozenset(), max_model_len: int):
         self.pages, self.page = pages, pages.page_size
         self.budget, self.max_running, self.policy = token_budget, max_running, policy
+        self.eos_ids, self.max_model_len = eos_ids, max_model_len
         self.waiting: list[Request] = []
         self.running: list[Request] = []
 
@@ -53,6 +58,7 @@ class Scheduler:
             self.waiting.remove(req)
         self.pages.release(req)
         req.status = Status.FINISHED
+        req.timings.finished = time.monotonic()
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -96,6 +102,8 @@ class Scheduler:
         if not out.preempted:
             self._admit(out, budget)
         out.scheduled.sort(key=lambda rn: rn[1] != 1)   # decodes first, stable otherwise
+        out.num_prompt_tokens = sum(max(0, min(n, len(r.prompt_ids) - r.num_computed_tokens))
+                                    for r, n in out.scheduled)
         return out
 
     def _make_room(self, req: Request, need: int, out: SchedulerOutput) -> bool:
@@ -136,3 +144,32 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append((req, n))
             budget -= n
+
+    # after the step
+    def update(self, out: SchedulerOutput, sampled: list[Request], tokens: list[int],
+               logprobs: list[TokenLogprob | None]) -> list[Request]:
+        """Book a step's results: advance progress, append each sampled token, check stops,
+        finish what ended, cache prefill progress. Returns the requests with news
+        (the unservable ones, finished with 'length', then those that got a token)."""
+        now = time.monotonic()
+        for req in out.unservable:
+            log.warning("%s needs more KV pages than the whole pool; finishing with 'length'", req.request_id)
+            req.finish_reason = "length"
+            self.finish(req)
+        for req, n in out.scheduled:
+            req.num_computed_tokens += n
+            if req.timings.first_scheduled is None:
+                req.timings.first_scheduled = now
+        for req, tok, lp in zip(sampled, tokens, logprobs, strict=True):
+            if req.timings.first_token is None:
+                req.timings.first_token = now
+            req.output_ids.append(tok)
+            if lp is not None:
+                req.logprobs.append(lp)
+            check_stop(req, tok, self.eos_ids, self.max_model_len)
+            if req.finish_reason is not None:
+                self.finish(req)
+        for req, _ in out.scheduled:
+            if not req.finished and req.num_computed_tokens <= len(req.prompt_ids):
+                self.pages.cache_progress(req)
+        return out.unservable + sampled
