@@ -22,13 +22,17 @@ from polychip.engine.request import CompletionOutput, Request, RequestOutput
 from polychip.engine.sampler import Sampler
 from polychip.engine.sampling_params import SamplingParams
 from polychip.engine.scheduler import Scheduler
-from polychip.engine.stats import StageTimer
+from polychip.engine.stats import STAGES, EngineStats, StageTimer
 from polychip.engine.stop import streamable_len
 from polychip.errors import InvalidRequestError
 from polychip.models.loader import load_model
 from polychip.models.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("polychip.engine")
+
+#: the counters ``stats()`` reports, all kept in ``Engine.counters``
+COUNTERS = ("requests_added", "requests_aborted", "preemptions", "steps", "prompt_tokens",
+            "generation_tokens", "prompt_tokens_queried", "prompt_tokens_cached")
 
 
 class Engine:
@@ -66,11 +70,7 @@ class Engine:
         """Queue one sequence. ``params.n`` is handled by the caller (LLM / server) as n requests."""
         params = params or SamplingParams()
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self.validate_prompt(ids)
-        bad = [t for t in params.stop_token_ids if not 0 <= t < self.model_config.vocab_size]
-        if bad:
-            raise InvalidRequestError(f"stop_token_ids {bad[:5]} are outside the vocabulary "
-                                      f"[0, {self.model_config.vocab_size})")
+        self.check_request(ids, params)
         rid = request_id or f"req-{next(self._ids)}"
         if self.scheduler.find(rid) is not None:
             raise InvalidRequestError(f"request id {rid!r} is already in use")
@@ -80,18 +80,24 @@ class Engine:
         self.counters["requests_added"] += 1
         return rid
 
-    def validate_prompt(self, ids: list[int]) -> None:
-        if not ids:
+    def check_request(self, prompt_ids: list[int], params: SamplingParams | None = None) -> None:
+        """Raise ``InvalidRequestError`` unless this engine can serve the prompt and params:
+        ids inside the vocabulary, room to generate in the context and the KV pool, stop ids
+        inside the vocabulary."""
+        vocab, n = self.model_config.vocab_size, len(prompt_ids)
+        if not n:
             raise InvalidRequestError("prompt is empty")
-        bad = [i for i in ids if not 0 <= i < self.model_config.vocab_size]
+        bad = [i for i in prompt_ids if not 0 <= i < vocab]
         if bad:
-            raise InvalidRequestError(f"prompt has token ids outside [0, {self.model_config.vocab_size}): {bad[:5]}")
-        if len(ids) >= self.max_model_len:
-            raise InvalidRequestError(f"prompt has {len(ids)} tokens; the context is {self.max_model_len} "
+            raise InvalidRequestError(f"prompt has token ids outside [0, {vocab}): {bad[:5]}")
+        if n >= self.max_model_len:
+            raise InvalidRequestError(f"prompt has {n} tokens; the context is {self.max_model_len} "
                                       "tokens and at least one must be left to generate")
-        if len(ids) + 1 > self.pool.num_tokens:
-            raise InvalidRequestError(f"prompt has {len(ids)} tokens; the whole KV pool holds "
-                                      f"{self.pool.num_tokens}")
+        if n + 1 > self.pool.num_tokens:
+            raise InvalidRequestError(f"prompt has {n} tokens; the whole KV pool holds {self.pool.num_tokens}")
+        bad = [t for t in (params.stop_token_ids if params else ()) if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab})")
 
     def abort(self, request_id: str) -> bool:
         req = self.scheduler.find(request_id)
@@ -137,6 +143,8 @@ class Engine:
             c["steps"] += 1
         c["prompt_tokens"] += sched.num_prompt_tokens
         c["generation_tokens"] += len(tokens)
+        c["prompt_tokens_queried"] += sched.prompt_tokens_queried
+        c["prompt_tokens_cached"] += sched.prompt_tokens_cached
         return outputs
 
     def _output(self, req: Request) -> RequestOutput:
@@ -153,10 +161,37 @@ class Engine:
                              t.ttft, t.tpot(len(req.output_ids)),
                              None if t.finished is None else t.finished - t.arrival)
 
+    # the narrow face
     @property
     def cache(self) -> PrefixCache:
         """The prefix cache (owned by ``self.pages``)."""
         return self.pages.cache
+
+    def stats(self) -> EngineStats:
+        """A snapshot of the queue, pool, cache, counters and device memory."""
+        pm, c = self.pages, self.counters
+        queried = c.get("prompt_tokens_queried", 0)
+        return EngineStats(
+            num_waiting=self.num_waiting, num_running=self.num_running, page_size=pm.page_size,
+            pages_total=pm.num_pages, pages_free=pm.num_free, pages_cached=pm.cache.num_pages,
+            pages_evictable=pm.cache.evictable_pages(), kv_usage=1 - pm.num_free / pm.num_pages,
+            prefix_cache_hit_rate=c.get("prompt_tokens_cached", 0) / queried if queried else 0.0,
+            **{k: c.get(k, 0) for k in COUNTERS},
+            stage_seconds=tuple((s, self.stage_seconds.get(s, 0.0)) for s in STAGES),
+            device_memory=self._device_memory())
+
+    def _device_memory(self) -> tuple[tuple[str, int, int], ...]:
+        p = self.plugin
+        try:
+            free, total = p.mem_info()
+        except Exception as e:    # a plugin's memory query must never break the stats
+            log.warning("mem_info of plugin %s failed: %s", p.name, e)
+            return ()
+        return ((f"{p.name}:{p.index}", free, total),)
+
+    def flush_prefix_cache(self) -> int:
+        """Evict every cached page no running request holds; returns how many were released."""
+        return self.pages.flush()
 
     def check_integrity(self) -> None:
         """Raise ``IntegrityError`` if the page accounting is broken."""

@@ -24,6 +24,8 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     unservable: list[Request] = field(default_factory=list)   # cannot grow even alone in the pool
     num_prompt_tokens: int = 0          # prompt tokens this step computes
+    prompt_tokens_queried: int = 0      # prompt tokens of requests admitted for the first time
+    prompt_tokens_cached: int = 0       # of those, served from the prefix cache
 
     @property
     def num_tokens(self) -> int:
@@ -139,6 +141,8 @@ class Scheduler:
             req.num_computed_tokens = cached
             if req.num_preemptions == 0:
                 req.num_cached_tokens = cached
+                out.prompt_tokens_queried += len(req.prompt_ids)
+                out.prompt_tokens_cached += cached
             self.waiting.remove(req)
             req.status = Status.RUNNING
             self.running.append(req)
