@@ -73,9 +73,6 @@ class KVPool:
     def num_tokens(self) -> int:
         return self.num_pages * self.page_size
 
-    def usage(self) -> float:
-        return 1 - self.allocator.num_free / self.num_pages
-
     def release(self) -> None:
         self.plugin.free(self.storage)
         self.storage = None
