@@ -40,6 +40,18 @@ class PluginError(PolychipError):
     layer = PLUGIN
 
 
+class DeviceOutOfMemoryError(PluginError, MemoryError):
+    """A device cannot satisfy an allocation. Plugins raise it from ``alloc`` (a plain ``MemoryError``
+    or ``torch.OutOfMemoryError`` is taken as the same); the engine re-raises it as one message
+    naming the device, what it was allocating, the request and what is free. Layer: hardware."""
+
+    layer = HARDWARE
+
+    def __init__(self, message: str, *, layer: str | None = None, requested: int | None = None):
+        super().__init__(message, layer=layer)
+        self.requested = requested
+
+
 class DeviceSpecError(PolychipError, ValueError):
     """A device spec (YAML) file is missing, malformed or inconsistent."""
 

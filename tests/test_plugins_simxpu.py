@@ -140,17 +140,22 @@ def test_engine_greedy_on_simxpu_matches_transformers(model_factory, arch, tie):
     assert llm.engine.plugin.allocator is None
 
 
-def test_fused_weights_are_counted_by_the_cards_allocator(model_factory):
-    """The fuse pass makes qkv_proj / gate_up_proj through the plugin: the card's free memory
-    after loading is its capacity less the weights (all of them, fused ones included) and the pool."""
+def test_every_byte_the_engine_holds_is_counted_by_the_cards_allocator(model_factory):
+    """Weights (fused ones included), the rope tables, the step-input buffers, the activation reserve
+    and the KV pool all come from the card's allocator, and nothing else does."""
     from polychip import LLM
     llm = LLM(model_factory("llama", False), device="simxpu", max_total_tokens=256)
-    plugin, model = llm.engine.plugin, llm.engine.loaded.model
+    engine = llm.engine
+    plugin, model, rounded = engine.plugin, engine.loaded.model, engine.plugin.allocator.rounded
     gc.collect()
     free, total = plugin.mem_info()
     params = {p.data_ptr(): p for p in model.parameters()}
     assert all(key in plugin._live for key in params)
-    weights = sum(plugin.allocator.rounded(p.numel() * p.element_size()) for p in params.values())
-    pool = plugin.allocator.rounded(sum(t.numel() * t.element_size() for pair in llm.engine.pool.caches for t in pair))
-    assert total - free == weights + pool
     assert model.layers[0].self_attn.qkv_proj is not None and model.layers[0].mlp.gate_up_proj is not None
+    weights = sum(rounded(p.numel() * p.element_size()) for p in params.values())
+    rope = sum(rounded(t.numel() * t.element_size()) for t in (model.rope_cos, model.rope_sin))
+    buffers = sum(rounded(t.numel() * t.element_size()) for b in engine.runner.buffers for t in (b.ints, b.masks))
+    pool = rounded(engine.pool.storage.numel() * engine.pool.storage.element_size())
+    assert engine.activation_reserve > 0 and plugin.activation_reserve == engine.activation_reserve
+    assert total - free == weights + rope + buffers + engine.activation_reserve + pool
+    assert len(plugin._live) == len(params) + 2 + 4 + 1          # + rope cos/sin, 2 x 2 buffers, the pool

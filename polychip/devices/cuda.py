@@ -45,6 +45,7 @@ class CudaPlugin(DevicePlugin):
     plugin_version = "1.0"
     torch_device_type = "cuda"
     default_mem_fraction = 0.85
+    priority = 100
 
     def is_available(self) -> Availability:
         if not torch.backends.cuda.is_built():
@@ -82,8 +83,21 @@ class CudaPlugin(DevicePlugin):
         del tensor
 
     def mem_info(self) -> tuple[int, int]:
+        """The driver's free memory (capped by a spec's memory.total), less the activation reserve."""
         free, total = torch.cuda.mem_get_info(self.index)
-        return capped_mem_info(free, total, self.spec, torch.cuda.memory_reserved(self.index))
+        free, total = capped_mem_info(free, total, self.spec, torch.cuda.memory_reserved(self.index))
+        return max(0, free - self.activation_reserve), total
+
+    def alloc_host(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Pinned host memory, so that non-blocking copies from it are truly asynchronous."""
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+
+    def wait_event(self, event: Event) -> None:
+        """The current stream waits on the device; the host goes on."""
+        if isinstance(event, CudaEvent):
+            torch.cuda.current_stream(self.index).wait_event(event.raw)
+        else:
+            event.synchronize()
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.index)

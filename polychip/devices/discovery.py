@@ -16,7 +16,7 @@ import os
 import sys
 from dataclasses import dataclass
 
-from polychip.devices.plugin import API_VERSION, DevicePlugin
+from polychip.devices.plugin import DevicePlugin, api_mismatch
 from polychip.devices.spec import DeviceSpec, check_against_devices, load_spec
 from polychip.errors import ConfigError, DeviceSpecError, PluginError
 
@@ -106,10 +106,10 @@ def _check(record: PluginRecord, make) -> PluginRecord:
         return record
     record.plugin = plugin
     record.name = getattr(plugin, "name", "") or record.name
-    if plugin.api_version != API_VERSION:
+    mismatch = api_mismatch(plugin.api_version)
+    if mismatch:
         record.failed_step = "api_version"
-        record.reason = (f"plugin {record.name!r} declares API version {plugin.api_version}, "
-                         f"polychip supports API version {API_VERSION}")
+        record.reason = f"plugin {record.name!r} {mismatch}"
         return record
     try:
         avail = plugin.is_available()

@@ -1,7 +1,14 @@
-"""The device-plugin contract, API version 1.
+"""The device-plugin contract, API version 1.1.
 
-A chip vendor implements :class:`DevicePlugin`. The engine allocates, copies,
-synchronises and picks its ``torch.device`` only through such an object.
+A chip vendor implements :class:`DevicePlugin`. The engine allocates, copies, synchronises and
+picks its ``torch.device`` only through such an object. ``docs/plugin-guide.md`` tells the whole
+story: the lifecycle, which thread calls what, the op contract (:mod:`polychip.devices.ops`) and
+the memory contract.
+
+Versions: a plugin declares ``api_version`` as ``"MAJOR.MINOR"`` (an int ``1`` means ``"1.0"``).
+polychip loads a plugin whose major version equals its own and whose minor version is not newer
+(:func:`api_mismatch`). A minor version only adds methods, each with a default here, so a 1.0
+plugin runs on a 1.1 polychip unchanged; what 1.1 added is marked "(1.1)" below.
 """
 from __future__ import annotations
 
@@ -11,7 +18,45 @@ from typing import Any, Callable
 
 import torch
 
-API_VERSION = 1
+API_VERSION = "1.1"
+
+
+def parse_api_version(value: Any) -> tuple[int, int]:
+    """``"1.1"``, ``1.1`` or ``(1, 1)`` -> (1, 1); ``1`` -> (1, 0). Raises ValueError otherwise."""
+    if isinstance(value, bool):
+        raise ValueError(f"api_version must be 'MAJOR.MINOR', got {value!r}")
+    if isinstance(value, int):
+        return value, 0
+    if isinstance(value, tuple) and len(value) == 2 and all(isinstance(v, int) for v in value):
+        return value
+    text = repr(value) if isinstance(value, float) else value
+    if isinstance(text, str):
+        major, _, minor = text.strip().partition(".")
+        if major.isdigit() and (minor.isdigit() or not minor):
+            return int(major), int(minor or 0)
+    raise ValueError(f"api_version must be 'MAJOR.MINOR' such as {API_VERSION!r}, got {value!r}")
+
+
+def api_mismatch(value: Any) -> str:
+    """Why polychip cannot load a plugin declaring ``value``, or "" when it can: the major versions
+    must be equal and the plugin's minor version no newer than polychip's."""
+    ours = parse_api_version(API_VERSION)
+    try:
+        theirs = parse_api_version(value)
+    except ValueError as e:
+        return str(e)
+    if theirs[0] != ours[0] or theirs[1] > ours[1]:
+        return (f"declares API version {value}, polychip supports API version {API_VERSION} "
+                f"(and every {ours[0]}.x up to it)")
+    return ""
+
+
+def api_at_least(plugin: Any, version: str) -> bool:
+    """Whether ``plugin`` declares API ``version`` or newer (it then keeps that version's promises)."""
+    try:
+        return parse_api_version(getattr(plugin, "api_version", 1)) >= parse_api_version(version)
+    except ValueError:
+        return False
 
 
 @dataclass
@@ -39,10 +84,12 @@ class Availability:
 
 
 class Stream(abc.ABC):
-    """An ordered queue of device work."""
+    """An ordered queue of device work. Used as a context manager, work submitted inside the
+    ``with`` block (``plugin.copy(..., non_blocking=True)`` above all) goes on this stream."""
 
     @abc.abstractmethod
-    def synchronize(self) -> None: ...
+    def synchronize(self) -> None:
+        """Block the calling thread until all work submitted on this stream has finished."""
 
     def __enter__(self):
         return self
@@ -55,13 +102,16 @@ class Event(abc.ABC):
     """A marker in a stream that can be waited on."""
 
     @abc.abstractmethod
-    def record(self, stream: Stream | None = None) -> None: ...
+    def record(self, stream: Stream | None = None) -> None:
+        """Mark the point reached by ``stream`` (the current stream when None) so far."""
 
     @abc.abstractmethod
-    def synchronize(self) -> None: ...
+    def synchronize(self) -> None:
+        """Block the calling thread until the work before the recorded point has finished."""
 
     @abc.abstractmethod
-    def query(self) -> bool: ...
+    def query(self) -> bool:
+        """True when the work before the recorded point has finished (or nothing was recorded)."""
 
 
 def capped_mem_info(free: int, total: int, spec: Any, used_by_us: int) -> tuple[int, int]:
@@ -74,25 +124,38 @@ def capped_mem_info(free: int, total: int, spec: Any, used_by_us: int) -> tuple[
 
 
 class DevicePlugin(abc.ABC):
-    """Base class for device plugins. Subclasses set the identity attributes."""
+    """Base class for device plugins. Subclasses set the identity attributes and implement the
+    abstract methods; every other method has a default that suits a host-memory device.
+
+    The engine calls a plugin from one thread at a time: the thread that opened it (a server runs
+    the engine on one worker thread; see docs/plugin-guide.md)."""
 
     name: str = ""
-    api_version: int = API_VERSION
+    api_version: str | int = API_VERSION
     plugin_version: str = "0"
     torch_device_type: str = ""
     #: fraction of free memory the KV pool takes when --mem-fraction-static is unset
     default_mem_fraction: float = 0.5
+    #: (1.1) rank in ``--device auto``: the available plugin with the highest priority wins, ties
+    #: by name. cuda is 100, the host cpu 10; the default 50 puts an accelerator above the host CPU
+    #: and below CUDA; a simulator declares less than 10 so that auto never picks it over the CPU
+    priority: int = 50
 
     def __init__(self):
         self.spec: Any = None
         self.index = 0
+        #: (1.1) bytes held back for a step's activations (see ``reserve_for_activations``)
+        self.activation_reserve = 0
 
-    # discovery
+    # discovery: called before init, on an instance that may never be initialised
     @abc.abstractmethod
-    def is_available(self) -> Availability: ...
+    def is_available(self) -> Availability:
+        """Whether this plugin can run here (driver, SDK, a device present); never raises for "no"."""
 
     @abc.abstractmethod
-    def discover(self) -> list[DeviceInfo]: ...
+    def discover(self) -> list[DeviceInfo]:
+        """The devices of this host as the hardware reports them. Called before ``init`` (then
+        ``self.spec`` is None) and after it (a plugin may then report the spec's view)."""
 
     # lifecycle
     def init(self, spec: Any = None, index: int = 0) -> None:
@@ -105,17 +168,23 @@ class DevicePlugin(abc.ABC):
         self.spec, self.index = spec, index
 
     def destroy(self) -> None:
-        """Release everything ``init`` acquired."""
+        """Release everything ``init`` acquired (the engine calls it at shutdown)."""
 
     def device_handle(self, index: int | None = None) -> torch.device:
+        """The ``torch.device`` tensors of device ``index`` (default: the initialised one) live on."""
         return torch.device(self.torch_device_type, self.index if index is None else index)
 
     # memory
     def alloc(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A new uninitialised tensor on the device. Must accept the dtypes of
+        :data:`polychip.devices.ops.ALLOC_DTYPES` (bool, uint8, int32, int64) and every compute dtype
+        the device declares; may refuse others with a PluginError. When the device cannot hold it,
+        raise :class:`polychip.errors.DeviceOutOfMemoryError` (or a ``MemoryError``)."""
         return torch.empty(shape, dtype=dtype, device=self.device_handle())
 
     def place_weight(self, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """A host weight on the device, allocated through ``alloc`` so capacity limits count it."""
+        """A host weight on the device, allocated through ``alloc`` so capacity limits count it.
+        The engine places each final (already fused) weight once, before it sizes the KV pool."""
         out = self.alloc(tuple(tensor.shape), dtype)
         return self.copy(out, tensor.to(dtype))
 
@@ -124,27 +193,64 @@ class DevicePlugin(abc.ABC):
 
     @abc.abstractmethod
     def mem_info(self) -> tuple[int, int]:
-        """(free bytes, total bytes) of the current device."""
+        """(free bytes, total bytes) of the current device. Since 1.1 the free figure excludes the
+        activation reserve (``reserve_for_activations``)."""
+
+    def largest_free_block(self) -> int:
+        """(1.1) The largest single allocation that would succeed now, in bytes, after the activation
+        reserve. A device whose free memory can be fragmented reports its largest free range; the
+        engine sizes the KV pool (one allocation) against it. Default: ``mem_info()``'s free bytes."""
+        return self.mem_info()[0]
+
+    def reserve_for_activations(self, nbytes: int) -> int:
+        """(1.1) Hold back ``nbytes`` for a step's activations (the engine's estimate for one step of
+        ``--chunked-prefill-size`` tokens). Called once, after the weights are placed and before the
+        KV pool is sized; afterwards ``mem_info()`` and ``largest_free_block()`` exclude it. A plugin
+        may hold back more (its own workspace). Returns the bytes held back; the default only
+        records the figure, and the built-in plugins' ``mem_info`` subtracts it."""
+        self.activation_reserve = max(0, int(nbytes))
+        return self.activation_reserve
+
+    def alloc_host(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """(1.1) Host memory that ``copy(..., non_blocking=True)`` can read asynchronously (pinned
+        memory on CUDA). The model runner stages each step's inputs here. Default: ``torch.empty``."""
+        return torch.empty(shape, dtype=dtype)
 
     # data movement and ordering
     def copy(self, dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+        """Copy ``src`` into ``dst`` (either may be on the host). With ``non_blocking`` the copy may
+        still be running when this returns, ordered on the current stream; ``src`` must then stay
+        untouched until an event recorded after it completes."""
         return dst.copy_(src, non_blocking=non_blocking)
 
     def to_device(self, tensor: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+        """A device copy of a host tensor (small, per-call tensors of the tools; the engine's step
+        inputs use ``alloc`` and ``copy`` into reused buffers instead)."""
         return tensor.to(self.device_handle(), non_blocking=non_blocking)
 
     @abc.abstractmethod
-    def synchronize(self) -> None: ...
+    def synchronize(self) -> None:
+        """Block until all work on every stream of the device has finished."""
 
     @abc.abstractmethod
-    def stream(self) -> Stream: ...
+    def stream(self) -> Stream:
+        """A new stream (the model runner takes one at start-up as its copy stream)."""
 
     @abc.abstractmethod
-    def event(self) -> Event: ...
+    def event(self) -> Event:
+        """A new, unrecorded event."""
+
+    def wait_event(self, event: Event) -> None:
+        """(1.1) Make work submitted after this call on the current stream wait until ``event``
+        completes. The default blocks the calling thread (``event.synchronize()``), which is
+        correct for any plugin; a device with real streams makes the device wait instead."""
+        event.synchronize()
 
     # ops, communication, reserved compile
     def register_ops(self, registry) -> None:
-        """Add op implementations to ``registry`` keyed by (name, version, dtype)."""
+        """Add op implementations to ``registry`` keyed by (name, version, dtype); ``registry``
+        offers the methods of :class:`polychip.devices.ops.OpRegistrar`. Called once per model load,
+        after the native ops are registered, so ``registry.native(name)`` is there to fall back on."""
 
     def communicator_backend(self) -> str:
         """Name of the ``torch.distributed`` backend for collectives."""
@@ -156,7 +262,7 @@ class DevicePlugin(abc.ABC):
         return fn
 
     def fusions(self) -> tuple[str, ...]:
-        """Fusion patterns this plugin wants the rewrite pass to apply."""
+        """Fusion patterns (from :data:`polychip.devices.ops.FUSIONS`) the rewrite pass applies."""
         return ()
 
     def default_dtype(self, model_dtype: str) -> str:
@@ -164,10 +270,13 @@ class DevicePlugin(abc.ABC):
         return "float32"
 
     def set_seed(self, seed: int) -> None:
+        """Seed the device's global random state (the engine calls it once, with ``--seed``)."""
         torch.manual_seed(seed)
 
     def generator(self, seed: int) -> torch.Generator:
-        """A random generator on this device, seeded."""
+        """A random generator on this device, seeded. The sampler draws every random number from
+        such generators, so one seed gives one token sequence on a device (docs/plugin-guide.md
+        says what must hold across devices)."""
         return torch.Generator(device=self.device_handle()).manual_seed(seed)
 
     def __repr__(self) -> str:

@@ -12,8 +12,9 @@ from collections import defaultdict
 
 from polychip.config import EngineConfig
 from polychip.devices.discovery import open_from_config
-from polychip.engine.kv_pool import KVPool, size_pool
-from polychip.engine.model_runner import ModelRunner
+from polychip.engine.kv_pool import KVPool
+from polychip.engine.memory_plan import activation_bytes, size_pool
+from polychip.engine.model_runner import ModelRunner, StepLimits
 from polychip.engine.page_manager import PageManager
 from polychip.engine.prefix_cache import PrefixCache
 from polychip.engine.request import CompletionOutput, Request, RequestOutput
@@ -46,22 +47,30 @@ class Engine:
         self.model_config = mc = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        # device memory in the order of engine/memory_plan.py: weights (placed by load_model),
+        # step-input buffers, the activation reserve, then the KV pool sized against what is left
+        limits = StepLimits.of(config, self.max_model_len)
+        self.runner = ModelRunner(self.loaded.model, self.plugin, limits)
+        self.activation_reserve = self.plugin.reserve_for_activations(
+            activation_bytes(mc, limits.max_tokens, limits.max_seqs, self.loaded.dtype))
         page = config.page_size
         per_page = KVPool.bytes_per_page(mc.num_layers, page, mc.num_kv_heads, mc.head_dim, self.loaded.dtype)
         num_pages = size_pool(config, self.plugin, per_page, page)
         self.pool = KVPool(self.plugin, mc.num_layers, num_pages, page, mc.num_kv_heads, mc.head_dim,
                            self.loaded.dtype)
+        self.runner.kv_caches = self.pool.caches
         self.pages = PageManager(self.pool.allocator, page, prefix_cache=not config.disable_radix_cache)
         self.eos_ids = self.tokenizer.eos_token_ids
         self.scheduler = Scheduler(self.pages, config.chunked_prefill_size, config.max_running_requests,
                                    config.schedule_policy, eos_ids=self.eos_ids, max_model_len=self.max_model_len)
-        self.runner = ModelRunner(self.loaded.model, self.pool, self.plugin)
         self.sampler = Sampler(self.plugin, config.seed, self.eos_ids)
         self._ids = itertools.count()
         self.stage_seconds: dict[str, float] = defaultdict(float)
         self._timer = StageTimer(self.stage_seconds)
         self.counters: dict[str, int] = defaultdict(int)
-        log.info("KV pool: %d pages x %d tokens (%.1f MiB)", num_pages, page, num_pages * per_page / 2**20)
+        log.info("KV pool: %d pages x %d tokens (%.1f MiB); step inputs %.1f MiB; activation reserve %.1f MiB",
+                 num_pages, page, num_pages * per_page / 2**20, self.runner.buffer_bytes / 2**20,
+                 self.activation_reserve / 2**20)
 
     # requests
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from polychip.devices import memory
 from polychip.errors import ConfigError, IntegrityError, OutOfPagesError
 
 
@@ -59,7 +60,9 @@ class KVPool:
     def __init__(self, plugin, num_layers: int, num_pages: int, page_size: int, kv_heads: int,
                  head_dim: int, dtype: torch.dtype):
         self.plugin, self.page_size, self.num_pages = plugin, page_size, num_pages
-        self.storage = plugin.alloc((num_layers, 2, num_pages, page_size, kv_heads, head_dim), dtype)
+        shape = (num_layers, 2, num_pages, page_size, kv_heads, head_dim)
+        self.storage = memory.alloc(plugin, f"the KV pool ({num_pages} pages of {page_size} tokens, "
+                                            f"{num_layers} layers)", shape, dtype)
         self.storage.zero_()   # masked slots must hold finite values: NaN * 0 is NaN in attention
         self.caches = [(self.storage[i, 0], self.storage[i, 1]) for i in range(num_layers)]
         self.allocator = PageAllocator(num_pages)
@@ -78,15 +81,3 @@ class KVPool:
         self.storage = None
         self.caches = []
 
-
-def size_pool(config, plugin, bytes_per_page: int, page_size: int) -> int:
-    """Number of pages from --max-total-tokens, else --mem-fraction-static x free device memory."""
-    if config.max_total_tokens is not None:
-        return config.max_total_tokens // page_size
-    free, _total = plugin.mem_info()
-    frac = config.mem_fraction_static or plugin.default_mem_fraction
-    pages = int(free * frac) // bytes_per_page
-    if pages < 1:
-        raise ConfigError(f"{frac:.2f} x {free} free bytes holds no KV page of {bytes_per_page} bytes; "
-                          "raise --mem-fraction-static or set --max-total-tokens")
-    return pages

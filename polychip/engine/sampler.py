@@ -66,6 +66,7 @@ class Sampler:
     def __init__(self, plugin, seed: int, eos_ids: frozenset[int]):
         self.generator = plugin.generator(seed)
         self.eos_ids = eos_ids
+        self.computed = plugin.event()   # recorded after the step's work, waited on before tokens are read
 
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[TokenLogprob | None]]:
         raw = logits
@@ -86,6 +87,8 @@ class Sampler:
                 gen = reqs[i].generator or self.generator
                 noise[j].exponential_(generator=gen)
             tokens[rows] = (probs / noise).argmax(-1)
+        self.computed.record()
+        self.computed.synchronize()
         token_list = tokens.tolist()
         return token_list, self._logprobs(raw, reqs, token_list)
 

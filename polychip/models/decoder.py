@@ -163,6 +163,14 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return inv
 
 
+def rope_tables(cfg: ModelConfig, max_positions: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) [max_positions, head_dim] in ``dtype``, computed on the host in float32."""
+    pos = torch.arange(max_positions, dtype=torch.float32)
+    freqs = torch.outer(pos, rope_inv_freq(cfg).float())
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
 class DecoderModel(nn.Module):
     """Token ids + positions in, hidden states out; ``compute_logits`` on the rows that sample."""
 
@@ -175,17 +183,10 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(ops, cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(ops, cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(ops, cfg.hidden_size, cfg.vocab_size, False)
-        # the loader sets it (rope_inv_freq) after building on the meta device, where computing it
-        # here would import torch's meta decompositions: ~1.8 s of every start
-        self.register_buffer("inv_freq", torch.empty(cfg.head_dim // 2), persistent=False)
+        # [max positions, head_dim] on the device: the loader computes them on the host
+        # (rope_tables) and places them through the plugin, like the weights
         self.rope_cos: torch.Tensor | None = None
         self.rope_sin: torch.Tensor | None = None
-
-    def build_rope_cache(self, max_positions: int, dtype: torch.dtype) -> None:
-        pos = torch.arange(max_positions, device=self.inv_freq.device, dtype=torch.float32)
-        freqs = torch.outer(pos, self.inv_freq.float())
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.rope_cos, self.rope_sin = emb.cos().to(dtype), emb.sin().to(dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         h = self.embed_tokens(input_ids)

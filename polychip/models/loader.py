@@ -1,7 +1,8 @@
 """Load a model: HF folder (safetensors) or GGUF -> DecoderModel on the plugin's device.
 
-Built on the meta device, filled with ``load_state_dict(assign=True)`` from
-memory-mapped safetensors; never touches the network.
+Built on the meta device (ops resolved and fusions applied to the structure there), then filled
+with ``load_state_dict(assign=True)`` from safetensors: each weight read on the host, fused ones
+merged there, and placed on the device once. Never touches the network.
 """
 from __future__ import annotations
 
@@ -12,14 +13,16 @@ import os
 import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
+from typing import Iterable, Iterator
 
 import torch
 from safetensors import safe_open
 
+from polychip.devices import memory
 from polychip.devices.spec import require_dtypes
-from polychip.errors import ModelLoadError, PolychipError
+from polychip.errors import ModelLoadError
 from polychip.models.config import ModelConfig
-from polychip.models.decoder import DecoderModel, rope_inv_freq
+from polychip.models.decoder import DecoderModel, rope_tables
 from polychip.models.tokenizer import Tokenizer
 from polychip.ops import passes
 from polychip.ops.native import register_native
@@ -86,8 +89,8 @@ def _weight_files(model_dir: str) -> list[str]:
     return files
 
 
-def read_state_dict(model_dir: str, cfg: ModelConfig, dtype: torch.dtype, plugin) -> dict:
-    state = {}
+def read_tensors(model_dir: str, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """(state-dict key, host tensor) for every weight in the safetensors files, one at a time."""
     for path in _weight_files(model_dir):
         try:
             with safe_open(path, framework="pt") as f:
@@ -95,32 +98,57 @@ def read_state_dict(model_dir: str, cfg: ModelConfig, dtype: torch.dtype, plugin
                     key = name.removeprefix("model.")
                     if key == "lm_head.weight" and cfg.tie_word_embeddings:
                         continue
-                    t = f.get_tensor(name)
-                    state[key] = plugin.place_weight(t, dtype if t.is_floating_point() else t.dtype)
-        except PolychipError:   # e.g. the plugin's out-of-memory, with its own layer
-            raise
+                    yield key, f.get_tensor(name)
         except Exception as e:  # safetensors raises its own error types for corrupt files
-            raise ModelLoadError(f"{path}: cannot read safetensors ({e})") from None
+            raise ModelLoadError(f"{path}: cannot read safetensors ({type(e).__name__}: {e})") from None
+
+
+def place_weights(tensors: Iterable[tuple[str, torch.Tensor]], shapes: dict[str, torch.Size],
+                  plan: dict[str, tuple[str, ...]], dtype: torch.dtype, plugin) -> dict[str, torch.Tensor]:
+    """Each weight on the device, placed once: the parts of a fused weight (``plan``) wait on the host
+    until all have been read, are concatenated there and placed as one tensor, so the device
+    never holds a part it later frees. ``shapes`` are the unfused model's; floating-point weights
+    are cast to ``dtype``, quantised ones keep theirs (refused unless the device supports it)."""
+    target_of = {part: merged for merged, parts in plan.items() for part in parts}
+    pending: dict[str, torch.Tensor] = {}
+    state, unexpected, checked = {}, [], set()
+    for key, t in tensors:
+        want = dtype if t.is_floating_point() else t.dtype
+        if want not in checked:
+            require_dtypes(plugin, [str(want).removeprefix("torch.")],
+                           "model dtype" if t.is_floating_point() else "quantised weight dtype")
+            checked.add(want)
+        if key not in shapes:
+            unexpected.append(key)
+            continue
+        if t.shape != shapes[key]:
+            raise ModelLoadError(f"weight {key} has shape {tuple(t.shape)}, config expects {tuple(shapes[key])}")
+        merged = target_of.get(key)
+        if merged is None:
+            state[key] = _place(plugin, key, t, want)
+            continue
+        pending[key] = t.to(want)
+        parts = plan[merged]
+        if all(p in pending for p in parts):
+            state[merged] = _place(plugin, merged, torch.cat([pending.pop(p) for p in parts], 0), want)
+    seen = set(state) | {p for m in state if m in plan for p in plan[m]} | set(pending)
+    missing = sorted(set(shapes) - seen)
+    if missing or unexpected:
+        raise ModelLoadError(f"weights do not match the model's config: missing {missing[:5]}, "
+                             f"unexpected {sorted(unexpected)[:5]}")
     return state
 
 
-def build_model(cfg: ModelConfig, state: dict, device: torch.device, dtype: torch.dtype,
-                ops: SimpleNamespace, max_positions: int) -> DecoderModel:
-    with torch.device("meta"):
-        model = DecoderModel(cfg, ops)
-    expected = set(model.state_dict())
-    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
-    if missing or unexpected:
-        raise ModelLoadError(f"weights do not match {cfg.architecture}: missing {missing[:5]}, "
-                             f"unexpected {unexpected[:5]}")
-    for key, t in state.items():
-        want = model.state_dict()[key].shape
-        if t.shape != want:
-            raise ModelLoadError(f"weight {key} has shape {tuple(t.shape)}, config expects {tuple(want)}")
-    model.load_state_dict(state, assign=True, strict=True)
-    model.inv_freq = rope_inv_freq(cfg).to(device)
-    model.build_rope_cache(max_positions, dtype)
-    return model.eval()
+def _place(plugin, key: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    what = f"weight {key} ({'x'.join(map(str, t.shape))} {str(dtype).removeprefix('torch.')})"
+    return memory.place(plugin, what, t, dtype)
+
+
+def place_rope(model: DecoderModel, cfg: ModelConfig, max_positions: int, dtype: torch.dtype, plugin) -> None:
+    """The rope cos/sin tables, computed on the host and placed through the plugin."""
+    cos, sin = rope_tables(cfg, max_positions, dtype)
+    what = f"the rope cache ({max_positions} positions)"
+    model.rope_cos, model.rope_sin = memory.place(plugin, what, cos, dtype), memory.place(plugin, what, sin, dtype)
 
 
 def load_model(model_path: str | None, plugin, dtype: str = "auto", enable_fusion: bool = True,
@@ -136,19 +164,24 @@ def load_model(model_path: str | None, plugin, dtype: str = "auto", enable_fusio
     dname = plugin.default_dtype(cfg.torch_dtype) if dtype == "auto" else dtype
     require_dtypes(plugin, [dname], "model dtype")
     torch_dtype = getattr(torch, dname)
-    device = plugin.device_handle()
     if registry is None:
         registry = OpRegistry(plugin.name)
         register_native(registry)
         plugin.register_ops(registry)
     ops = SimpleNamespace()
-    state = read_state_dict(model_dir, cfg, torch_dtype, plugin)
-    quantised = [str(t.dtype).removeprefix("torch.") for t in state.values() if not t.is_floating_point()]
-    require_dtypes(plugin, quantised, "quantised weight dtype")
-    max_len = max_model_len or cfg.max_position_embeddings
-    model = build_model(cfg, state, device, torch_dtype, ops, max_len)
+    # the structure first, on the meta device: ops resolved, fusions applied
+    with torch.device("meta"):
+        model = DecoderModel(cfg, ops)
+    shapes = {k: t.shape for k, t in model.state_dict().items()}
     resolutions = passes.replace(passes.expand(model), registry, torch_dtype, ops)
-    fusions = passes.fuse(model, plugin.fusions() if enable_fusion else (), ops, plugin)
+    patterns = plugin.fusions() if enable_fusion else ()
+    plan = passes.merge_plan(model, patterns)
+    fusions = passes.fuse(model, patterns, ops)
+    # then the weights, each placed once on the device (fused ones merged on the host first)
+    state = place_weights(read_tensors(model_dir, cfg), shapes, plan, torch_dtype, plugin)
+    model.load_state_dict(state, assign=True, strict=True)
+    place_rope(model, cfg, max_model_len or cfg.max_position_embeddings, torch_dtype, plugin)
+    model.eval()
     lm = LoadedModel(model, cfg, tokenizer, torch_dtype, model_dir, registry, resolutions, fusions,
                      time.perf_counter() - t0, from_cache)
     log.info("loaded %s (%s, %s) in %.2fs", model_dir, cfg.architecture, dname, lm.load_seconds)

@@ -61,22 +61,7 @@ def replace(sites: list[OpSite], registry: OpRegistry, dtype: torch.dtype,
     return chosen
 
 
-def _concat(tensors: list[torch.Tensor], plugin) -> torch.Tensor:
-    """torch.cat along dim 0; with a plugin, into memory from its allocator (so a capacity limit
-    sees the merged weight) and the parts given back to it."""
-    if plugin is None:
-        return torch.cat(tensors, 0)
-    out = plugin.alloc((sum(t.shape[0] for t in tensors), *tensors[0].shape[1:]), tensors[0].dtype)
-    row = 0
-    for t in tensors:
-        plugin.copy(out[row:row + t.shape[0]], t)
-        row += t.shape[0]
-    for t in tensors:
-        plugin.free(t)
-    return out
-
-
-def merge_linears(parts: list[nn.Module], plugin=None) -> nn.Module:
+def merge_linears(parts: list[nn.Module]) -> nn.Module:
     """One linear whose output is the parts' outputs concatenated (same class as the parts)."""
     first = parts[0]
     n_in = first.weight.shape[1]
@@ -87,16 +72,20 @@ def merge_linears(parts: list[nn.Module], plugin=None) -> nn.Module:
     n_out = sum(p.weight.shape[0] for p in parts)
     with torch.device("meta"):
         merged = type(first)(first.ops, n_in, n_out, first.bias is not None)
-    merged.weight = nn.Parameter(_concat([p.weight.data for p in parts], plugin), requires_grad=False)
+    merged.weight = nn.Parameter(torch.cat([p.weight.data for p in parts], 0), requires_grad=False)
     if first.bias is not None:
-        merged.bias = nn.Parameter(_concat([p.bias.data for p in parts], plugin), requires_grad=False)
+        merged.bias = nn.Parameter(torch.cat([p.bias.data for p in parts], 0), requires_grad=False)
     return merged
 
 
-def _merge(mod: nn.Module, how: MergeLinears, plugin) -> bool:
-    if getattr(mod, how.into) is not None or any(getattr(mod, p) is None for p in how.parts):
+def _mergeable(mod: nn.Module, how: MergeLinears) -> bool:
+    return getattr(mod, how.into) is None and all(getattr(mod, p) is not None for p in how.parts)
+
+
+def _merge(mod: nn.Module, how: MergeLinears) -> bool:
+    if not _mergeable(mod, how):
         return False
-    setattr(mod, how.into, merge_linears([getattr(mod, p) for p in how.parts], plugin))
+    setattr(mod, how.into, merge_linears([getattr(mod, p) for p in how.parts]))
     for p in how.parts:
         setattr(mod, p, None)
     return True
@@ -111,23 +100,45 @@ def _switch(mod: nn.Module, how: FusedOp, pattern: str, ops: SimpleNamespace | N
     return True
 
 
-def fuse_pattern(model: nn.Module, pattern: str, ops: SimpleNamespace | None = None, plugin=None) -> int:
+def fuse_pattern(model: nn.Module, pattern: str, ops: SimpleNamespace | None = None) -> int:
     """Apply one pattern in every module that declares it; returns how many modules changed.
     A :class:`FusedOp` needs ``ops`` with its op bound by replace."""
     n = 0
     for mod in model.modules():
         how = getattr(mod, "FUSIONS", {}).get(pattern)
         if isinstance(how, MergeLinears):
-            n += _merge(mod, how, plugin)
+            n += _merge(mod, how)
         elif isinstance(how, FusedOp):
             n += _switch(mod, how, pattern, ops)
     return n
 
 
-def fuse(model: nn.Module, patterns: tuple[str, ...], ops: SimpleNamespace, plugin=None) -> list[str]:
-    """Apply fusion patterns in place; returns the ones that changed something. With ``plugin``,
-    merged weights come from its allocator and the parts go back to it."""
+def _check_patterns(patterns: tuple[str, ...]) -> None:
     unknown = set(patterns) - set(FUSIONS)
     if unknown:
         raise PluginError(f"unknown fusion pattern(s) {sorted(unknown)}; known: {list(FUSIONS)}")
-    return [p for p in FUSIONS if p in patterns and fuse_pattern(model, p, ops, plugin)]
+
+
+def fuse(model: nn.Module, patterns: tuple[str, ...], ops: SimpleNamespace) -> list[str]:
+    """Apply fusion patterns in place; returns the ones that changed something. On a model built on
+    the meta device this fuses the structure only; the loader then fills the merged weights."""
+    _check_patterns(patterns)
+    return [p for p in FUSIONS if p in patterns and fuse_pattern(model, p, ops)]
+
+
+def merge_plan(model: nn.Module, patterns: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
+    """What ``fuse(model, patterns)`` will merge, by state-dict name: merged parameter -> the
+    parameters it concatenates along dim 0, in order. The loader reads it to merge weights on the
+    host and place each merged weight once (no part is ever placed on the device, then freed)."""
+    _check_patterns(patterns)
+    plan = {}
+    for path, mod in model.named_modules():
+        for pattern, how in getattr(mod, "FUSIONS", {}).items():
+            if pattern not in patterns or not isinstance(how, MergeLinears) or not _mergeable(mod, how):
+                continue
+            prefix = f"{path}." if path else ""
+            first = getattr(mod, how.parts[0])
+            for suffix in ("weight", "bias"):
+                if getattr(first, suffix, None) is not None:
+                    plan[f"{prefix}{how.into}.{suffix}"] = tuple(f"{prefix}{p}.{suffix}" for p in how.parts)
+    return plan

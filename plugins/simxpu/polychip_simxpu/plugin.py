@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from polychip.devices.plugin import Availability, DeviceInfo, DevicePlugin, Event, Stream
-from polychip.errors import PluginError
+from polychip.errors import DeviceOutOfMemoryError, PluginError
 from polychip_simxpu import kernels
 from polychip_simxpu.allocator import Block, SimAllocator, SimOutOfMemory
 
@@ -70,12 +70,15 @@ class _Live:
 class SimXpuPlugin(DevicePlugin):
     name = "simxpu"
     plugin_version = "0.1.0"
+    api_version = "1.1"
     torch_device_type = "cpu"            # host memory backs the simulated cards
     default_mem_fraction = 0.05
+    priority = 1                         # a simulator: --device auto prefers the real CPU
 
     def __init__(self):
         super().__init__()
         self.allocator: SimAllocator | None = None
+        self._reserve: Block | None = None    # the activation reserve, a real block of the card
         self._live: dict[int, _Live] = {}
         self._default_stream = SimStream(self)
         self._streams_in_use: list[SimStream] = []
@@ -126,7 +129,7 @@ class SimXpuPlugin(DevicePlugin):
     def destroy(self) -> None:
         for key in list(self._live):
             self._release(key)
-        self.allocator = None
+        self.allocator, self._reserve, self.activation_reserve = None, None, 0
 
     def device_handle(self, index: int | None = None) -> torch.device:
         return torch.device("cpu")
@@ -147,7 +150,7 @@ class SimXpuPlugin(DevicePlugin):
         try:
             block = allocator.alloc(nbytes)
         except SimOutOfMemory as e:
-            raise PluginError(f"simxpu:{self.index} out of memory: {e}", layer="hardware") from None
+            raise DeviceOutOfMemoryError(f"simxpu:{self.index} out of memory: {e}", requested=nbytes) from None
         tensor = torch.empty(shape, dtype=dtype)
         key = tensor.data_ptr()
         # memory dropped without free() gives its block back when its storage is collected (the
@@ -172,8 +175,27 @@ class SimXpuPlugin(DevicePlugin):
         self._release(key)
 
     def mem_info(self) -> tuple[int, int]:
+        """The card's free bytes (the activation reserve is a block in use) and its capacity."""
         a = self._require_init()
         return a.free_bytes, a.capacity
+
+    def largest_free_block(self) -> int:
+        """The largest free range of the card: what one allocation can get, fragmentation included."""
+        return self._require_init().largest_free
+
+    def reserve_for_activations(self, nbytes: int) -> int:
+        """Takes a real block of the card, so the capacity counts a step's working memory."""
+        allocator = self._require_init()
+        if self._reserve is not None:
+            allocator.free(self._reserve)
+            self._reserve = None
+        if nbytes > 0:
+            try:
+                self._reserve = allocator.alloc(nbytes)
+            except SimOutOfMemory as e:
+                raise DeviceOutOfMemoryError(f"simxpu:{self.index} out of memory: {e}", requested=nbytes) from None
+        self.activation_reserve = self._reserve.size if self._reserve else 0
+        return self.activation_reserve
 
     # data movement and ordering
     def current_stream(self) -> SimStream:

@@ -1,0 +1,73 @@
+"""Device memory as the engine sees it through a plugin: allocations whose out-of-memory failure
+becomes one clear message, and what is left for the KV pool.
+
+Every device allocation the engine and the loader make goes through :func:`alloc` or
+:func:`place`: a plugin's :class:`~polychip.errors.DeviceOutOfMemoryError`, a plain
+``MemoryError`` or ``torch.OutOfMemoryError`` turns into one DeviceOutOfMemoryError naming the
+device, what was being allocated, the request, and what is free (and the largest free block).
+"""
+from __future__ import annotations
+
+import torch
+
+from polychip.devices.plugin import api_at_least
+from polychip.devices.spec import fmt_bytes
+from polychip.errors import DeviceOutOfMemoryError
+
+#: what a failed allocation may raise; the engine maps each to one DeviceOutOfMemoryError
+OOM_ERRORS = (MemoryError, torch.OutOfMemoryError)
+
+
+def nbytes_of(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return torch.Size(shape).numel() * dtype.itemsize
+
+
+def free_report(plugin) -> str:
+    """'81.3 MiB free of 600.0 MiB, largest free block 8.9 MiB' (what the plugin can still tell)."""
+    try:
+        free, total = plugin.mem_info()
+    except Exception as e:  # the report must not hide the original failure
+        return f"free memory unknown (mem_info() raised {type(e).__name__}: {e})"
+    text = f"{fmt_bytes(free)} free of {fmt_bytes(total)}"
+    try:
+        largest = plugin.largest_free_block()
+    except Exception:  # optional figure; the free bytes were already said
+        return text
+    return f"{text}, largest free block {fmt_bytes(largest)}" if largest != free else text
+
+
+def out_of_memory(plugin, what: str, nbytes: int, cause: BaseException) -> DeviceOutOfMemoryError:
+    """The one message for a failed device allocation."""
+    said = str(cause).removeprefix("[hardware] ").strip()
+    err = DeviceOutOfMemoryError(
+        f"{plugin.name}:{plugin.index} out of memory allocating {what}: requested {fmt_bytes(nbytes)}; "
+        f"{free_report(plugin)}" + (f" (the plugin says: {said})" if said else ""), requested=nbytes)
+    err.__cause__ = cause
+    return err
+
+
+def alloc(plugin, what: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """``plugin.alloc`` with an out-of-memory failure mapped to one clear error."""
+    try:
+        return plugin.alloc(tuple(shape), dtype)
+    except OOM_ERRORS as e:
+        raise out_of_memory(plugin, what, nbytes_of(shape, dtype), e) from None
+
+
+def place(plugin, what: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``plugin.place_weight`` with an out-of-memory failure mapped to one clear error."""
+    try:
+        return plugin.place_weight(tensor, dtype)
+    except OOM_ERRORS as e:
+        raise out_of_memory(plugin, what, nbytes_of(tuple(tensor.shape), dtype), e) from None
+
+
+def pool_budget(plugin) -> tuple[int, int]:
+    """(free bytes, largest allocatable block) left for the KV pool, after the activation reserve.
+    A plugin of API 1.1 excludes the reserve itself; for a 1.0 plugin it is subtracted here."""
+    free, _total = plugin.mem_info()
+    largest = min(plugin.largest_free_block(), free)
+    if not api_at_least(plugin, "1.1"):
+        reserve = getattr(plugin, "activation_reserve", 0)
+        free, largest = max(0, free - reserve), max(0, largest - reserve)
+    return free, largest
