@@ -1,13 +1,34 @@
-"""The op contract a plugin builds on (plugin API version 1): op names and signatures, the fusion
-patterns, the attention metadata with the paged-KV layout, and the registry methods a plugin calls.
+"""The op contract a plugin builds on, versioned with the plugin API (:data:`CONTRACT_VERSION`).
 
-Model code calls ops by name; the registry picks the plugin's implementation for (name, version,
-dtype) or the native PyTorch reference. Shapes: T tokens in the step's flat batch, H query heads,
-Hkv KV heads, D head size.
+Everything a plugin needs to provide its own kernels is here and re-exported from
+``polychip.devices``; a plugin never imports ``polychip.ops``:
 
-Paged KV layout: one K and one V cache per layer, each ``[num_pages, page_size, Hkv, D]`` in the
-model dtype. Token ``i`` of a sequence lives at slot ``pages[i // page_size] * page_size +
-i % page_size`` of the flattened ``[num_pages * page_size, Hkv, D]`` view.
+* :data:`OPS`: every op by (name, version) as an :class:`OpSpec`: its signature and dtype rules;
+* :class:`AttentionMetadata` and :class:`PrefillSegment`, and the paged-KV layout (below);
+* :class:`OpRegistrar`: the registry methods a plugin calls from ``register_ops(registry)``;
+* :data:`FUSIONS`: the fusion patterns a plugin may name in ``fusions()``;
+* :data:`ALLOC_DTYPES`: the dtypes every plugin's ``alloc`` must accept.
+
+How ops are chosen. Model code calls ops by name. At load the registry resolves each (name,
+version) once for the model's compute dtype (``float32``, ``bfloat16`` or ``float16``): the
+plugin's implementation registered for that dtype, else its ``'*'`` one, else the native PyTorch
+reference, with the reason recorded (``polychip coverage`` prints it). A plugin implementation must
+accept exactly the arguments of its :class:`OpSpec` and return what the native op returns, in the
+same dtypes and shapes (the conformance kit compares them on random inputs).
+
+Shapes: T tokens in the step's flat batch, H query heads, Hkv KV heads (H is a multiple of Hkv),
+D head size, P pages in the pool, S page size (tokens per page), B decode sequences.
+
+Paged-KV layout. One K and one V cache per layer, each ``[P, S, Hkv, D]`` in the compute dtype,
+contiguous, allocated once at start-up (they are views of one pool allocation). Token ``i`` of a
+sequence whose page list is ``pages`` lives in page ``pages[i // S]`` at row ``i % S``, that is at
+slot ``pages[i // S] * S + i % S`` of the flat ``[P * S, Hkv, D]`` view. Page ids are int64. Slots
+of a page past a sequence's length hold stale finite values: kernels must mask by length.
+
+Versions. ``CONTRACT_VERSION`` equals ``polychip.devices.plugin.API_VERSION``: the contract changes
+only with the API. Within a major version ops, arguments and metadata fields are only added; an
+op whose signature changes gets a new version number and keeps its old version until the next
+major API version.
 """
 from __future__ import annotations
 
@@ -16,21 +37,62 @@ from typing import Callable, Protocol
 
 import torch
 
-#: version 1 of every op: name -> signature. Implementations are registered per dtype (or '*').
-OPS = {
-    "linear": "linear(x [T, in], weight [out, in], bias [out] | None) -> [T, out]",
-    "embedding": "embedding(ids [T] int64, weight [vocab, hidden]) -> [T, hidden]",
-    "rms_norm": "rms_norm(x [..., hidden], weight [hidden], eps: float) -> x's shape",
-    "add_rms_norm": "add_rms_norm(x, residual, weight, eps) -> (rms_norm(x + residual), x + residual)",
-    "silu_mul": "silu_mul(gate [..., n], up [..., n]) -> silu(gate) * up",
-    "rotary_embedding": "rotary_embedding(q [T, H, D], k [T, Hkv, D], cos [T, D], sin [T, D]) -> (q, k), "
-                        "neox (rotate-half) style",
-    "attention": "attention(q [T, H, D], k [T, Hkv, D], v [T, Hkv, D], k_cache, v_cache, "
-                 "meta: AttentionMetadata, scale: float) -> [T, H, D]; writes k, v to meta.slot_mapping "
-                 "first. The native one is a frame: native('attention')(..., decode_fn=, prefill_fn=) "
-                 "swaps in a plugin's decode half (q_decode, k_cache, v_cache, meta, scale) -> rows, or "
-                 "prefill half (q, k, v, k_cache, v_cache, meta, scale, out) -> None writing out's rows",
-}
+from polychip.devices.plugin import API_VERSION
+
+CONTRACT_VERSION = API_VERSION
+
+#: dtypes the engine and the tools allocate through ``plugin.alloc`` whatever the model: step
+#: inputs (token ids, positions, slots, page tables: int64; masks: bool), the kit's byte buffers
+#: (uint8) and int32 index tensors. A plugin must accept these; it may refuse a compute dtype it
+#: lacks (e.g. float16) with a PluginError, and then the spec must not declare that dtype.
+ALLOC_DTYPES = ("bool", "uint8", "int32", "int64")
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """One op of the contract."""
+
+    name: str
+    version: int
+    signature: str
+    dtypes: str          # the dtype rules: what is in the compute dtype, what is not
+    notes: str = ""
+
+
+def _specs(*specs: OpSpec) -> dict[tuple[str, int], OpSpec]:
+    return {(s.name, s.version): s for s in specs}
+
+
+_COMPUTE = "x, weight and bias in the compute dtype; returns the compute dtype"
+
+#: the op contract: (name, version) -> OpSpec
+OPS: dict[tuple[str, int], OpSpec] = _specs(
+    OpSpec("linear", 1, "linear(x [T, in], weight [out, in], bias [out] | None) -> [T, out]", _COMPUTE,
+           "also called once per step for the logits of the sampled rows (weight: lm_head or the tied "
+           "embedding); the engine casts those to float32 itself"),
+    OpSpec("embedding", 1, "embedding(ids [T], weight [vocab, hidden]) -> [T, hidden]",
+           "ids int64; weight and the result in the compute dtype"),
+    OpSpec("rms_norm", 1, "rms_norm(x [..., hidden], weight [hidden], eps: float) -> x's shape",
+           f"{_COMPUTE}; normalise in float32, scale in the compute dtype (as transformers' LlamaRMSNorm)"),
+    OpSpec("add_rms_norm", 1, "add_rms_norm(x, residual, weight, eps) -> (rms_norm(x + residual), x + residual)",
+           _COMPUTE, "the fused form of a residual add and rms_norm (fusion 'add_rms_norm'); "
+           "x and residual must not be modified in place"),
+    OpSpec("silu_mul", 1, "silu_mul(gate [..., n], up [..., n]) -> silu(gate) * up", _COMPUTE,
+           "gate and up may be non-contiguous views of one gate_up output"),
+    OpSpec("rotary_embedding", 1, "rotary_embedding(q [T, H, D], k [T, Hkv, D], cos [T, D], sin [T, D]) -> (q, k)",
+           "q, k, cos, sin in the compute dtype",
+           "neox (rotate-half) style: out = x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x2, x1); "
+           "q and k may be views of the qkv output; return new tensors or q, k updated in place"),
+    OpSpec("attention", 1, "attention(q [T, H, D], k [T, Hkv, D], v [T, Hkv, D], k_cache [P, S, Hkv, D], "
+                           "v_cache [P, S, Hkv, D], meta: AttentionMetadata, scale: float) -> [T, H, D]",
+           "q, k, v, caches and the result in the compute dtype; meta's tensors int64, decode_mask bool",
+           "first writes k, v to the caches at meta.slot_mapping, then attends: decode rows (the first "
+           "meta.num_decodes) over their sequence's pages, each prefill chunk causally over its cached "
+           "prefix and itself. The native op is a frame that takes either half from a plugin: "
+           "registry.native('attention')(..., decode_fn=, prefill_fn=) with decode_fn(q_decode [B, H, D], "
+           "k_cache, v_cache, meta, scale) -> [B, H, D] and prefill_fn(q, k, v, k_cache, v_cache, meta, scale, "
+           "out) -> None writing every prefill chunk's rows of out"),
+)
 
 #: fusion patterns a plugin may name in ``fusions()``: q/k/v projections as one linear, gate/up
 #: projections as one linear, residual add + rms_norm as one ``add_rms_norm`` call
@@ -41,40 +103,45 @@ class OpRegistrar(Protocol):
     """The registry methods a plugin may call from ``register_ops(registry)``."""
 
     def register(self, name: str, version: int, dtype: str, fn: Callable) -> None:
-        """Add ``fn`` for (name, version, dtype); dtype is a torch dtype name or '*' for any."""
+        """Add ``fn`` for (name, version, dtype); dtype is a compute dtype name ('float32', 'bfloat16',
+        'float16') or '*' for any. (name, version) must be in :data:`OPS`; a key registers once."""
 
     def register_unavailable(self, name: str, reason: str) -> None:
         """Say why the plugin cannot provide ``name`` here (shown by ``polychip coverage``)."""
 
     def native(self, name: str, version: int = 1) -> Callable:
-        """The native PyTorch implementation, e.g. as a fallback inside a plugin's own op."""
+        """The native PyTorch implementation, e.g. as a fallback inside a plugin's own op, or the
+        attention frame (see the ``attention`` OpSpec)."""
 
 
 @dataclass
 class PrefillSegment:
+    """One prefill chunk of the step's batch."""
+
     start: int            # first row of this sequence in the flat token batch
     q_len: int            # new tokens in this chunk
     kv_len: int           # cached prefix + q_len
-    pages: torch.Tensor   # page ids covering kv_len tokens
+    pages: torch.Tensor   # [ceil(kv_len / S)] int64 page ids covering kv_len tokens
 
 
 @dataclass
 class AttentionMetadata:
-    """One step's attention inputs. Decode tokens (one per sequence) come first in the batch,
-    then the prefill chunks."""
+    """One step's attention inputs, shared by every layer of that step. Decode tokens (one per
+    sequence) come first in the batch, then the prefill chunks. The tensors are on the device and
+    views of the model runner's reused buffers: valid for this step only, never to be kept."""
 
-    slot_mapping: torch.Tensor                    # [T] flat KV slot per token
+    slot_mapping: torch.Tensor                    # [T] int64 flat KV slot per token
     num_decodes: int = 0
-    decode_pages: torch.Tensor | None = None      # [B, max_pages]
-    decode_lens: torch.Tensor | None = None       # [B] kv length per decode sequence
-    decode_mask: torch.Tensor | None = None       # [B, 1, 1, max_pages*page] bool
+    decode_pages: torch.Tensor | None = None      # [B, W] int64 page ids, padded with page 0
+    decode_lens: torch.Tensor | None = None       # [B] int64 kv length per decode sequence (incl. this token)
+    decode_mask: torch.Tensor | None = None       # [B, 1, 1, W*S] bool, True where a slot is inside the length
     prefills: list[PrefillSegment] = field(default_factory=list)
-    # what prefill_tables() returns, built on first use and kept for the step's other layers
+    # what prefill_tables() returns; the model runner fills it, else it is built on first use
     prefill_table: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     def prefill_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The prefills as tensors, for kernels that take them all in one call: (segments [S, 3]
-        int64 rows (start, q_len, kv_len), block table [S, W] int64 padded with page 0). Built
+        """The prefills as tensors, for kernels that take them all in one call: (segments [N, 3]
+        int64 rows (start, q_len, kv_len), block table [N, W] int64 padded with page 0). Built
         once per metadata (one step), not once per layer."""
         if self.prefill_table is None:
             segs = self.prefills
@@ -86,3 +153,8 @@ class AttentionMetadata:
             rows = torch.tensor([[s.start, s.q_len, s.kv_len] for s in segs], dtype=torch.int64, device=device)
             self.prefill_table = (rows, table)
         return self.prefill_table
+
+
+def slot_of(pages: list[int], position: int, page_size: int) -> int:
+    """The flat KV slot of token ``position`` of a sequence with page list ``pages`` (the layout above)."""
+    return pages[position // page_size] * page_size + position % page_size

@@ -10,6 +10,7 @@ import logging
 from dataclasses import dataclass
 from typing import Callable
 
+from polychip.devices.ops import OPS
 from polychip.dtypes import KNOWN_DTYPES as DTYPES
 from polychip.errors import PluginError
 
@@ -45,7 +46,8 @@ class OpRegistry:
         self._native[(name, version)] = fn
 
     def register(self, name: str, version: int, dtype: str, fn: Callable) -> None:
-        """Plugin-side registration. ``dtype`` is a torch dtype name or '*'. A key registers once."""
+        """Plugin-side registration of an op of the contract (``polychip.devices.ops.OPS``).
+        ``dtype`` is a torch dtype name or '*'. A key registers once."""
         bad = self._check(name, version, dtype, fn)
         if bad:
             raise PluginError(f"plugin {self.plugin_name!r} registers a bad op: {bad}")
@@ -66,6 +68,9 @@ class OpRegistry:
             return f"op name must be a non-empty string, got {name!r}"
         if isinstance(version, bool) or not isinstance(version, int) or version < 1:
             return f"op {name!r}: version must be an integer >= 1, got {version!r}"
+        if (name, version) not in OPS:
+            return (f"op {name!r} v{version} is not in the op contract (polychip.devices.ops.OPS: "
+                    f"{sorted(f'{n} v{v}' for n, v in OPS)})")
         if dtype != ANY_DTYPE and dtype not in DTYPES:
             return f"op {name!r}: dtype must be '*' or one of {list(DTYPES)}, got {dtype!r}"
         if not callable(fn):

@@ -27,7 +27,7 @@ import torch
 
 from polychip.devices.discovery import open_device
 from polychip.devices.ops import FUSIONS
-from polychip.devices.plugin import API_VERSION, Availability, DeviceInfo, DevicePlugin, Event, Stream
+from polychip.devices.plugin import Availability, DeviceInfo, DevicePlugin, Event, Stream, api_mismatch
 from polychip.devices.spec import supported_dtypes
 from polychip.dtypes import KNOWN_DTYPES
 from polychip.engine.llm import LLM
@@ -65,7 +65,7 @@ def check_identity(target: Target) -> str:
     p = target.open()
     try:
         _require(isinstance(p.name, str) and p.name, f"name must be a non-empty string, got {p.name!r}")
-        _require(p.api_version == API_VERSION, f"api_version is {p.api_version}, expected {API_VERSION}")
+        _require(not api_mismatch(p.api_version), f"api_version: {api_mismatch(p.api_version)}")
         _require(isinstance(p.plugin_version, str) and p.plugin_version, "plugin_version must be a non-empty string")
         _require(isinstance(p.torch_device_type, str), "torch_device_type must be a string")
         avail = p.is_available()
