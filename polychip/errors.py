@@ -1,11 +1,12 @@
 """Typed errors. Each names its cause and the layer it came from."""
 from __future__ import annotations
 
-FRAMEWORK, PLUGIN, HARDWARE = "framework", "plugin", "hardware"
+FRAMEWORK, PLUGIN, HARDWARE, CONFIG = "framework", "plugin", "hardware", "config"
 
 
 class PolychipError(Exception):
-    """Base error: ``layer`` says where it came from (framework, plugin, hardware)."""
+    """Base error: ``layer`` says where it came from (framework, plugin, hardware, config: the
+    user's settings or files)."""
 
     layer = FRAMEWORK
 
@@ -20,6 +21,8 @@ class PolychipError(Exception):
 
 class ConfigError(PolychipError, ValueError):
     """An engine or CLI setting is invalid."""
+
+    layer = CONFIG
 
 
 class InvalidRequestError(PolychipError, ValueError):
@@ -53,7 +56,9 @@ class DeviceOutOfMemoryError(PluginError, MemoryError):
 
 
 class DeviceSpecError(PolychipError, ValueError):
-    """A device spec (YAML) file is missing, malformed or inconsistent."""
+    """A device spec (YAML) file is missing, malformed or inconsistent: the user's file, so layer config."""
+
+    layer = CONFIG
 
 
 class OutOfPagesError(PolychipError):

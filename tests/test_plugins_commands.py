@@ -102,14 +102,16 @@ def test_probe_bad_input_fails_at_the_right_step(capsys, tmp_path, text, step, r
 def test_devices_lists_plugins_devices_and_failures(capsys, tmp_path):
     broken = tmp_path / "broken.py"
     broken.write_text("import vendor_sdk_that_is_not_installed\n")
-    code, out, _ = run_cli(capsys, "devices", "--device-config", SIMXPU2, "--plugin", str(broken))
-    assert code == 0
+    code, out, err = run_cli(capsys, "devices", "--device-config", SIMXPU2, "--plugin", str(broken))
+    assert code == 1                         # the plugin asked for by --plugin did not load
+    assert err.startswith(f"error: plugin '{broken}' (--plugin {broken}) failed at import: ")
     assert re.search(r"^cpu 1\.0 .*\n  \[0\] .* Ready  memory .* free / ", out, re.M)
     assert re.search(r"^simxpu 0\.1\.0 .* spec examples/specs/simxpu-2.yaml$", out, re.M)
     assert "[1] SimXPU-8G  Ready  memory 8.0 GiB free / 8.0 GiB  dtypes float32,bfloat16,int8" in out
     assert "distance=[1, 0]" in out
     assert f"Error at import: ModuleNotFoundError: No module named 'vendor_sdk_that_is_not_installed'" in out
     code, out, _ = run_cli(capsys, "devices", "--json")
+    assert code == 0                         # cuda unavailable here is not a failure: nobody asked for it
     entries = {e["name"]: e for e in json.loads(out)}
     assert [d["index"] for d in entries["simxpu"]["devices"]] == [0, 1, 2, 3]
     assert entries["cuda"]["status"] in ("Ready", "Error")
@@ -119,9 +121,31 @@ def test_devices_lists_plugins_devices_and_failures(capsys, tmp_path):
 
 def test_devices_shows_a_device_whose_init_fails(capsys, tmp_path):
     plugin, spec = variant(tmp_path, "crashxpu", init="raise RuntimeError('no firmware')")
-    code, out, _ = run_cli(capsys, "devices", "--device-config", spec, "--plugin", plugin)
-    assert code == 0
+    code, out, err = run_cli(capsys, "devices", "--device-config", spec, "--plugin", plugin)
+    assert code == 1
     assert "[0] Error: [plugin] plugin 'crashxpu' failed in init(device 0): RuntimeError: no firmware" in out
+    assert "error: crashxpu:0: [plugin] plugin 'crashxpu' failed in init(device 0)" in err
+
+
+def test_devices_exits_non_zero_when_the_spec_does_not_match_the_device(capsys, tmp_path):
+    spec = tmp_path / "big.yaml"
+    spec.write_text(open(SIMXPU2).read().replace("total: 8GiB", "total: 64GiB")
+                    .replace("high_bandwidth: 6GiB", "high_bandwidth: 62GiB"))
+    code, out, err = run_cli(capsys, "devices", "--device-config", str(spec))
+    assert code == 1
+    assert f"simxpu 0.1.0  (entry point simxpu = polychip_simxpu:SimXpuPlugin)  Error at spec: [config] {spec}: " in out
+    assert "memory.total: 64.0 GiB is larger than simxpu device 0 reports (16.0 GiB)" in out
+    assert err.startswith(f"error: {spec}: plugin 'simxpu' failed at spec: ")
+
+
+def test_a_typo_in_a_spec_is_a_config_error(capsys, tmp_path):
+    spec = tmp_path / "typo.yaml"
+    spec.write_text(open(SIMXPU2).read().replace("supported_dtypes:", "suported_dtypes:"))
+    for argv in (["devices", "--device-config", str(spec)],
+                 ["generate", "--prompt", "hi", "--device", "simxpu", "--device-config", str(spec)]):
+        code, _, err = run_cli(capsys, *argv)
+        assert code == 1 and f"error: [config] {spec}: 2 problems" in err
+        assert "suported_dtypes: unknown key" in err and "supported_dtypes: required field is missing" in err
 
 
 def test_coverage_table_from_one_recorded_forward(capsys, tmp_path):

@@ -31,6 +31,7 @@ PLUGIN = textwrap.dedent('''
         plugin_version = "0.0.1"
         torch_device_type = "cpu"
         api_version = {api}
+        priority = {priority}
 
         def is_available(self):
             return Availability({available}, "no {name} card in this box")
@@ -60,9 +61,10 @@ PLUGIN = textwrap.dedent('''
 
 
 def plugin_file(tmp_path, name="toy", cls="ToyPlugin", api=repr(API_VERSION), available=True, init="pass",
-                prefix="") -> str:
+                prefix="", priority=50) -> str:
     path = tmp_path / f"{name}_plugin.py"
-    path.write_text(prefix + PLUGIN.format(name=name, cls=cls, api=api, available=available, init=init))
+    path.write_text(prefix + PLUGIN.format(name=name, cls=cls, api=api, available=available, init=init,
+                                           priority=priority))
     return str(path)
 
 
@@ -224,3 +226,85 @@ def test_the_engine_leaves_threads_to_the_plugin(model_factory, restore_threads)
     assert torch.get_num_threads() == 1
     with pytest.raises(ConfigError, match="pass num_threads to open_device"):
         Engine(EngineConfig(model_path=path, num_threads=2, max_total_tokens=64), plugin=open_device("cpu"))
+
+
+def test_a_package_that_re_exports_its_plugin_from_a_submodule(tmp_path, monkeypatch):
+    pkg = tmp_path / "acme_chip"
+    pkg.mkdir()
+    (pkg / "card.py").write_text(PLUGIN.format(name="acme", cls="AcmePlugin", api="'1.1'", available=True,
+                                               init="pass", priority=50))
+    (pkg / "__init__.py").write_text("from acme_chip.card import AcmePlugin\n"
+                                     "from polychip.devices.cpu.plugin import CpuPlugin   # imported, not its own\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rec = by_name(discover_plugins(("acme_chip",)))["acme"]
+    assert rec.ok and type(rec.plugin).__name__ == "AcmePlugin"
+    assert open_device("simxpu", ("polychip_simxpu",)).name == "simxpu"     # the installed package, by name
+
+
+def test_an_explicit_plugin_wins_over_the_installed_entry_point_with_a_warning(tmp_path, caplog):
+    path = plugin_file(tmp_path, "simxpu", "MySimXpu")
+    with caplog.at_level("WARNING", logger="polychip.devices"):
+        recs = discover_plugins((path,))
+    mine = by_name(recs)["simxpu"]
+    assert mine.ok and type(mine.plugin).__name__ == "MySimXpu" and mine.source == f"--plugin {path}"
+    shadowed = [r for r in recs if r.source.startswith("entry point simxpu")]
+    assert len(shadowed) == 1 and shadowed[0].failed_step == "register" and shadowed[0].plugin is None
+    assert [r.getMessage() for r in caplog.records] == [
+        f"plugin 'simxpu': --plugin {path} overrides the installed entry point simxpu = polychip_simxpu:SimXpuPlugin"]
+    assert type(open_device("simxpu", (path,))).__name__ == "MySimXpu"
+
+
+def test_plugins_can_be_disabled_by_name(monkeypatch):
+    monkeypatch.setenv("POLYCHIP_DISABLE_PLUGINS", "simxpu, cuda")
+    recs = by_name(discover_plugins())
+    assert recs["simxpu"].failed_step == "disabled" and recs["simxpu"].plugin is None
+    assert recs["simxpu"].reason == "disabled by POLYCHIP_DISABLE_PLUGINS"
+    assert recs["cuda"].failed_step == "disabled" and recs["cpu"].ok
+    with pytest.raises(PluginError, match="failed at disabled: disabled by POLYCHIP_DISABLE_PLUGINS") as e:
+        open_device("simxpu")
+    assert e.value.layer == "config"
+
+
+def test_auto_picks_the_available_plugin_of_highest_priority(tmp_path):
+    fast = plugin_file(tmp_path, "fastchip", "Fast", priority=60)
+    slow = plugin_file(tmp_path, "slowchip", "Slow", priority=5)
+    gone = plugin_file(tmp_path, "gonechip", "Gone", available=False, priority=99)
+    cuda_ok = by_name(discover_plugins())["cuda"].ok
+    assert select(discover_plugins((slow, gone, fast)), "auto")[0].name == ("cuda" if cuda_ok else "fastchip")
+    assert select(discover_plugins((slow, gone)), "auto")[0].name == ("cuda" if cuda_ok else "cpu")
+
+
+SPY = '''
+import os
+from polychip.devices.cpu.plugin import CpuPlugin
+
+open(os.environ["SPY_LOG"], "a").write("imported\\n")
+
+class SpyPlugin(CpuPlugin):
+    name = "spy"
+    priority = 1
+
+    def is_available(self):
+        open(os.environ["SPY_LOG"], "a").write("is_available\\n")
+        return super().is_available()
+'''
+
+
+def test_opening_a_named_device_asks_no_other_installed_plugin(tmp_path, monkeypatch):
+    """An installed entry point (a real dist-info on sys.path) is neither imported nor asked
+    is_available() when the user names another device; `polychip devices` asks it."""
+    (tmp_path / "spy_chip.py").write_text(SPY)
+    info = tmp_path / "spy_chip-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: spy-chip\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[polychip.devices]\nspy = spy_chip:SpyPlugin\n")
+    log = tmp_path / "spy.log"
+    monkeypatch.setenv("SPY_LOG", str(log))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert open_device("cpu").name == "cpu"
+    assert not log.exists()
+    assert by_name(discover_plugins())["spy"].ok
+    assert log.read_text().splitlines() == ["imported", "is_available"]
+    monkeypatch.setenv("POLYCHIP_DISABLE_PLUGINS", "spy")
+    log.unlink()
+    assert by_name(discover_plugins())["spy"].failed_step == "disabled" and not log.exists()

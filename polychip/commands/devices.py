@@ -1,16 +1,19 @@
 """polychip devices [--json] [--device-config FILE] [--plugin P]: every plugin and its devices.
 
 A plugin that failed to import, declared another API version or is not available is shown
-with the step that failed and why; it is never dropped.
+with the step that failed and why; it is never dropped. Exit status 1 when something asked for
+failed: the spec of --device-config, a device's init, or a plugin named by --plugin or
+POLYCHIP_PLUGINS; a built-in or installed plugin that is merely unavailable here is not a failure.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from polychip.devices.discovery import PluginRecord, discover_plugins, init_plugin
 from polychip.devices.spec import DeviceSpec, check_against_devices, fmt_bytes, load_spec
-from polychip.errors import PolychipError
+from polychip.errors import DeviceSpecError, PolychipError
 
 
 def _device_row(cls, spec: DeviceSpec | None, index: int) -> dict:
@@ -85,13 +88,28 @@ def main(argv: list[str]) -> int:
         spec = load_spec(args.device_config) if args.device_config else None
     except PolychipError as e:
         return fail(e)
-    entries = [describe(rec, spec) for rec in discover_plugins(tuple(args.plugins))]
+    records = discover_plugins(tuple(args.plugins))
+    entries = [describe(rec, spec) for rec in records]
     if spec is not None and not any(e["name"] == spec.device_type for e in entries):
-        return fail(PolychipError(f"{spec.source}: device_type: no plugin named {spec.device_type!r}; "
-                                  f"found {[e['name'] for e in entries]}"))
+        return fail(DeviceSpecError(f"{spec.source}: device_type: no plugin named {spec.device_type!r}; "
+                                    f"found {[e['name'] for e in entries]}"))
     if args.json:
         print(json.dumps(entries, indent=2))
     else:
         for e in entries:
             print("\n".join(_text(e)))
-    return 0
+    problems = failures(records, entries, spec)
+    for line in problems:
+        print(f"error: {line}", file=sys.stderr)
+    return 1 if problems else 0
+
+
+def failures(records: list[PluginRecord], entries: list[dict], spec: DeviceSpec | None) -> list[str]:
+    """What was asked for and failed: explicit plugins, the spec's plugin and devices, device inits."""
+    out = [f"{r.describe_failure()}" for r in records if r.explicit and not r.ok]
+    for e in entries:
+        named = spec is not None and e["name"] == spec.device_type
+        if named and e["status"] != "Ready":
+            out.append(f"{spec.source}: plugin {e['name']!r} failed at {e['failed_step']}: {e['reason']}")
+        out += [f"{e['name']}:{d['index']}: {d['reason']}" for d in e["devices"] if d["status"] != "Ready"]
+    return list(dict.fromkeys(out))

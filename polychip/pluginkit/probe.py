@@ -11,7 +11,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from polychip.devices.discovery import discover_plugins, init_plugin, select
+from polychip.devices.discovery import candidates, init_plugin, select
 from polychip.devices.spec import check_against_devices, fmt_bytes, from_dict, read_yaml
 from polychip.errors import PolychipError
 from polychip.ops.native import register_native
@@ -163,7 +163,7 @@ class _Probe:
             f"custom_attributes: {s.custom_attributes}"]
 
     def plugin_load(self):
-        rec, _ = select(discover_plugins(self.plugins), self.spec.device_type)
+        rec, _ = select(candidates(self.plugins), self.spec.device_type)
         self.record = rec
         p = rec.plugin
         return (f"{p.name} {p.plugin_version} (API {p.api_version}) from {rec.source}",
