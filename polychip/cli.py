@@ -10,6 +10,7 @@ COMMANDS = {
     "generate": "generate text offline from a prompt",
     "devices": "list device plugins and their devices",
     "probe": "check a device spec step by step before serving",
+    "conformance": "run the plugin-author kit against a device, one line per check",
     "coverage": "show which op implementation a model uses on a device",
     "bench": "benchmarks: serving, compare, peers",
 }

@@ -142,3 +142,63 @@ def test_the_kit_catches_an_allocator_without_limits(tmp_path):
     path.write_text(text)
     with pytest.raises(ConformanceError, match="succeeded on a device of 268435456 bytes"):
         conformance.run_check(Target("thirdparty", plugins=(str(path),)), "allocator")
+
+
+def variant_file(tmp_path, name: str, old: str, new: str) -> str:
+    text = THIRD_PARTY.format(scale="")
+    assert old in text
+    path = tmp_path / f"{name}.py"
+    path.write_text(text.replace(old, new))
+    return str(path)
+
+
+def test_the_kit_catches_a_plugin_that_refuses_an_engine_dtype(tmp_path):
+    path = variant_file(tmp_path, "noint64", "        nbytes = torch.Size(shape).numel() * dtype.itemsize\n",
+                        "        if dtype == torch.int64:\n"
+                        "            raise PluginError('int64 is not a device dtype')\n"
+                        "        nbytes = torch.Size(shape).numel() * dtype.itemsize\n")
+    with pytest.raises(ConformanceError, match=r"alloc\(\(7, 3\), int64\) raised PluginError: .*int64 is not a device "
+                                               r"dtype; the engine allocates int64 \(ALLOC_DTYPES\)"):
+        conformance.run_check(Target("thirdparty", plugins=(path,)), "alloc_dtypes")
+
+
+def test_the_kit_catches_seeded_sampling_that_ignores_the_seed(tmp_path):
+    path = variant_file(tmp_path, "noseed", "    def mem_info(self):\n",
+                        "    def generator(self, seed):\n"
+                        "        import random\n"
+                        "        return torch.Generator().manual_seed(random.randrange(2**31))\n\n"
+                        "    def mem_info(self):\n")
+    with pytest.raises(ConformanceError, match="seeded sampling is not reproducible"):
+        conformance.run_check(Target("thirdparty", plugins=(path,)), "seeded_sampling")
+
+
+def test_the_bf16_check_catches_a_wrong_bf16_kernel_and_skips_a_device_without_bf16(tmp_path):
+    with pytest.raises(conformance.CheckSkipped, match="does not declare bfloat16"):
+        conformance.run_check(Target("thirdparty", plugins=(third_party(tmp_path),)), "bf16_generation")
+    path = variant_file(tmp_path, "badbf16", 'registry.register("silu_mul", 1, "float32", silu_mul)',
+                        'registry.register("silu_mul", 1, "float32", silu_mul)\n'
+                        '        registry.register("silu_mul", 1, "bfloat16", lambda g, u: g * u)')
+    text = open(path).read().replace('CAPACITY - self.used, ("float32",)', 'CAPACITY - self.used, ("float32", "bfloat16")')
+    open(path, "w").write(text)
+    with pytest.raises(ConformanceError, match=r"bfloat16 chose \d+ where the cpu chose \d+ by a margin of"):
+        conformance.run_check(Target("thirdparty", plugins=(path,)), "bf16_generation")
+
+
+def test_the_conformance_command_prints_one_line_per_check(tmp_path, capsys):
+    from polychip.cli import main
+    good = third_party(tmp_path)
+    code = main(["conformance", "--device", "thirdparty", "--plugin", good, "--check", "identity",
+                 "--check", "alloc_dtypes", "--check", "bf16_generation"])
+    out = capsys.readouterr().out.splitlines()
+    assert code == 0
+    assert [line.split()[2:4] for line in out[:3]] == [["identity", "ok"], ["alloc_dtypes", "ok"],
+                                                        ["bf16_generation", "skip"]]
+    assert out[-1] == "conformance passed: 3 checks on thirdparty"
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    code = main(["conformance", "--device", "thirdparty", "--plugin", third_party(bad, scale="* 1.01"),
+                 "--check", "op_numerics"])
+    captured = capsys.readouterr()
+    assert code == 1 and "] op_numerics        FAIL " in captured.out
+    assert "rule: every element within 0.0001 + 0.0001 x |native| (allclose atol = rtol = 0.0001)" in captured.out
+    assert "conformance FAILED: 1 of 1 checks (op_numerics)" in captured.err

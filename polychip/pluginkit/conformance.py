@@ -11,25 +11,35 @@ As pytest parametrisation::
     def test_mychip(target, check):
         conformance.run_check(target, check)
 
-Checks: the contract methods, allocator limits, op numerics against native, and greedy
-generation on a small random model compared with the cpu plugin.
+From the command line, one line per check (exit status 1 if any fails)::
+
+    polychip conformance --device mychip [--plugin my_pkg] [--device-config spec.yaml] [--check NAME]
+
+Checks: the contract methods, allocator limits, the alloc dtype contract, op numerics against
+native, greedy float32 generation equal to the cpu plugin's, a bfloat16 generation agreeing with
+the cpu in bfloat16 where the greedy choice has a clear margin, and seeded sampling reproducible on
+the device. A device's seeded samples need not equal the cpu's (each device draws from its own
+generator); the same seed must give the same tokens on the same device, alone or in any batch.
 """
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import os
 import tempfile
+import time
+import unittest
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
 from polychip.devices.discovery import open_device
-from polychip.devices.ops import FUSIONS
+from polychip.devices.ops import ALLOC_DTYPES, FUSIONS
 from polychip.devices.plugin import Availability, DeviceInfo, DevicePlugin, Event, Stream, api_mismatch
 from polychip.devices.spec import supported_dtypes
-from polychip.dtypes import KNOWN_DTYPES
+from polychip.dtypes import FLOAT_DTYPES, KNOWN_DTYPES
 from polychip.engine.llm import LLM
 from polychip.engine.sampling_params import SamplingParams
 from polychip.models.config import ModelConfig
@@ -39,6 +49,10 @@ from polychip.pluginkit.probe import StepFailed, check_alloc_free, check_copy, c
 
 class ConformanceError(AssertionError):
     """A plugin does not meet the contract; the message says which check and why."""
+
+
+class CheckSkipped(unittest.SkipTest):
+    """A check that does not apply to this device (pytest reports it as skipped)."""
 
 
 @dataclass(frozen=True)
@@ -138,6 +152,37 @@ def check_allocator(target: Target) -> str:
         p.destroy()
 
 
+def check_alloc_dtypes(target: Target) -> str:
+    """The alloc dtype contract: every dtype of ALLOC_DTYPES and every compute dtype the device
+    declares allocates with the right shape, dtype and device, copies both ways exactly, and frees."""
+    p = target.open()
+    try:
+        names = list(ALLOC_DTYPES) + [d for d in supported_dtypes(p) if d in FLOAT_DTYPES]
+        g = torch.Generator().manual_seed(0)
+        for name in names:
+            dtype = getattr(torch, name)
+            try:
+                t = p.alloc((7, 3), dtype)
+            except Exception as e:
+                raise ConformanceError(f"alloc((7, 3), {name}) raised {type(e).__name__}: {e}; the engine allocates "
+                                       f"{name}" + (" (ALLOC_DTYPES)" if name in ALLOC_DTYPES else
+                                                    ", which the device declares")) from None
+            _require(tuple(t.shape) == (7, 3) and t.dtype == dtype and t.device.type == p.torch_device_type,
+                     f"alloc((7, 3), {name}) returned {tuple(t.shape)} {t.dtype} on {t.device}")
+            host = (torch.randint(0, 2, (7, 3), generator=g) if name == "bool" else
+                    torch.randint(0, 200, (7, 3), generator=g) if not dtype.is_floating_point else
+                    torch.randn(7, 3, generator=g)).to(dtype)
+            p.copy(t, host)
+            back = torch.empty_like(host)
+            p.copy(back, t)
+            p.synchronize()
+            _require(torch.equal(back, host), f"{name}: host -> device -> host changed the data")
+            p.free(t)
+        return f"alloc, copy and free exact in {names}"
+    finally:
+        p.destroy()
+
+
 def check_copy_stream_event(target: Target) -> str:
     p = target.open()
     try:
@@ -161,8 +206,9 @@ def check_op_numerics(target: Target) -> str:
     return f"{sum(c.status == 'pass' for c in checks)} op check(s) pass, {sum(c.status == 'skip' for c in checks)} skipped"
 
 
-def make_tiny_model(path: str, seed: int = 0) -> str:
-    """A 2-layer random Llama with a byte-level tokenizer, written as a HF folder (no download)."""
+def make_tiny_model(path: str, seed: int = 0, head_scale: float = 1.0) -> str:
+    """A 2-layer random Llama with a byte-level tokenizer, written as a HF folder (no download).
+    ``head_scale`` multiplies the lm head: larger logits, clearer greedy margins."""
     from types import SimpleNamespace
 
     from safetensors.torch import save_file
@@ -189,18 +235,25 @@ def make_tiny_model(path: str, seed: int = 0) -> str:
     state = {}
     for key, shape in shapes.items():
         w = torch.rand(shape, generator=g) + 0.5 if "norm" in key else torch.randn(shape, generator=g) * 0.08
-        state[key if key.startswith("lm_head") else f"model.{key}"] = w
+        state[key if key.startswith("lm_head") else f"model.{key}"] = w * head_scale if key.startswith("lm_head") else w
     save_file(state, os.path.join(path, "model.safetensors"))
     return path
 
 
+def _llm(model_path: str, device: str, plugins=(), device_config=None, dtype="float32") -> LLM:
+    return LLM(model_path, device=device, plugins=tuple(plugins), device_config=device_config, dtype=dtype,
+               max_total_tokens=512, chunked_prefill_size=16)
+
+
+def _prompts(lengths=(3, 20, 37), seed: int = 7) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in lengths]
+
+
 def greedy_tokens(model_path: str, device: str, plugins=(), device_config=None) -> list[list[int]]:
-    llm = LLM(model_path, device=device, plugins=tuple(plugins), device_config=device_config, dtype="float32",
-              max_total_tokens=512, chunked_prefill_size=16)
+    llm = _llm(model_path, device, plugins, device_config)
     try:
-        g = torch.Generator().manual_seed(7)
-        prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (3, 20, 37)]
-        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+        outs = llm.generate(_prompts(), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
         return [o.outputs[0].token_ids for o in outs]
     finally:
         llm.shutdown()
@@ -215,6 +268,78 @@ def check_generation(target: Target) -> str:
     for i, (a, b) in enumerate(zip(got, want)):
         _require(a == b, f"prompt {i}: greedy tokens {a} differ from the cpu plugin's {b}")
     return f"{len(got)} prompts x 12 greedy tokens equal to the cpu plugin's"
+
+
+BF16_MARGIN = 0.3       # nats between the cpu's best and second-best token: a choice bf16 noise cannot flip
+BF16_MIN_TOKENS = 8
+
+
+def check_bf16_generation(target: Target) -> str:
+    """Greedy bfloat16 generation agrees with the cpu plugin's bfloat16 generation wherever the cpu's
+    choice is clear (its top-2 logprob gap at least BF16_MARGIN): each prompt is compared token by token
+    until the two part ways, which they may only do at a near tie."""
+    p = target.open()
+    try:
+        has_bf16 = "bfloat16" in supported_dtypes(p)
+    finally:
+        p.destroy()
+    if not has_bf16:
+        raise CheckSkipped("the device does not declare bfloat16")
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    prompts = _prompts((4, 9, 15, 26), seed=11)
+    with tempfile.TemporaryDirectory(prefix="polychip-conformance-") as tmp:
+        path = make_tiny_model(tmp, seed=3, head_scale=4.0)
+        runs = []
+        for device, plugins, config in ((target.device, target.plugins, target.device_config), ("cpu", (), None)):
+            llm = _llm(path, device, plugins, config, dtype="bfloat16")
+            try:
+                runs.append([o.outputs[0] for o in llm.generate(prompts, sp)])
+            finally:
+                llm.shutdown()
+    compared = 0
+    for i, (got, want) in enumerate(zip(*runs)):
+        for j, (a, b, lp) in enumerate(zip(got.token_ids, want.token_ids, want.logprobs)):
+            clear = lp.top[0][1] - lp.top[1][1] >= BF16_MARGIN
+            if a != b:   # where the cpu's choice was a near tie, the two may part ways: stop comparing
+                _require(not clear, f"prompt {i}, token {j}: bfloat16 chose {a} where the cpu chose {b} by a "
+                                    f"margin of {lp.top[0][1] - lp.top[1][1]:.2f} nats (>= {BF16_MARGIN}); "
+                                    f"tokens so far {got.token_ids[:j + 1]} vs {want.token_ids[:j + 1]}")
+                break
+            compared += clear
+    _require(compared >= BF16_MIN_TOKENS, f"only {compared} tokens had a clear margin on the cpu; the check "
+                                          f"needs {BF16_MIN_TOKENS} (a kit problem, not the plugin's)")
+    return f"{compared} bfloat16 tokens with a clear cpu margin (>= {BF16_MARGIN} nats) equal to the cpu's"
+
+
+def check_seeded_sampling(target: Target) -> str:
+    """The same seed gives the same sampled tokens on the device: run twice, and inside a batch with
+    other requests; another seed gives other tokens. (Equality with the cpu is reported, not required.)"""
+    sp = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=12, ignore_eos=True, seed=1234)
+    prompt, others = _prompts((11,), seed=5)[0], _prompts((6, 30), seed=6)
+    with tempfile.TemporaryDirectory(prefix="polychip-conformance-") as tmp:
+        path = make_tiny_model(tmp)
+        llm = _llm(path, target.device, target.plugins, target.device_config)
+        try:
+            tokens = lambda outs: [o.outputs[0].token_ids for o in outs]  # noqa: E731
+            alone = tokens(llm.generate([prompt], sp))[0]
+            again = tokens(llm.generate([prompt], sp))[0]
+            batch = tokens(llm.generate([others[0], prompt, others[1]],
+                                        [SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True), sp,
+                                         dataclasses.replace(sp, seed=99)]))[1]
+            other = tokens(llm.generate([prompt], dataclasses.replace(sp, seed=4321)))[0]
+        finally:
+            llm.shutdown()
+        cpu = _llm(path, "cpu")
+        try:
+            on_cpu = cpu.generate([prompt], sp)[0].outputs[0].token_ids
+        finally:
+            cpu.shutdown()
+    _require(alone == again, f"seed 1234 gave {alone}, then {again}: seeded sampling is not reproducible")
+    _require(alone == batch, f"seed 1234 gave {alone} alone but {batch} in a batch: a seeded request must draw "
+                             "only from its own generator")
+    _require(alone != other, f"seeds 1234 and 4321 gave the same tokens {alone}: is the seed used?")
+    return (f"seed 1234 -> the same 12 tokens twice and inside a batch; seed 4321 differs; "
+            f"{'equal to' if on_cpu == alone else 'differs from'} the cpu's (not required)")
 
 
 # what a plugin may import from polychip: the plugin API, specs and errors
@@ -260,26 +385,54 @@ CHECKS: dict[str, Callable[[Target], str]] = {
     "discover": check_discover,
     "lifecycle": check_lifecycle,
     "allocator": check_allocator,
+    "alloc_dtypes": check_alloc_dtypes,
     "copy_stream_event": check_copy_stream_event,
     "op_numerics": check_op_numerics,
     "generation": check_generation,
+    "bf16_generation": check_bf16_generation,
+    "seeded_sampling": check_seeded_sampling,
 }
 
 
+@dataclass(frozen=True)
+class CheckResult:
+    name: str
+    status: str          # "pass", "fail" or "skip"
+    message: str
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.status != "fail"
+
+
 def run_check(target: Target, name: str) -> str:
-    """Run one check; raises ConformanceError (an AssertionError) when it fails."""
+    """Run one check; raises ConformanceError (an AssertionError) when it fails, CheckSkipped
+    (pytest's skip) when it does not apply."""
+    if name not in CHECKS:
+        raise KeyError(f"no conformance check {name!r}; known: {list(CHECKS)}")
     return CHECKS[name](target)
 
 
-def run(target: Target, names: list[str] | None = None) -> list[tuple[str, bool, str]]:
-    """Run checks and collect (name, passed, message) without raising."""
-    results = []
+def results(target: Target, names: list[str] | None = None) -> Iterator[CheckResult]:
+    """Run checks one by one, yielding each result as it finishes; never raises for a check."""
     for name in names or list(CHECKS):
+        t0 = time.perf_counter()
         try:
-            results.append((name, True, run_check(target, name)))
+            status, msg = "pass", run_check(target, name)
+        except CheckSkipped as e:
+            status, msg = "skip", str(e)
+        except ConformanceError as e:
+            status, msg = "fail", str(e)
         except Exception as e:  # report every failure, whatever raised it
-            results.append((name, False, str(e) if isinstance(e, ConformanceError) else f"{type(e).__name__}: {e}"))
-    return results
+            status, msg = "fail", f"{type(e).__name__}: {e}"
+        yield CheckResult(name, status, msg, time.perf_counter() - t0)
+
+
+def run(target: Target, names: list[str] | None = None) -> list[tuple[str, bool, str]]:
+    """Run checks and collect (name, passed, message) without raising (a skip counts as passed)."""
+    return [(r.name, r.ok, r.message if r.status != "skip" else f"skipped: {r.message}")
+            for r in results(target, names)]
 
 
 def assert_conformant(target: Target, names: list[str] | None = None) -> None:

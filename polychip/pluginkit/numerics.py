@@ -24,7 +24,8 @@ class OpCheck:
     dtype: str
     status: str            # "pass", "fail" or "skip"
     max_abs_err: float = 0.0
-    tolerance: float = 0.0
+    tolerance: float = 0.0           # atol = rtol
+    worst_ratio: float = 0.0         # max over elements of |plugin - native| / (atol + rtol |native|)
     detail: str = ""
 
     @property
@@ -35,8 +36,9 @@ class OpCheck:
         head = f"{self.name} v{self.version} {self.dtype}"
         if self.status == "skip":
             return f"{head}: skipped ({self.detail})"
-        return f"{head}: max |plugin - native| = {self.max_abs_err:.3g} (tolerance {self.tolerance:g})" + \
-            (f"; {self.detail}" if self.detail else "")
+        return (f"{head}: max |plugin - native| = {self.max_abs_err:.3g}; rule: every element within "
+                f"{self.tolerance:g} + {self.tolerance:g} x |native| (allclose atol = rtol = {self.tolerance:g}), "
+                f"worst at {self.worst_ratio:.2f} of its bound") + (f"; {self.detail}" if self.detail else "")
 
 
 def _rope(t: int, d: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,7 +117,7 @@ def compare(name: str, version: int, dtype: str, plugin_fn: Callable, native_fn:
     if len(want) != len(have):
         return OpCheck(name, version, dtype, "fail", tolerance=tol,
                        detail=f"returned {len(_tensors(got))} tensors, native returns {len(_tensors(ref))}")
-    worst, problems = 0.0, []
+    worst, ratio, problems = 0.0, 0.0, []
     for i, (a, b) in enumerate(zip(want, have)):
         if a.shape != b.shape or a.dtype != b.dtype:
             problems.append(f"tensor {i}: {tuple(b.shape)} {b.dtype}, expected {tuple(a.shape)} {a.dtype}")
@@ -126,9 +128,10 @@ def compare(name: str, version: int, dtype: str, plugin_fn: Callable, native_fn:
             continue
         if a.numel():
             worst = max(worst, (a - b).abs().max().item())
+            ratio = max(ratio, ((a - b).abs() / (tol + tol * a.abs())).max().item())
         if not torch.allclose(b, a, atol=tol, rtol=tol):
             problems.append(f"tensor {i} differs beyond tolerance")
-    return OpCheck(name, version, dtype, "fail" if problems else "pass", worst, tol, "; ".join(problems))
+    return OpCheck(name, version, dtype, "fail" if problems else "pass", worst, tol, ratio, "; ".join(problems))
 
 
 def check_registered_ops(registry: OpRegistry, dtypes: tuple[str, ...],
