@@ -26,8 +26,15 @@ serve: $(STAMP)
 generate: $(STAMP)
 	$(BIN)/polychip generate --chat --prompt "What is the capital of France?" $(ARGS)
 
+# the whole suite on the cpu, then every test that runs a model again on the simulated accelerator
+# (tests marked device_independent name their devices or run none; see tests/conftest.py)
+TEST_DEVICES ?= simxpu
+
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(ARGS)
+	for d in $(TEST_DEVICES); do \
+		POLYCHIP_TEST_DEVICE=$$d $(BIN)/python -m pytest -q -m "not device_independent" $(ARGS) || exit 1; \
+	done
 
 clean:
 	rm -rf $(VENV) build *.egg-info

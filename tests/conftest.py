@@ -59,7 +59,22 @@ def model_factory(tmp_path_factory):
     return get
 
 
+TEST_DEVICE_VAR = "POLYCHIP_TEST_DEVICE"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "device_independent: does not run a model on POLYCHIP_TEST_DEVICE (pure "
+                                       "units, or a test that names the devices it checks); CI's pass on another "
+                                       "device skips it with -m 'not device_independent'")
+
+
 @pytest.fixture(scope="session")
 def test_device() -> str:
-    """The device the engine tests run on: POLYCHIP_TEST_DEVICE (default cpu), e.g. simxpu."""
-    return os.environ.get("POLYCHIP_TEST_DEVICE", "cpu")
+    """The device every test that runs a model runs it on: POLYCHIP_TEST_DEVICE (default cpu), e.g. simxpu."""
+    return os.environ.get(TEST_DEVICE_VAR, "cpu")
+
+
+@pytest.fixture(scope="session")
+def device_args(test_device) -> list[str]:
+    """The test device as command-line flags, for tests that start ``polychip serve`` or a command."""
+    return ["--device", test_device]

@@ -73,35 +73,35 @@ def test_tiny_temperature_is_greedy(llm):
     assert tiny.token_ids == greedy.token_ids
 
 
-def test_unknown_architecture_lists_supported(tmp_path, model_factory):
+def test_unknown_architecture_lists_supported(tmp_path, model_factory, test_device):
     d = shutil.copytree(model_factory("llama", True), tmp_path / "m")
     cfg = json.loads((d / "config.json").read_text())
     cfg["architectures"] = ["MambaForCausalLM"]
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UnsupportedArchitectureError, match="LlamaForCausalLM.*Qwen2ForCausalLM.*Qwen3ForCausalLM"):
-        LLM(str(d), device="cpu", max_total_tokens=64)
+        LLM(str(d), device=test_device, max_total_tokens=64)
 
 
-def test_missing_and_corrupt_safetensors(tmp_path, model_factory):
+def test_missing_and_corrupt_safetensors(tmp_path, model_factory, test_device):
     d = shutil.copytree(model_factory("llama", True), tmp_path / "m")
     weights = d / "model.safetensors"
     data = weights.read_bytes()
     weights.write_bytes(data[: len(data) // 3])
     with pytest.raises(ModelLoadError, match="model.safetensors"):
-        LLM(str(d), device="cpu", max_total_tokens=64)
+        LLM(str(d), device=test_device, max_total_tokens=64)
     os.remove(weights)
     with pytest.raises(ModelLoadError, match="no \\*.safetensors"):
-        LLM(str(d), device="cpu", max_total_tokens=64)
+        LLM(str(d), device=test_device, max_total_tokens=64)
 
 
-def test_corrupt_gguf(tmp_path):
+def test_corrupt_gguf(tmp_path, test_device):
     bad = tmp_path / "broken.gguf"
     bad.write_bytes(b"GGUF" + b"\x00" * 100)
     with pytest.raises(ModelLoadError, match="broken.gguf"):
-        LLM(str(bad), device="cpu", max_total_tokens=64, cache_dir=str(tmp_path / "cache"))
+        LLM(str(bad), device=test_device, max_total_tokens=64, cache_dir=str(tmp_path / "cache"))
 
 
-def test_tokenizer_that_does_not_match_the_vocab(tmp_path):
+def test_tokenizer_that_does_not_match_the_vocab(tmp_path, test_device):
     path = make_hf_model(str(tmp_path / "small-vocab"), "llama", True, vocab_size=1000)
     with pytest.raises(ModelLoadError, match="tokenizer has 151669 tokens but the model's vocab_size is 1000"):
-        LLM(path, device="cpu", max_total_tokens=64)
+        LLM(path, device=test_device, max_total_tokens=64)

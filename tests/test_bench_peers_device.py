@@ -9,6 +9,8 @@ from polychip.bench import peers, roofline
 from polychip.commands import bench
 from polychip.devices.discovery import open_device
 
+pytestmark = pytest.mark.device_independent   # names its devices, or runs none (conftest.py)
+
 SHAPE = roofline.ModelShape(hidden=32, intermediate=64, num_layers=1, num_heads=2, num_kv_heads=1,
                             head_dim=16, vocab=100)
 

@@ -16,6 +16,8 @@ from polychip.bench import report, serving  # noqa: E402
 from polychip.bench.datasets import BenchRequest  # noqa: E402
 from polychip.commands import bench as bench_cmd  # noqa: E402
 
+pytestmark = pytest.mark.device_independent   # names its devices, or runs none (conftest.py)
+
 
 def fake_app(state: dict) -> FastAPI:
     app = FastAPI()

@@ -6,6 +6,8 @@ import pytest
 
 from polychip.bench import compare, datasets, roofline, stage_metrics, stats
 
+pytestmark = pytest.mark.device_independent   # names its devices, or runs none (conftest.py)
+
 
 class WordTokenizer:
     """'w12 w7' <-> [12, 7]: one token per word, enough to check exact prompt lengths."""

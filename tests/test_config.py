@@ -12,6 +12,8 @@ from polychip.config import REASONING_PARSERS, EngineConfig, ServerConfig
 from polychip.errors import ConfigError
 from polychip.server.reasoning import PARSERS
 
+pytestmark = pytest.mark.device_independent   # names its devices, or runs none (conftest.py)
+
 
 def parse(cls, argv):
     p = argparse.ArgumentParser()

@@ -10,6 +10,8 @@ import pytest
 from polychip.pluginkit import conformance
 from polychip.pluginkit.conformance import ConformanceError, Target
 
+pytestmark = pytest.mark.device_independent   # names its devices, or runs none (conftest.py)
+
 THIRD_PARTY = textwrap.dedent('''
     """A minimal third-party device plugin: host memory with a 256 MiB budget and one kernel."""
     import torch

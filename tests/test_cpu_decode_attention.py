@@ -9,7 +9,8 @@ import torch
 from polychip.devices.cpu import kernels as cpu_kernels
 
 kernels = cpu_kernels.load()
-pytestmark = pytest.mark.skipif(kernels is None, reason="CPU kernels did not build here (see the log)")
+pytestmark = [pytest.mark.device_independent,     # the CPU plugin's own kernels (conftest.py)
+              pytest.mark.skipif(kernels is None, reason="CPU kernels did not build here (see the log)")]
 
 
 def _reference(q, kc, vc, table, lens, scale):

@@ -12,7 +12,8 @@ from polychip.ops.registry import OpRegistry
 kernels = cpu_kernels.load()
 NATIVE = OpRegistry("cpu")             # the registry the plugin takes its native ops from
 register_native(NATIVE)
-pytestmark = pytest.mark.skipif(kernels is None, reason="CPU kernels did not build here (see the log)")
+pytestmark = [pytest.mark.device_independent,     # the CPU plugin's own kernels (conftest.py)
+              pytest.mark.skipif(kernels is None, reason="CPU kernels did not build here (see the log)")]
 
 
 def _decode_case(heads, kv_heads, d, lengths, page=16, seed=0):

@@ -7,6 +7,8 @@ import torch
 from polychip.devices.cpu import memory as cpu_memory
 from polychip.devices.cpu import CpuPlugin
 
+pytestmark = pytest.mark.device_independent   # names its devices, or runs none (conftest.py)
+
 
 def _anon_huge_kib() -> int:
     with open("/proc/self/smaps_rollup") as f:

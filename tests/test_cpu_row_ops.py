@@ -8,7 +8,8 @@ from polychip.ops.native import register_native
 from polychip.ops.registry import OpRegistry
 
 kernels = cpu_kernels.load()
-pytestmark = pytest.mark.skipif(kernels is None, reason="CPU kernels did not build here (see the log)")
+pytestmark = [pytest.mark.device_independent,     # the CPU plugin's own kernels (conftest.py)
+              pytest.mark.skipif(kernels is None, reason="CPU kernels did not build here (see the log)")]
 registry = OpRegistry("cpu")
 register_native(registry)
 ops = cpu_row_ops.make_ops(kernels, registry.native) if kernels is not None else {}

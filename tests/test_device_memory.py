@@ -11,6 +11,8 @@ from polychip.devices.discovery import open_device
 from polychip.engine.engine import Engine
 from polychip.errors import DeviceOutOfMemoryError
 
+pytestmark = pytest.mark.device_independent   # names its devices, or runs none (conftest.py)
+
 MiB = 2**20
 
 

@@ -11,6 +11,8 @@ from polychip.errors import ModelLoadError
 from polychip.models.config import ModelConfig
 from polychip.models.gguf import cached_gguf_dir, convert_gguf, default_gguf_path
 
+pytestmark = pytest.mark.device_independent   # names its devices, or runs none (conftest.py)
+
 os.environ["HF_HUB_OFFLINE"] = "1"  # transformers reads the local GGUF; never the hub
 
 TEXTS = [

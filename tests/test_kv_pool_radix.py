@@ -10,6 +10,8 @@ from polychip.engine.prefix_cache import NoPrefixCache, PrefixCache
 from polychip.engine.radix_cache import RadixCache
 from polychip.errors import IntegrityError, OutOfPagesError
 
+pytestmark = pytest.mark.device_independent   # names its devices, or runs none (conftest.py)
+
 P = 4  # page size
 
 

@@ -18,6 +18,10 @@ import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.device_independent   # names its devices, or runs none (conftest.py)
+
 REPO = Path(__file__).resolve().parents[1]
 
 # module prefix -> layer; the longest prefix wins ("polychip" itself matches only the package facade,

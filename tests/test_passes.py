@@ -23,11 +23,14 @@ def tiny_model(tmp_path_factory):
     return make_tiny_model(str(tmp_path_factory.mktemp("tiny")))
 
 
-def load_unfused(path, registry=None):
-    return load_model(path, open_device("cpu"), "float32", enable_fusion=False, registry=registry)
+@pytest.fixture(scope="module")
+def load_unfused(test_device):
+    """Load a model on the test device without fusions, for the passes to work on."""
+    return lambda path, registry=None: load_model(path, open_device(test_device), "float32", enable_fusion=False,
+                                                  registry=registry)
 
 
-def test_expand_lists_every_call_site(tiny_model):
+def test_expand_lists_every_call_site(tiny_model, load_unfused):
     lm = load_unfused(tiny_model)
     sites = passes.expand(lm.model)
     assert passes.OpSite("embed_tokens", "embedding") in sites
@@ -38,11 +41,12 @@ def test_expand_lists_every_call_site(tiny_model):
     assert len(linears) == 2 * 7 + 1 + 1                  # 7 per layer, lm_head, compute_logits
 
 
-def test_expand_covers_every_op_a_real_forward_calls(tiny_model):
+def test_expand_covers_every_op_a_real_forward_calls(tiny_model, test_device):
     from polychip.commands.coverage import one_forward
-    plugin = open_device("cpu")
-    reg = RecordingRegistry("cpu")
+    plugin = open_device(test_device)
+    reg = RecordingRegistry(plugin.name)
     register_native(reg)
+    plugin.register_ops(reg)
     lm = load_model(tiny_model, plugin, "float32", enable_fusion=True, registry=reg)
     one_forward(lm, plugin)
     called = {r.name for r, _ in reg.used()}
@@ -70,7 +74,7 @@ def test_replace_binds_the_registry_choice_once_per_op():
     assert ops16.silu_mul is NATIVE_OPS["silu_mul"]
 
 
-def test_fuse_qkv_output_equals_separate_projections(tiny_model):
+def test_fuse_qkv_output_equals_separate_projections(tiny_model, load_unfused):
     lm = load_unfused(tiny_model)
     attn = lm.model.layers[0].self_attn
     x = torch.randn(5, lm.config.hidden_size)
@@ -81,7 +85,7 @@ def test_fuse_qkv_output_equals_separate_projections(tiny_model):
     assert passes.fuse_pattern(lm.model, "qkv") == 0      # idempotent
 
 
-def test_fuse_qkv_keeps_biases(model_factory):
+def test_fuse_qkv_keeps_biases(model_factory, load_unfused):
     lm = load_unfused(model_factory("qwen2", False))      # qwen2 has q/k/v biases
     attn = lm.model.layers[0].self_attn
     x = torch.randn(3, lm.config.hidden_size)
@@ -91,7 +95,7 @@ def test_fuse_qkv_keeps_biases(model_factory):
     torch.testing.assert_close(attn.qkv_proj(x), want)
 
 
-def test_fuse_gate_up_output_equals_separate_projections(tiny_model):
+def test_fuse_gate_up_output_equals_separate_projections(tiny_model, load_unfused):
     lm = load_unfused(tiny_model)
     mlp = lm.model.layers[1].mlp
     x = torch.randn(4, lm.config.hidden_size)
@@ -101,7 +105,7 @@ def test_fuse_gate_up_output_equals_separate_projections(tiny_model):
     torch.testing.assert_close(mlp.gate_up_proj(x), want)
 
 
-def test_fuse_add_rms_norm_needs_the_op_resolved_first(tiny_model):
+def test_fuse_add_rms_norm_needs_the_op_resolved_first(tiny_model, load_unfused):
     lm = load_unfused(tiny_model)
     norms = [m for m in lm.model.modules() if isinstance(m, RMSNorm)]
     with pytest.raises(ValueError, match="run replace"):
@@ -139,7 +143,7 @@ def test_passes_follow_what_a_module_declares():
     torch.testing.assert_close(model[0].ab(x), want)
 
 
-def test_fuse_reports_what_it_applied_and_refuses_unknown_patterns(tiny_model):
+def test_fuse_reports_what_it_applied_and_refuses_unknown_patterns(tiny_model, load_unfused):
     lm = load_unfused(tiny_model)
     assert passes.fuse(lm.model, ("gate_up",), lm.model.ops) == ["gate_up"]
     assert passes.fuse(lm.model, ("gate_up",), lm.model.ops) == []     # nothing left to merge
@@ -147,7 +151,7 @@ def test_fuse_reports_what_it_applied_and_refuses_unknown_patterns(tiny_model):
         passes.fuse(lm.model, ("qkv", "magic"), lm.model.ops)
 
 
-def test_merge_refuses_mismatched_linears(tiny_model):
+def test_merge_refuses_mismatched_linears(tiny_model, load_unfused):
     lm = load_unfused(tiny_model)
     attn, mlp = lm.model.layers[0].self_attn, lm.model.layers[0].mlp
     with pytest.raises(ValueError, match="different input sizes"):
@@ -155,14 +159,14 @@ def test_merge_refuses_mismatched_linears(tiny_model):
 
 
 @pytest.mark.parametrize("which", ["tiny", "qwen2"])
-def test_fused_greedy_output_equals_unfused(tiny_model, model_factory, which):
+def test_fused_greedy_output_equals_unfused(tiny_model, model_factory, which, test_device):
     from polychip import LLM, SamplingParams
     path = tiny_model if which == "tiny" else model_factory("qwen2", False)
     prompts = [[5, 9, 200, 17], list(range(30, 70))]
     sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     outs = {}
     for fusion in (True, False):
-        llm = LLM(path, device="cpu", enable_fusion=fusion, max_total_tokens=512)
+        llm = LLM(path, device=test_device, enable_fusion=fusion, max_total_tokens=512)
         assert llm.engine.loaded.fusions == (["qkv", "gate_up", "add_rms_norm"] if fusion else [])
         outs[fusion] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
     assert outs[True] == outs[False]

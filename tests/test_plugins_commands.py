@@ -9,6 +9,8 @@ import pytest
 
 from polychip.cli import main
 
+pytestmark = pytest.mark.device_independent   # names its devices, or runs none (conftest.py)
+
 SIMXPU2 = "examples/specs/simxpu-2.yaml"
 VARIANTS = textwrap.dedent('''
     from polychip_simxpu import SimXpuPlugin

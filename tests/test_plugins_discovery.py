@@ -10,6 +10,8 @@ from polychip.devices.discovery import discover_plugins, open_device, parse_devi
 from polychip.devices.plugin import API_VERSION
 from polychip.errors import ConfigError, DeviceSpecError, PluginError
 
+pytestmark = pytest.mark.device_independent   # names its devices, or runs none (conftest.py)
+
 PLUGIN = textwrap.dedent('''
     import torch
     from polychip.devices.plugin import Availability, DeviceInfo, DevicePlugin, Event, Stream

@@ -10,6 +10,8 @@ import pytest
 
 from polychip.pluginkit.conformance import source_problems
 
+pytestmark = pytest.mark.device_independent   # names its devices, or runs none (conftest.py)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIMXPU = sorted(glob.glob(os.path.join(ROOT, "plugins", "simxpu", "polychip_simxpu", "*.py")))
 

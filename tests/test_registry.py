@@ -11,6 +11,8 @@ from polychip.ops.native import NATIVE_OPS, register_native
 from polychip.ops.recording import RecordingRegistry
 from polychip.ops.registry import OpRegistry
 
+pytestmark = pytest.mark.device_independent   # names its devices, or runs none (conftest.py)
+
 
 def plugin_fn(*a):
     return "plugin"

@@ -3,12 +3,15 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from polychip.devices.cpu import CpuPlugin
 from polychip.engine.request import Request
 from polychip.engine.sampler import Sampler, _filter, apply_penalties
 from polychip.engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.device_independent   # names its devices, or runs none (conftest.py)
 
 EOS = 9
 

@@ -1,11 +1,15 @@
 """Scheduler units with a fake runner: no model, hand-made outputs."""
 from __future__ import annotations
 
+import pytest
+
 from polychip.engine.kv_pool import PageAllocator
 from polychip.engine.page_manager import PageManager
 from polychip.engine.request import Request, Status
 from polychip.engine.sampling_params import SamplingParams
 from polychip.engine.scheduler import Scheduler
+
+pytestmark = pytest.mark.device_independent   # names its devices, or runs none (conftest.py)
 
 PAGE = 4
 

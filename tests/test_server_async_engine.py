@@ -12,6 +12,8 @@ from polychip.engine.request import CompletionOutput, RequestOutput
 from polychip.engine.sampling_params import SamplingParams
 from polychip.errors import InvalidRequestError
 
+pytestmark = pytest.mark.device_independent   # names its devices, or runs none (conftest.py)
+
 
 class FakeEngine:
     """Each request yields ``max_tokens`` tokens, one per step; at most ``running`` at a time."""

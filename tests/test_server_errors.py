@@ -18,10 +18,10 @@ MSG = [{"role": "user", "content": "hello"}]
 
 
 @pytest.fixture(scope="module")
-def server(model_factory):
+def server(model_factory, device_args):
     args = ["--model-path", model_factory("qwen3", True), "--served-model-name", MODEL, "--api-key", KEY,
             "--max-total-tokens", "2048", "--max-running-requests", "1", "--max-waiting-requests", "2",
-            "--max-request-body-bytes", "20000"]
+            "--max-request-body-bytes", "20000", *device_args]
     with ServerProcess(args) as s:
         yield s
 

@@ -46,8 +46,9 @@ def _stream_in_background(url: str, result: dict) -> threading.Thread:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_signal_stops_cleanly_with_a_stream_in_flight(tiny, sig):
-    s = ServerProcess(["--model-path", tiny, "--max-total-tokens", "2048", "--graceful-shutdown-timeout", "1"])
+def test_signal_stops_cleanly_with_a_stream_in_flight(tiny, sig, device_args):
+    s = ServerProcess(["--model-path", tiny, "--max-total-tokens", "2048", "--graceful-shutdown-timeout", "1",
+                       *device_args])
     s.wait_ready()
     assert "polychip ready: " + s.url in s.log
     result: dict = {}
@@ -70,18 +71,18 @@ def test_signal_stops_cleanly_with_a_stream_in_flight(tiny, sig):
     assert "polychip stopped" in s.log
 
 
-def test_idle_server_stops_at_once(tiny):
-    s = ServerProcess(["--model-path", tiny, "--max-total-tokens", "1024"]).wait_ready()
+def test_idle_server_stops_at_once(tiny, device_args):
+    s = ServerProcess(["--model-path", tiny, "--max-total-tokens", "1024", *device_args]).wait_ready()
     t0 = time.monotonic()
     assert s.stop(signal.SIGTERM) == 0
     assert time.monotonic() - t0 < 3
 
 
-def test_busy_port_fails_fast(tiny):
-    with ServerProcess(["--model-path", tiny, "--max-total-tokens", "1024"]) as first:
+def test_busy_port_fails_fast(tiny, device_args):
+    with ServerProcess(["--model-path", tiny, "--max-total-tokens", "1024", *device_args]) as first:
         t0 = time.monotonic()
         out = subprocess.run([sys.executable, "-m", "polychip.serve", "--model-path", tiny, "--port",
-                              str(first.port)], capture_output=True, text=True, timeout=60)
+                              str(first.port), *device_args], capture_output=True, text=True, timeout=60)
         assert out.returncode == 1
         assert f"cannot listen on 127.0.0.1:{first.port}" in out.stderr
         assert "loading" not in out.stderr                     # it did not load the model first

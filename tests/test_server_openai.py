@@ -16,8 +16,9 @@ CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def server():
-    with ServerProcess(["--max-total-tokens", "4096", "--enable-metrics", "--max-running-requests", "32"]) as s:
+def server(device_args):
+    with ServerProcess(["--max-total-tokens", "4096", "--enable-metrics", "--max-running-requests", "32",
+                        *device_args]) as s:
         yield s
 
 
@@ -176,7 +177,7 @@ def _value(m, name, **labels):
     return sum(s.value for s in m.get(name, []) if all(s.labels.get(k) == v for k, v in labels.items()))
 
 
-def test_metrics_move(client, server):
+def test_metrics_move(client, server, test_device):
     before = _metrics(server)
     client.completions.create(model=_name(client), prompt="Count: one, two,", max_tokens=5, temperature=0)
     after = _metrics(server)
@@ -189,7 +190,7 @@ def test_metrics_move(client, server):
         assert _value(after, "polychip_engine_stage_seconds_total", stage=stage) > 0, stage
     assert _value(after, "polychip_engine_stage_seconds_total", stage="forward") > \
         _value(before, "polychip_engine_stage_seconds_total", stage="forward")
-    assert _value(after, "polychip_device_memory_bytes", plugin="cpu", device="0", kind="total") > 0
+    assert _value(after, "polychip_device_memory_bytes", plugin=test_device, device="0", kind="total") > 0
     assert _value(after, "polychip_kv_pool_pages_total") == 256
     for g in ("polychip_num_requests_waiting", "polychip_num_requests_running", "polychip_kv_pool_usage_ratio",
               "polychip_prefix_cache_hit_rate"):

@@ -66,10 +66,10 @@ def steer(path: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory):
+def client(tmp_path_factory, device_args):
     path = steer(make_hf_model(str(tmp_path_factory.mktemp("qwen3-steered")), "qwen3", tie=False))
     with ServerProcess(["--model-path", path, "--served-model-name", "qwen3-tiny", "--max-total-tokens", "2048",
-                        "--reasoning-parser", "qwen3"]) as s:
+                        "--reasoning-parser", "qwen3", *device_args]) as s:
         yield openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=60)
 
 

@@ -11,6 +11,8 @@ from polychip.devices.spec import check_against_devices, from_dict, load_spec, p
 from polychip.devices.plugin import DeviceInfo
 from polychip.errors import DeviceSpecError
 
+pytestmark = pytest.mark.device_independent   # names its devices, or runs none (conftest.py)
+
 EXAMPLES = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "examples", "specs", "*.yaml")))
 GOOD = {"device_type": "simxpu", "device_ids": [0, 1], "memory": {"total": "8GiB"},
         "supported_dtypes": ["float32", "bf16", "int8"],

@@ -15,6 +15,8 @@ from polychip.devices.cpu.plugin import CpuPlugin
 from polychip.devices.plugin import Event, Stream
 from polychip.engine.engine import Engine
 
+pytestmark = pytest.mark.device_independent   # names its devices, or runs none (conftest.py)
+
 
 class WorkerStream(Stream):
     """Work submitted here runs later, in order, on a thread of its own (as on a vendor's queue)."""
@@ -138,7 +140,7 @@ def test_a_plugin_with_truly_asynchronous_streams_gives_the_same_tokens(model_fa
     plugin = opened(AsyncPlugin)
     assert generate(path, plugin) == want
     assert plugin.async_copies > 10          # every step's inputs went through the worker thread
-    with_llm = LLM(path, max_total_tokens=512, chunked_prefill_size=16).generate(PROMPTS, PARAMS)
+    with_llm = LLM(path, device="cpu", max_total_tokens=512, chunked_prefill_size=16).generate(PROMPTS, PARAMS)
     assert [o.outputs[0].token_ids for o in with_llm] == want
 
 
