@@ -21,6 +21,29 @@ def _raise(msg):
     raise jinja2.exceptions.TemplateError(msg)
 
 
+# normalisers that can shrink text at most 4 characters to 1 (NFC composes at most a base and three
+# marks); with any other kind the character bound below is unknown
+_SHRINK_AT_MOST_4 = frozenset({"NFC", "NFKC", "NFD", "NFKD", "Prepend"})
+
+
+def _normalizer_shrink(normalizer) -> int | None:
+    """How many input characters one normalised character can stand for, at most (None: no bound)."""
+    if normalizer is None:
+        return 1
+    state = json.loads(normalizer.__getstate__())
+    kinds = [n["type"] for n in state.get("normalizers", [state])]
+    return 4 if set(kinds) <= _SHRINK_AT_MOST_4 else None
+
+
+def check_utf8(text: str) -> None:
+    """Text with lone surrogates (e.g. from a JSON ``\\ud800`` escape) has no UTF-8 form."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidRequestError(f"text is not valid UTF-8: {e.reason} (U+{ord(text[e.start]):04X}) at "
+                                  f"character {e.start}") from None
+
+
 class Tokenizer:
     def __init__(self, tok: HFTokenizer, config: dict, eos_token_ids: tuple[int, ...] = ()):
         self.tok = tok
@@ -38,7 +61,10 @@ class Tokenizer:
         self.eos_token_ids = frozenset(ids)
         self.add_bos = bool(config.get("add_bos_token", False)) and self.bos_token_id is not None
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+        self.special_tokens = tuple(t.content for t in tok.get_added_tokens_decoder().values() if t.special)
         self._template = None
+        self._plain = None                    # a copy that reads special-token text as plain text
+        self._max_chars_per_token: int | None = None
 
     @classmethod
     def from_dir(cls, path: str, eos_token_ids: tuple[int, ...] = ()) -> "Tokenizer":
@@ -60,11 +86,37 @@ class Tokenizer:
                 config["chat_template"] = f.read()
         return cls(tok, config, eos_token_ids)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self.tok.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, add_special_tokens: bool = True, special_tokens_as_text: bool = False) -> list[int]:
+        """Token ids of ``text``. ``special_tokens_as_text`` reads e.g. ``<|im_end|>`` as the plain
+        characters, not the control token. Refuses text that is not valid UTF-8."""
+        check_utf8(text)
+        tok = self._plain_tokenizer() if special_tokens_as_text else self.tok
+        # encode_batch releases the GIL while the Rust side works (encode does not), so a long
+        # text tokenised in a worker thread does not stall the event loop or the engine thread
+        ids = tok.encode_batch([text], add_special_tokens=False)[0].ids
         if add_special_tokens and self.add_bos and (not ids or ids[0] != self.bos_token_id):
             ids = [self.bos_token_id] + ids
         return ids
+
+    def _plain_tokenizer(self) -> HFTokenizer:
+        if self._plain is None:
+            plain = HFTokenizer.from_str(self.tok.to_str())
+            plain.encode_special_tokens = True
+            self._plain = plain
+        return self._plain
+
+    @property
+    def max_chars_per_token(self) -> int | None:
+        """At most how many input characters one token can cover: the longest vocabulary entry
+        (a byte-level entry has one character per byte) times the normaliser's shrink factor.
+        None when the normaliser can drop text, so no such bound exists."""
+        if self._max_chars_per_token is None:
+            shrink = _normalizer_shrink(self.tok.normalizer)
+            if shrink is None:
+                return None
+            longest = max(map(len, self.tok.get_vocab(with_added_tokens=True)))
+            self._max_chars_per_token = longest * shrink
+        return self._max_chars_per_token
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
