@@ -28,7 +28,7 @@ def client(server):
 
 def pool(server) -> dict:
     """KV pool after emptying the prefix cache: every page must be free again."""
-    info = httpx.post(server.url + "/flush_cache", timeout=30).json()
+    info = httpx.post(server.url + "/flush_cache", json={}, timeout=30).json()
     assert info["kv_pool"]["integrity"] == "ok"
     return info
 
