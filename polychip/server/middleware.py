@@ -88,16 +88,18 @@ class Gate:
                                "invalid_api_key"), {"www-authenticate": "Bearer"}
 
     async def _read_body_in_time(self, receive, headers) -> tuple[bytes, tuple | None]:
-        # a body is JSON or nothing: a form or text/plain POST is what a web page can send cross-site
-        if not is_json(headers):
-            given = headers.get(b"content-type", b"").decode("latin-1") or "none"
-            return b"", (415, error_body(f"the body must be sent as 'Content-Type: application/json' "
-                                         f"(got {printable(given)!r})", "invalid_request_error", None, 415), {})
         try:
-            return await asyncio.wait_for(self._read_body(receive, headers), self.body_timeout)
+            body, refusal = await asyncio.wait_for(self._read_body(receive, headers), self.body_timeout)
         except asyncio.TimeoutError:
             return b"", (408, error_body(f"the request body did not arrive within {self.body_timeout:g} s "
                                          "(--timeout-request-body)", "invalid_request_error", None, 408), {})
+        # a body is JSON or nothing: a form or text/plain POST is what a web page can send cross-site.
+        # Checked once the body is read, so the connection stays usable (unread bytes make a reset).
+        if refusal is None and not is_json(headers):
+            given = headers.get(b"content-type", b"").decode("latin-1") or "none"
+            refusal = (415, error_body(f"the body must be sent as 'Content-Type: application/json' "
+                                       f"(got {printable(given)!r})", "invalid_request_error", None, 415), {})
+        return body, refusal
 
     async def _read_body(self, receive, headers) -> tuple[bytes, tuple | None]:
         too_big = (413, error_body(f"request body is larger than the limit of {self.max_body} bytes "
@@ -135,7 +137,7 @@ async def _send_json(send, status: int, body: dict, headers: dict) -> None:
     data = json.dumps(body).encode()
     raw = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
     raw += [(k.encode(), v.encode()) for k, v in headers.items()]
-    if status in (408, 413, 415):
+    if status in (408, 413):
         raw.append((b"connection", b"close"))    # the unread body stays on the socket
     await send({"type": "http.response.start", "status": status, "headers": raw})
     await send({"type": "http.response.body", "body": data})
