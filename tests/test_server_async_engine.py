@@ -21,7 +21,7 @@ class FakeEngine:
         self.max_waiting = max_waiting
         self.reqs: dict[str, list] = {}          # id -> [tokens left, tokens made]
         self.running_cap, self.crash_at_step = running, crash_at_step
-        self.tokenizer = SimpleNamespace(max_chars_per_token=4)
+        self.tokenizer = SimpleNamespace(min_tokens=lambda text: len(text) // 4)
         self.max_model_len = 64
         self.counters, self.stage_seconds = {"steps": 0, "requests_aborted": 0}, {"forward": 0.0}
 

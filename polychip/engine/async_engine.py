@@ -118,8 +118,7 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._tokenizer_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="polychip-tokenize")
-        per_token = engine.tokenizer.max_chars_per_token
-        self.max_prompt_chars = None if per_token is None else engine.max_model_len * per_token
+        engine.tokenizer.min_tokens("")        # reads the vocabulary once now, not on a request
         self._publish()
 
     # what the outside may know of the model
@@ -166,19 +165,23 @@ class AsyncEngine:
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
     # tokenisation, off the event loop
-    def check_prompt_chars(self, n_chars: int, what: str) -> None:
-        """Refuse text that no tokenisation could fit in the context, before paying for one."""
-        if self.max_prompt_chars is not None and n_chars > self.max_prompt_chars:
+    def check_prompt_size(self, text: str, what: str = "prompt") -> None:
+        """Refuse text that could never fit the context, from its length alone, before paying for a
+        tokenisation (a 7.8 MB prompt took seconds to tokenise only to be refused)."""
+        at_least = self.tokenizer.min_tokens(text)
+        if at_least is not None and at_least >= self.max_model_len:
             raise InvalidRequestError(
-                f"{what} has {n_chars} characters; the context ({self.max_model_len} tokens) can never hold "
-                f"more than {self.max_prompt_chars} characters, so it is refused without tokenising")
+                f"{what}: {len(text)} characters, so at least {at_least} tokens; the context is "
+                f"{self.max_model_len} tokens and at least one must be left to generate (refused without "
+                "tokenising)")
 
     async def run_tokenizer(self, fn: Callable[..., Any], *args) -> Any:
-        """Run ``fn(*args)`` (tokenisation, template rendering) in the tokenizer threads."""
+        """Run ``fn(*args)`` (template rendering, tokenisation) in the tokenizer threads: the event
+        loop keeps serving meanwhile (the tokenizer releases the GIL)."""
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn, *args)
 
     async def encode(self, text: str, what: str = "prompt") -> list[int]:
-        self.check_prompt_chars(len(text), what)
+        self.check_prompt_size(text, what)
         return await self.run_tokenizer(self.tokenizer.encode, text)
 
     # requests (event-loop side)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import unicodedata
 from datetime import datetime
 
 import jinja2
@@ -21,18 +22,19 @@ def _raise(msg):
     raise jinja2.exceptions.TemplateError(msg)
 
 
-# normalisers that can shrink text at most 4 characters to 1 (NFC composes at most a base and three
-# marks); with any other kind the character bound below is unknown
-_SHRINK_AT_MOST_4 = frozenset({"NFC", "NFKC", "NFD", "NFKD", "Prepend"})
+_UNICODE_FORMS = frozenset({"NFC", "NFKC", "NFD", "NFKD"})
 
 
-def _normalizer_shrink(normalizer) -> int | None:
-    """How many input characters one normalised character can stand for, at most (None: no bound)."""
+def _normal_forms(normalizer) -> tuple[str, ...] | None:
+    """The Unicode normal forms a normaliser applies, in order, when that is all it does that can
+    shorten text (Prepend only adds); None for any other normaliser."""
     if normalizer is None:
-        return 1
+        return ()
     state = json.loads(normalizer.__getstate__())
     kinds = [n["type"] for n in state.get("normalizers", [state])]
-    return 4 if set(kinds) <= _SHRINK_AT_MOST_4 else None
+    if not set(kinds) <= _UNICODE_FORMS | {"Prepend"}:
+        return None
+    return tuple(k for k in kinds if k in _UNICODE_FORMS)
 
 
 def check_utf8(text: str) -> None:
@@ -64,7 +66,8 @@ class Tokenizer:
         self.special_tokens = tuple(t.content for t in tok.get_added_tokens_decoder().values() if t.special)
         self._template = None
         self._plain = None                    # a copy that reads special-token text as plain text
-        self._max_chars_per_token: int | None = None
+        self._forms = _normal_forms(tok.normalizer)
+        self._longest: int | None = None       # characters of the longest vocabulary entry
 
     @classmethod
     def from_dir(cls, path: str, eos_token_ids: tuple[int, ...] = ()) -> "Tokenizer":
@@ -105,18 +108,20 @@ class Tokenizer:
             self._plain = plain
         return self._plain
 
-    @property
-    def max_chars_per_token(self) -> int | None:
-        """At most how many input characters one token can cover: the longest vocabulary entry
-        (a byte-level entry has one character per byte) times the normaliser's shrink factor.
-        None when the normaliser can drop text, so no such bound exists."""
-        if self._max_chars_per_token is None:
-            shrink = _normalizer_shrink(self.tok.normalizer)
-            if shrink is None:
-                return None
-            longest = max(map(len, self.tok.get_vocab(with_added_tokens=True)))
-            self._max_chars_per_token = longest * shrink
-        return self._max_chars_per_token
+    def min_tokens(self, text: str) -> int | None:
+        """A lower bound on ``len(encode(text))`` without tokenising: no token covers more input
+        than the longest vocabulary entry (a byte-level entry has one character per byte). None when
+        the normaliser may drop text, so no such bound exists. Costs O(1) for ASCII text."""
+        if self._forms is None:
+            return None
+        if self._longest is None:
+            self._longest = max(map(len, self.tok.get_vocab(with_added_tokens=True)))
+        n = len(text)
+        if self._forms and not text.isascii():          # normal forms leave ASCII as it is
+            for form in self._forms:
+                text = unicodedata.normalize(form, text)
+            n = len(text)
+        return -(-n // self._longest)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -7,7 +7,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from polychip.errors import InvalidRequestError
-from polychip.server.chat_template import render_and_encode, strings_in
+from polychip.server.chat_template import render_and_encode
 from polychip.server.protocol import ChatCompletionRequest, usage
 from polychip.server.reasoning import PARSERS
 from polychip.server.serving import (ServerState, chat_logprobs, collect, engine_requests, finish_reason,
@@ -18,8 +18,8 @@ RESERVED_TEMPLATE_ARGS = frozenset({"messages", "add_generation_prompt", "bos_to
 
 
 async def render_prompt(state: ServerState, req: ChatCompletionRequest) -> tuple[str, list[int]]:
-    """(prompt text, ids): the messages' size is checked here, the rendering and tokenisation run
-    in the engine's tokenizer threads, off the event loop."""
+    """(prompt text, ids), rendered, size-checked and tokenised in the engine's tokenizer threads,
+    off the event loop."""
     if not req.messages:
         raise InvalidRequestError("messages must not be empty")
     msgs = [m.for_template() for m in req.messages]
@@ -29,9 +29,9 @@ async def render_prompt(state: ServerState, req: ChatCompletionRequest) -> tuple
         raise InvalidRequestError(f"chat_template_kwargs cannot set {clash}")
     if req.tools:
         kwargs["tools"] = req.tools
-    state.engine.check_prompt_chars(sum(map(len, strings_in((msgs, kwargs)))), "messages")
+    size_check = lambda text: state.engine.check_prompt_size(text, "messages")   # noqa: E731
     return await state.engine.run_tokenizer(render_and_encode, state.tokenizer, msgs, req.add_generation_prompt,
-                                            kwargs, not state.config.special_tokens_in_content)
+                                            kwargs, not state.config.special_tokens_in_content, size_check)
 
 
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, request: Request) -> Response:

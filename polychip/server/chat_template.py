@@ -26,12 +26,15 @@ def render(tokenizer, messages: list[dict], add_generation_prompt: bool, kwargs:
 
 
 def render_and_encode(tokenizer, messages: list[dict], add_generation_prompt: bool, kwargs: dict[str, Any],
-                      special_tokens_as_text: bool = True) -> tuple[str, list[int]]:
-    """(prompt text, token ids). Runs in a tokenizer thread."""
+                      special_tokens_as_text: bool = True, size_check=None) -> tuple[str, list[int]]:
+    """(prompt text, token ids); ``size_check(text)`` may refuse the rendered text before it is
+    tokenised. Runs in a tokenizer thread."""
     pattern = _special_pattern(tokenizer.special_tokens)
     strings = list(strings_in((messages, kwargs)))
     if not special_tokens_as_text or pattern is None or not any(pattern.search(s) for s in strings):
         text = render(tokenizer, messages, add_generation_prompt, kwargs)
+        if size_check is not None:
+            size_check(text)
         return text, tokenizer.encode(text, add_special_tokens=False)
     mark = _free_char(strings + [tokenizer.chat_template or ""])
     found: list[str] = []
@@ -47,13 +50,15 @@ def render_and_encode(tokenizer, messages: list[dict], add_generation_prompt: bo
         raise InvalidRequestError("messages: the chat template cut into special-token text in the messages, so it "
                                   "cannot be kept as plain text; remove it, or start the server with "
                                   "--special-tokens-in-content")
+    plain = "".join(p if k % 2 == 0 else found[int(p)] for k, p in enumerate(pieces))
+    if size_check is not None:
+        size_check(plain)
     ids: list[int] = []
     for k, piece in enumerate(pieces):
         if k % 2 == 0:
             ids += tokenizer.encode(piece, add_special_tokens=False) if piece else []
         else:
             ids += tokenizer.encode(found[int(piece)], add_special_tokens=False, special_tokens_as_text=True)
-    plain = "".join(p if k % 2 == 0 else found[int(p)] for k, p in enumerate(pieces))
     return plain, ids
 
 

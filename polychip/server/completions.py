@@ -29,7 +29,7 @@ async def tokenize_prompts(state: ServerState, prompts: list[str | list[int]]) -
     """Token ids of every prompt; texts are size-checked, then tokenised off the event loop."""
     texts = [p for p in prompts if isinstance(p, str)]
     for t in texts:
-        state.engine.check_prompt_chars(len(t), "prompt")
+        state.engine.check_prompt_size(t, "prompt")
     encode = state.tokenizer.encode
     encoded = iter(await state.engine.run_tokenizer(lambda: [encode(t) for t in texts]) if texts else [])
     ids = [next(encoded) if isinstance(p, str) else p for p in prompts]
