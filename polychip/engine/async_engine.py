@@ -21,6 +21,7 @@ from typing import Any, Callable
 from polychip.engine.engine import Engine
 from polychip.engine.request import RequestOutput
 from polychip.engine.sampling_params import SamplingParams
+from polychip.engine.stats import EngineStats
 from polychip.errors import InvalidRequestError, PolychipError
 
 log = logging.getLogger("polychip.async_engine")
@@ -224,13 +225,13 @@ class AsyncEngine:
         self._send(Call(fn, done))
         return await done
 
-    async def current_stats(self):
+    async def current_stats(self) -> EngineStats:
         """``Engine.stats()`` taken now, between steps (the published ``stats`` may be a step old)."""
-        return await self.call(_stats_of)
+        return await self.call(lambda engine: engine.stats())
 
     async def flush_prefix_cache(self) -> int:
         """Drop every prefix-cache page no request holds; returns the pages released."""
-        return await self.call(_flush_of)
+        return await self.call(lambda engine: engine.flush_prefix_cache())
 
     def _send(self, cmd: Command) -> None:
         with self._cond:
@@ -287,7 +288,7 @@ class AsyncEngine:
             checked = set()
             for s in subs:                   # n choices share one prompt: check it once
                 if id(s.prompt_ids) not in checked:
-                    _check_request(eng, s.prompt_ids, s.params)
+                    eng.check_request(s.prompt_ids, s.params)
                     checked.add(id(s.prompt_ids))
             now = time.monotonic()
             for s in subs:
@@ -356,54 +357,11 @@ class AsyncEngine:
         self._publish()
 
     def _publish(self) -> None:
-        """The figures read by /metrics and the shutdown path without a trip to the engine thread."""
-        self.stats = _stats_of(self.engine, memory=False)
-        self.stage_seconds = dict(self.engine.stage_seconds)
+        """``Engine.stats()`` after each step, for readers that must not wait for the engine thread
+        (the shutdown path)."""
+        self.stats: EngineStats = self.engine.stats()
 
 
 def _put_all(batch: list[tuple[asyncio.Queue, Any]]) -> None:
     for q, item in batch:
         q.put_nowait(item)
-
-
-# --- TEMPORARY: until engine-core's Engine.stats / flush_prefix_cache / check_request are on main.
-# Remove this block (and call the engine's methods directly) after `git merge main`.
-@dataclass(frozen=True)
-class _InterimStats:
-    num_waiting: int
-    num_running: int
-    pages_total: int
-    pages_free: int
-    pages_cached: int
-    page_size: int
-    kv_usage: float
-    prefix_hit_rate: float
-    counters: dict
-    memory: dict
-
-
-def _stats_of(engine, memory: bool = True) -> Any:
-    if hasattr(engine, "stats"):
-        return engine.stats()
-    pool, plugin = engine.pool, engine.plugin
-    total, free = pool.num_pages, pool.allocator.num_free
-    mem = {f"{plugin.name}:{plugin.index}": plugin.mem_info()} if memory else {}
-    return _InterimStats(engine.num_waiting, engine.num_running, total, free, engine.cache.num_pages,
-                         pool.page_size, 1 - free / total if total else 0.0, 0.0, dict(engine.counters), mem)
-
-
-def _flush_of(engine) -> int:
-    if hasattr(engine, "flush_prefix_cache"):
-        return engine.flush_prefix_cache()
-    return engine.cache.evict(engine.cache.evictable_pages())
-
-
-def _check_request(engine, prompt_ids: list[int], params: SamplingParams) -> None:
-    if hasattr(engine, "check_request"):
-        return engine.check_request(prompt_ids, params)
-    engine.validate_prompt(prompt_ids)
-    vocab = engine.model_config.vocab_size
-    bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
-    if bad:
-        raise InvalidRequestError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-# --- end TEMPORARY

@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from polychip.engine.request import RequestOutput
+from polychip.engine.stats import EngineStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
@@ -32,9 +33,7 @@ class ServerMetrics:
                                 ["reason"], registry=r)
         self.http = Counter("polychip_http_requests", "HTTP requests by route and status",
                             ["method", "route", "status"], registry=r)
-        self.queried_tokens = 0          # written by the engine thread only
-        self.hit_tokens = 0
-        self._collector = _EngineCollector(model_name, self)
+        self._collector = _EngineCollector(model_name)
         r.register(self._collector)
 
     def observe_finished(self, out: RequestOutput) -> None:
@@ -46,21 +45,19 @@ class ServerMetrics:
         if out.e2e is not None:
             self.e2e.observe(out.e2e)
         self.finished.labels(self.model_name, out.finish_reason or "unknown").inc()
-        self.queried_tokens += len(out.prompt_token_ids)
-        self.hit_tokens += out.num_cached_tokens
 
-    def render(self, stats, stage_seconds: dict[str, float]) -> bytes:
+    def render(self, stats: EngineStats) -> bytes:
         """The exposition text, the engine figures from ``stats`` (an ``Engine.stats()``)."""
-        self._collector.stats, self._collector.stage_seconds = stats, stage_seconds
+        self._collector.stats = stats
         return generate_latest(self.registry)
 
 
 class _EngineCollector:
     """Queue, pool, cache, token and per-stage figures from the engine snapshot; device memory."""
 
-    def __init__(self, model_name: str, metrics: ServerMetrics):
-        self.model_name, self.metrics = model_name, metrics
-        self.stats, self.stage_seconds = None, {}           # set by ServerMetrics.render
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.stats: EngineStats | None = None               # set by ServerMetrics.render
 
     def collect(self):
         s, m = self.stats, [self.model_name]
@@ -83,27 +80,25 @@ class _EngineCollector:
         yield gauge("polychip_kv_pool_pages_free", "Free pages in the KV pool", s.pages_free)
         yield gauge("polychip_kv_pool_usage_ratio", "Fraction of KV pages in use (running or cached)", s.kv_usage)
         yield gauge("polychip_prefix_cache_pages", "KV pages held by the prefix cache", s.pages_cached)
-        queried, hit = self.metrics.queried_tokens, self.metrics.hit_tokens
-        yield counter("polychip_prefix_cache_queried_tokens", "Prompt tokens of finished requests", queried)
-        yield counter("polychip_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache", hit)
-        yield gauge("polychip_prefix_cache_hit_rate", "Cached / queried prompt tokens over finished requests",
-                    hit / queried if queried else 0.0)
-        c = s.counters
-        yield counter("polychip_prompt_tokens", "Prompt tokens computed (prefix-cache hits excluded)",
-                      c.get("prompt_tokens", 0))
-        yield counter("polychip_generation_tokens", "Tokens generated", c.get("generation_tokens", 0))
-        yield counter("polychip_requests_added", "Engine requests added", c.get("requests_added", 0))
-        yield counter("polychip_requests_aborted", "Engine requests aborted", c.get("requests_aborted", 0))
-        yield counter("polychip_engine_steps", "Engine steps run", c.get("steps", 0))
+        yield counter("polychip_prefix_cache_queried_tokens", "Prompt tokens of admitted requests",
+                      s.prompt_tokens_queried)
+        yield counter("polychip_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
+                      s.prompt_tokens_cached)
+        yield gauge("polychip_prefix_cache_hit_rate", "Cached / queried prompt tokens", s.prefix_cache_hit_rate)
+        yield counter("polychip_prompt_tokens", "Prompt tokens computed (prefix-cache hits excluded)", s.prompt_tokens)
+        yield counter("polychip_generation_tokens", "Tokens generated", s.generation_tokens)
+        yield counter("polychip_requests_added", "Engine requests added", s.requests_added)
+        yield counter("polychip_requests_aborted", "Engine requests aborted", s.requests_aborted)
+        yield counter("polychip_engine_steps", "Engine steps run", s.steps)
         stage = CounterMetricFamily("polychip_engine_stage_seconds", "Engine step time by stage",
                                     labels=["model_name", "stage"])
-        for name, secs in sorted(self.stage_seconds.items()):
+        for name, secs in s.stage_seconds:
             stage.add_metric(m + [name], secs)
         yield stage
         mem = GaugeMetricFamily("polychip_device_memory_bytes", "Device memory (free, total, used)",
                                 labels=["plugin", "device", "kind"])
-        for device, (free, total) in sorted(s.memory.items()):
-            plugin, _, index = device.partition(":")
+        for label, free, total in s.device_memory:
+            plugin, _, index = label.partition(":")
             for kind, v in (("free", free), ("total", total), ("used", total - free)):
                 mem.add_metric([plugin, index, kind], v)
         yield mem

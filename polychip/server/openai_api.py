@@ -17,7 +17,8 @@ from fastapi.responses import JSONResponse, Response
 
 from polychip.config import ServerConfig
 from polychip.engine.async_engine import AsyncEngine
-from polychip.engine.engine import Engine
+from polychip.engine.engine import COUNTERS, Engine
+from polychip.errors import IntegrityError
 from polychip.models.gguf import default_gguf_path
 from polychip.server import chat, completions
 from polychip.server.errors import error_response, install_error_handlers, parse_body
@@ -32,13 +33,6 @@ KNOWN_PARAMS = frozenset(ChatCompletionRequest.model_fields) | frozenset(Complet
     "top_logprobs", "logprobs"}
 
 router = APIRouter()
-
-# TEMPORARY: engine-core replaces check_integrity's AssertionError by polychip.errors.IntegrityError
-try:
-    from polychip.errors import IntegrityError
-except ImportError:
-    IntegrityError = AssertionError
-
 
 @router.get("/health")
 async def health(request: Request):
@@ -80,7 +74,8 @@ async def pool_info(ae: AsyncEngine) -> dict:
     s = await ae.current_stats()
     return {"kv_pool": {"num_pages": s.pages_total, "free_pages": s.pages_free, "cached_pages": s.pages_cached,
                         "page_size": s.page_size, "integrity": await ae.call(integrity)},
-            "num_waiting": s.num_waiting, "num_running": s.num_running, "counters": dict(s.counters)}
+            "num_waiting": s.num_waiting, "num_running": s.num_running,
+            "counters": {name: getattr(s, name) for name in COUNTERS}}
 
 
 @router.get("/server_info")
@@ -101,8 +96,7 @@ async def prometheus(request: Request):
     s = state_of(request)
     if s.metrics is None:
         return error_response(404, "metrics are off; start the server with --enable-metrics", "not_found_error")
-    stats = await s.engine.current_stats()
-    return Response(s.metrics.render(stats, s.engine.stage_seconds), media_type=CONTENT_TYPE)
+    return Response(s.metrics.render(await s.engine.current_stats()), media_type=CONTENT_TYPE)
 
 
 def default_model_name(config) -> str:
