@@ -181,10 +181,6 @@ class AsyncEngine:
         loop keeps serving meanwhile (the tokenizer releases the GIL)."""
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn, *args)
 
-    async def encode(self, text: str, what: str = "prompt") -> list[int]:
-        self.check_prompt_size(text, what)
-        return await self.run_tokenizer(self.tokenizer.encode, text)
-
     # requests (event-loop side)
     def check_group_size(self, count: int) -> None:
         """A group larger than the waiting queue could never be admitted: that is the request's
