@@ -8,7 +8,6 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import random
-import statistics
 import string
 import threading
 import time
@@ -161,32 +160,32 @@ def test_health_answers_while_huge_prompts_are_refused(server, http):
     assert len(latencies) >= 3 and max(latencies) < 1.0, latencies
 
 
-def _probe_latency(server, neighbour: dict, rounds: int = 3) -> float:
+def _probe_latency(server, neighbour: dict) -> float:
+    """Latency of a 32-token request while ``neighbour`` (a long request) is generating."""
     probe = {"prompt": "Count to ten:", "max_tokens": 32, "temperature": 0, "ignore_eos": True}
-    out = []
-    with httpx.Client(base_url=server.url, timeout=120) as c:
-        for _ in range(rounds):
-            done = []
-            t = threading.Thread(target=lambda: done.append(
-                httpx.post(server.url + "/v1/completions", json=neighbour, timeout=120).status_code))
-            t.start()
-            time.sleep(0.3)
-            t0 = time.perf_counter()
-            assert c.post("/v1/completions", json=probe).status_code == 200
-            out.append(time.perf_counter() - t0)
-            t.join()
-            assert done == [200]
-    return statistics.median(out)
+    done = []
+    t = threading.Thread(target=lambda: done.append(
+        httpx.post(server.url + "/v1/completions", json=neighbour, timeout=120).status_code))
+    t.start()
+    time.sleep(0.3)
+    t0 = time.perf_counter()
+    assert httpx.post(server.url + "/v1/completions", json=probe, timeout=120).status_code == 200
+    took = time.perf_counter() - t0
+    t.join()
+    assert done == [200]
+    return took
 
 
 def test_a_maximal_stop_list_does_not_slow_the_others(server, http):
     rnd = random.Random(0)
     per = MAX_STOP_CHARS // MAX_STOPS            # each starts with a space: many candidate starts to check
     stops = [" " + "".join(rnd.choice(string.ascii_lowercase) for _ in range(per - 1)) for _ in range(MAX_STOPS)]
-    plain = {"prompt": "Once upon a time", "max_tokens": 300, "temperature": 0, "ignore_eos": True}
-    base = _probe_latency(server, plain)
-    slow = _probe_latency(server, {**plain, "stop": stops})
-    assert slow < 2 * base, (slow, base)
+    plain = {"prompt": "Once upon a time", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+    base, slow = [], []
+    for _ in range(5):       # alternated, and the best of each: the machine's own noise cancels out
+        base.append(_probe_latency(server, plain))
+        slow.append(_probe_latency(server, {**plain, "stop": stops}))
+    assert min(slow) < 2 * min(base), (slow, base)
     assert_no_leak(http)
 
 
