@@ -102,3 +102,6 @@ class _EngineCollector:
             for kind, v in (("free", free), ("total", total), ("used", total - free)):
                 mem.add_metric([plugin, index, kind], v)
         yield mem
+        kv = GaugeMetricFamily("polychip_kv_pool_bytes", "Bytes allocated for the KV pool", labels=["model_name"])
+        kv.add_metric(m, s.kv_pool_bytes)
+        yield kv
