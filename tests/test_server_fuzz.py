@@ -69,8 +69,8 @@ def requests(draw):
 
 
 @pytest.fixture(scope="module")
-def server(model_factory):
-    args = ["--model-path", model_factory("qwen3", True), "--served-model-name", "tiny", "--max-model-len", "64",
+def server(model_factory, device_args):
+    args = [*device_args, "--model-path", model_factory("qwen3", True), "--served-model-name", "tiny", "--max-model-len", "64",
             "--max-total-tokens", "2048", "--max-waiting-requests", "32"]
     with ServerProcess(args) as s:
         yield s

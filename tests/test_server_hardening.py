@@ -21,8 +21,8 @@ TIMEOUT = 1.0          # the server's keep-alive, header and body timeouts
 
 
 @pytest.fixture(scope="module")
-def server(model_factory):
-    args = ["--model-path", model_factory("qwen3", True), "--max-total-tokens", "2048",
+def server(model_factory, device_args):
+    args = [*device_args, "--model-path", model_factory("qwen3", True), "--max-total-tokens", "2048",
             "--max-waiting-requests", "4", "--max-tokens-default", "7", "--max-stop-strings", "4",
             "--max-stop-chars", "64", "--timeout-keep-alive", str(TIMEOUT), "--timeout-request-header",
             str(TIMEOUT), "--timeout-request-body", str(TIMEOUT)]

@@ -25,8 +25,8 @@ MAX_STOPS, MAX_STOP_CHARS = ServerConfig.max_stop_strings, ServerConfig.max_stop
 
 
 @pytest.fixture(scope="module")
-def server(model_factory):
-    args = ["--model-path", model_factory("qwen3", True), "--max-total-tokens", "4096", "--enable-metrics",
+def server(model_factory, device_args):
+    args = [*device_args, "--model-path", model_factory("qwen3", True), "--max-total-tokens", "4096", "--enable-metrics",
             "--max-running-requests", "8", "--max-waiting-requests", str(WAITING)]
     with ServerProcess(args) as s:
         yield s
