@@ -17,6 +17,7 @@ import torch
 from polychip.devices import memory
 from polychip.devices.ops import AttentionMetadata, PrefillSegment
 from polychip.engine.request import Request
+from polychip.errors import IntegrityError
 from polychip.models.decoder import ForwardContext
 
 
@@ -53,6 +54,8 @@ class _Packer:
 
     def add(self, array: np.ndarray) -> int:
         n = array.size
+        if self.used + n > self.host.size:   # the scheduler broke the limits the buffers were sized for
+            raise IntegrityError(f"a step needs {self.used + n} step-input elements; the buffers hold {self.host.size}")
         self.host[self.used:self.used + n] = array.reshape(-1)
         self.slices.append((self.used, array.shape))
         self.used += n
