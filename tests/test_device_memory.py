@@ -149,3 +149,16 @@ def test_a_1_0_plugin_gets_the_reserve_subtracted_by_the_engine():
     assert memory.pool_budget(p) == (900 * MiB, 900 * MiB)
     p.api_version = "1.1"           # a 1.1 plugin promises its mem_info already excludes it
     assert memory.pool_budget(p) == (1000 * MiB, 1000 * MiB)
+
+
+def test_smollm2_loads_on_the_600_mib_card_where_fusion_used_to_leave_holes():
+    """The case of the issue: SmolLM2 in float32 with fusion on, 0.8 of what is left for the pool."""
+    from polychip import LLM, SamplingParams
+    llm = LLM(device="simxpu", device_config="examples/specs/simxpu-600mib.yaml", mem_fraction_static=0.8)
+    alloc, engine = llm.engine.plugin.allocator, llm.engine
+    assert engine.loaded.fusions == ["qkv", "gate_up", "add_rms_norm"]
+    assert len(alloc._free) <= 1                               # used memory is one range from the bottom
+    pool = alloc.rounded(engine.pool.storage.numel() * engine.pool.storage.element_size())
+    assert engine.pool.num_pages >= 20 and pool <= 0.8 * (alloc.free_bytes + pool)
+    out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=2))[0]
+    assert len(out.outputs[0].token_ids) == 2
