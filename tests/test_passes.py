@@ -170,3 +170,16 @@ def test_fused_greedy_output_equals_unfused(tiny_model, model_factory, which, te
         assert llm.engine.loaded.fusions == (["qkv", "gate_up", "add_rms_norm"] if fusion else [])
         outs[fusion] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
     assert outs[True] == outs[False]
+
+
+def test_loading_a_fused_model_does_not_import_torch_dynamo(tiny_model, test_device):
+    """Fusing the structure on the meta device must not call torch.cat there: that imports torch._dynamo,
+    seconds of every start and about a second of every exit."""
+    import subprocess
+    import sys
+    code = ("import sys; from polychip import LLM; "
+            f"LLM({tiny_model!r}, device={test_device!r}, max_total_tokens=64); "
+            "print('torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"

@@ -61,6 +61,15 @@ def replace(sites: list[OpSite], registry: OpRegistry, dtype: torch.dtype,
     return chosen
 
 
+def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat along dim 0; on the meta device just the shape (torch.cat there imports torch's meta
+    decompositions, seconds of every start)."""
+    if tensors[0].is_meta:
+        return torch.empty((sum(t.shape[0] for t in tensors), *tensors[0].shape[1:]), dtype=tensors[0].dtype,
+                           device="meta")
+    return torch.cat(tensors, 0)
+
+
 def merge_linears(parts: list[nn.Module]) -> nn.Module:
     """One linear whose output is the parts' outputs concatenated (same class as the parts)."""
     first = parts[0]
@@ -72,9 +81,9 @@ def merge_linears(parts: list[nn.Module]) -> nn.Module:
     n_out = sum(p.weight.shape[0] for p in parts)
     with torch.device("meta"):
         merged = type(first)(first.ops, n_in, n_out, first.bias is not None)
-    merged.weight = nn.Parameter(torch.cat([p.weight.data for p in parts], 0), requires_grad=False)
+    merged.weight = nn.Parameter(_cat([p.weight.data for p in parts]), requires_grad=False)
     if first.bias is not None:
-        merged.bias = nn.Parameter(torch.cat([p.bias.data for p in parts], 0), requires_grad=False)
+        merged.bias = nn.Parameter(_cat([p.bias.data for p in parts]), requires_grad=False)
     return merged
 
 
