@@ -135,20 +135,29 @@ def test_the_activation_reserve_is_out_of_mem_info_on_every_plugin(tmp_path):
     assert cpu.mem_info()[0] <= before - 2**30 + 64 * MiB             # host free memory moves a little
 
 
-def test_a_1_0_plugin_gets_the_reserve_subtracted_by_the_engine():
+def test_a_plugin_that_does_not_hold_the_reserve_gets_it_subtracted_by_the_engine():
     from polychip.devices.cpu.plugin import CpuPlugin
 
-    class Old(CpuPlugin):
+    class Old(CpuPlugin):            # a 1.0 plugin: its mem_info knows nothing of a reserve
         api_version = 1
+        reserve_for_activations = CpuPlugin.__mro__[1].reserve_for_activations    # the base's: records only
 
         def mem_info(self):
             return 1000 * MiB, 2000 * MiB
 
-    p = Old()
-    p.reserve_for_activations(100 * MiB)
-    assert memory.pool_budget(p) == (900 * MiB, 900 * MiB)
-    p.api_version = "1.1"           # a 1.1 plugin promises its mem_info already excludes it
-    assert memory.pool_budget(p) == (1000 * MiB, 1000 * MiB)
+    class Holds(Old):               # holds it: its mem_info excludes it
+        def reserve_for_activations(self, nbytes):
+            self.held = nbytes
+            return nbytes
+
+        def mem_info(self):
+            return 1000 * MiB - getattr(self, "held", 0), 2000 * MiB
+
+    old, holds = Old(), Holds()
+    assert not memory.holds_reserve(old) and memory.holds_reserve(holds) and memory.holds_reserve(CpuPlugin())
+    for p in (old, holds):
+        p.reserve_for_activations(100 * MiB)
+        assert memory.pool_budget(p) == (900 * MiB, 900 * MiB)
 
 
 def test_smollm2_loads_on_the_600_mib_card_where_fusion_used_to_leave_holes():

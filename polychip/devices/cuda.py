@@ -82,6 +82,10 @@ class CudaPlugin(DevicePlugin):
     def free(self, tensor: torch.Tensor) -> None:
         del tensor
 
+    def reserve_for_activations(self, nbytes: int) -> int:
+        """Held here: ``mem_info`` subtracts it from the driver's free memory."""
+        return super().reserve_for_activations(nbytes)
+
     def mem_info(self) -> tuple[int, int]:
         """The driver's free memory (capped by a spec's memory.total), less the activation reserve."""
         free, total = torch.cuda.mem_get_info(self.index)

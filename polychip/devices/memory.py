@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from polychip.devices.plugin import api_at_least
+from polychip.devices.plugin import DevicePlugin
 from polychip.devices.spec import fmt_bytes
 from polychip.errors import DeviceOutOfMemoryError
 
@@ -62,12 +62,17 @@ def place(plugin, what: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.
         raise out_of_memory(plugin, what, nbytes_of(tuple(tensor.shape), dtype), e) from None
 
 
+def holds_reserve(plugin) -> bool:
+    """Whether the plugin holds the activation reserve itself (it overrides reserve_for_activations)."""
+    return type(plugin).reserve_for_activations is not DevicePlugin.reserve_for_activations
+
+
 def pool_budget(plugin) -> tuple[int, int]:
-    """(free bytes, largest allocatable block) left for the KV pool, after the activation reserve.
-    A plugin of API 1.1 excludes the reserve itself; for a 1.0 plugin it is subtracted here."""
+    """(free bytes, largest allocatable block) left for the KV pool, after the activation reserve:
+    excluded by the plugin if it holds the reserve, else subtracted here."""
     free, _total = plugin.mem_info()
     largest = min(plugin.largest_free_block(), free)
-    if not api_at_least(plugin, "1.1"):
+    if not holds_reserve(plugin):
         reserve = getattr(plugin, "activation_reserve", 0)
         free, largest = max(0, free - reserve), max(0, largest - reserve)
     return free, largest

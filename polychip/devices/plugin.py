@@ -8,7 +8,8 @@ the memory contract.
 Versions: a plugin declares ``api_version`` as ``"MAJOR.MINOR"`` (an int ``1`` means ``"1.0"``).
 polychip loads a plugin whose major version equals its own and whose minor version is not newer
 (:func:`api_mismatch`). A minor version only adds methods, each with a default here, so a 1.0
-plugin runs on a 1.1 polychip unchanged; what 1.1 added is marked "(1.1)" below.
+plugin runs on a 1.1 polychip unchanged; what 1.1 added is marked "(1.1)" below. A plugin that
+inherits ``api_version`` from this class declares the current version.
 """
 from __future__ import annotations
 
@@ -49,14 +50,6 @@ def api_mismatch(value: Any) -> str:
         return (f"declares API version {value}, polychip supports API version {API_VERSION} "
                 f"(and every {ours[0]}.x up to it)")
     return ""
-
-
-def api_at_least(plugin: Any, version: str) -> bool:
-    """Whether ``plugin`` declares API ``version`` or newer (it then keeps that version's promises)."""
-    try:
-        return parse_api_version(getattr(plugin, "api_version", 1)) >= parse_api_version(version)
-    except ValueError:
-        return False
 
 
 @dataclass
@@ -193,8 +186,8 @@ class DevicePlugin(abc.ABC):
 
     @abc.abstractmethod
     def mem_info(self) -> tuple[int, int]:
-        """(free bytes, total bytes) of the current device. Since 1.1 the free figure excludes the
-        activation reserve (``reserve_for_activations``)."""
+        """(free bytes, total bytes) of the current device. A plugin that overrides
+        ``reserve_for_activations`` holds the reserve itself and excludes it here."""
 
     def largest_free_block(self) -> int:
         """(1.1) The largest single allocation that would succeed now, in bytes, after the activation
@@ -205,9 +198,13 @@ class DevicePlugin(abc.ABC):
     def reserve_for_activations(self, nbytes: int) -> int:
         """(1.1) Hold back ``nbytes`` for a step's activations (the engine's estimate for one step of
         ``--chunked-prefill-size`` tokens). Called once, after the weights are placed and before the
-        KV pool is sized; afterwards ``mem_info()`` and ``largest_free_block()`` exclude it. A plugin
-        may hold back more (its own workspace). Returns the bytes held back; the default only
-        records the figure, and the built-in plugins' ``mem_info`` subtracts it."""
+        KV pool is sized. Returns the bytes held back (a plugin may hold more: its own workspace).
+
+        Who subtracts it: a plugin that overrides this method holds the reserve, and its
+        ``mem_info()`` and ``largest_free_block()`` exclude it from then on (simxpu takes a real
+        block; the cpu and cuda plugins subtract it). This default only records the figure in
+        ``activation_reserve``, and the engine subtracts it from what ``mem_info()`` reports, so a
+        plugin that never heard of the reserve (a 1.0 plugin) still gets a pool that leaves room."""
         self.activation_reserve = max(0, int(nbytes))
         return self.activation_reserve
 
