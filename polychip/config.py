@@ -10,6 +10,19 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 POLICIES = ("fcfs", "lpm")
 
 
+def parse_host_port(text: str, what: str = "address") -> tuple[str, int]:
+    """'10.0.0.1:5000' or '[::1]:5000' -> (host, port); a ConfigError naming ``what`` otherwise."""
+    s = str(text)
+    if s.startswith("["):
+        host, sep, port = s[1:].partition("]:")
+    else:
+        host, sep, port = s.rpartition(":")
+    if not sep or not host or (":" in host and not s.startswith("[")) or not port.isdigit() \
+            or not 0 < int(port) < 65536:
+        raise ConfigError(f"{what} must be HOST:PORT with a port in 1..65535 (IPv6 as [ADDR]:PORT), got {text!r}")
+    return host, int(port)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     # model
@@ -34,6 +47,14 @@ class EngineConfig:
     disable_radix_cache: bool = False
     enable_fusion: bool = True
     seed: int = 0
+    # tensor parallelism (SGLang's names): tp_size counts ranks across all nodes
+    tp_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None      # HOST:PORT of node 0's rendezvous; needed with nnodes > 1
+    dist_timeout: float = 30.0             # seconds a collective waits for a peer before failing
+    dist_init_timeout: float = 120.0       # seconds every rank gets to join the world
+    allreduce_fp32: bool = True            # bfloat16/float16 all-reduces accumulate in float32
     # server
     host: str = "127.0.0.1"
     port: int = 30000
@@ -66,6 +87,26 @@ class EngineConfig:
             raise ConfigError(f"reasoning_parser must be 'qwen3' or unset, got {self.reasoning_parser!r}")
         if not isinstance(self.plugins, tuple):
             raise ConfigError("plugins must be a tuple of module paths or files")
+        self._check_parallel()
+
+    def _check_parallel(self) -> None:
+        for name in ("tp_size", "nnodes"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        if self.tp_size % self.nnodes:
+            raise ConfigError(f"tp_size ({self.tp_size}) counts ranks across all nodes and must be a multiple of "
+                              f"nnodes ({self.nnodes})")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"node_rank must be in 0..{self.nnodes - 1} for nnodes {self.nnodes}, "
+                              f"got {self.node_rank}")
+        if self.nnodes > 1 and self.dist_init_addr is None:
+            raise ConfigError(f"nnodes {self.nnodes} needs dist_init_addr HOST:PORT (node 0's address, the same "
+                              "on every node)")
+        if self.dist_init_addr is not None:
+            parse_host_port(self.dist_init_addr, "dist_init_addr")
+        for name in ("dist_timeout", "dist_init_timeout"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":

@@ -20,6 +20,7 @@ from polychip.engine.request import CompletionOutput, Request, RequestOutput, St
 from polychip.engine.sampler import Sampler
 from polychip.engine.sampling_params import SamplingParams
 from polychip.engine.scheduler import Scheduler
+from polychip.engine.tp import TensorParallel, TPModelRunner
 from polychip.engine.stop import check_stop, streamable_len
 from polychip.errors import InvalidRequestError
 from polychip.models.loader import load_model
@@ -35,23 +36,39 @@ class Engine:
         self.config = config = config or EngineConfig()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        self.plugin = plugin or open_from_config(config)   # discovered, spec-checked, initialised
+        # tensor parallel: this process is rank 0; the other ranks' processes start here
+        self.tp = TensorParallel(config) if config.tp_size > 1 else None
+        try:
+            self._load(config, plugin)
+        except BaseException:
+            if self.tp is not None:
+                self.tp.stop()
+            raise
+
+    def _load(self, config: EngineConfig, plugin) -> None:
+        tp = self.tp
+        # discovered, spec-checked, initialised
+        self.plugin = tp.plugin if tp is not None else plugin or open_from_config(config)
         self.plugin.set_seed(config.seed)
         self.loaded = load_model(config.model_path, self.plugin, config.dtype, config.enable_fusion,
-                                 config.cache_dir, config.max_model_len)
+                                 config.cache_dir, config.max_model_len, comm=tp.comm if tp else None)
         self.model_config = mc = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         page = config.page_size
-        per_page = KVPool.bytes_per_page(mc.num_layers, page, mc.num_kv_heads, mc.head_dim, self.loaded.dtype)
+        kv_heads = self.loaded.kv_heads          # this rank's share under tensor parallelism
+        per_page = KVPool.bytes_per_page(mc.num_layers, page, kv_heads, mc.head_dim, self.loaded.dtype)
         num_pages = size_pool(config, self.plugin, per_page, page)
-        self.pool = KVPool(self.plugin, mc.num_layers, num_pages, page, mc.num_kv_heads, mc.head_dim,
+        if tp is not None:   # the smallest rank's pool sets the page count for all
+            num_pages = tp.agree_on_pool(num_pages, mc, per_page)
+        self.pool = KVPool(self.plugin, mc.num_layers, num_pages, page, kv_heads, mc.head_dim,
                            self.loaded.dtype)
         cache_cls = NoPrefixCache if config.disable_radix_cache else RadixCache
         self.cache = cache_cls(self.pool.allocator, page)
         self.scheduler = Scheduler(self.pool.allocator, self.cache, page, config.chunked_prefill_size,
                                    config.max_running_requests, config.schedule_policy)
-        self.runner = ModelRunner(self.loaded.model, self.pool, self.plugin)
+        self.runner = (TPModelRunner(self.loaded.model, self.pool, self.plugin, tp) if tp is not None
+                       else ModelRunner(self.loaded.model, self.pool, self.plugin))
         self.eos_ids = self.tokenizer.eos_token_ids
         self.sampler = Sampler(self.plugin, config.seed, self.eos_ids)
         self._ids = itertools.count()
@@ -184,6 +201,28 @@ class Engine:
         self.pool.allocator.check_integrity()
         self.cache.check_integrity()
 
+    @property
+    def fault(self) -> str | None:
+        """Why the engine cannot run another step (a tensor-parallel rank failed), or None."""
+        return self.tp.fault if self.tp is not None else None
+
+    def on_fault(self, callback) -> None:
+        """``callback(reason)`` once, from any thread, when the engine fails for good."""
+        if self.tp is not None:
+            self.tp.on_fault(callback)
+
+    def device_report(self) -> list[dict]:
+        """Every rank's device and memory (one entry without tensor parallelism)."""
+        if self.tp is not None:
+            return self.tp.statuses()
+        free, total = self.plugin.mem_info()
+        kv = self.pool.storage.numel() * self.pool.storage.element_size() if self.pool.storage is not None else 0
+        return [{"rank": 0, "node": 0, "plugin": self.plugin.name, "device": self.plugin.index,
+                 "free_memory": free, "total_memory": total, "kv_pool_bytes": kv}]
+
     def shutdown(self) -> None:
         self.pool.release()
-        self.plugin.destroy()
+        if self.tp is not None:
+            self.tp.stop()       # destroys rank 0's device too
+        else:
+            self.plugin.destroy()

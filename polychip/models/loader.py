@@ -21,7 +21,7 @@ from polychip.errors import ModelLoadError, PolychipError
 from polychip.models.config import ModelConfig
 from polychip.models.decoder import DecoderModel, rope_inv_freq
 from polychip.models.tokenizer import Tokenizer
-from polychip.ops import passes
+from polychip.ops import passes, tp_shard
 from polychip.ops.native import register_native
 from polychip.ops.registry import OpRegistry
 
@@ -40,6 +40,12 @@ class LoadedModel:
     fusions: list[str] = field(default_factory=list)
     load_seconds: float = 0.0
     from_cache: bool | None = None
+    shard: tp_shard.ShardLayout | None = None     # this rank's part under tensor parallelism
+
+    @property
+    def kv_heads(self) -> int:
+        """KV heads this process holds (its KV pool's width)."""
+        return self.shard.kv_heads if self.shard is not None else self.config.num_kv_heads
 
 
 def resolve_model_dir(model_path: str | None, cache_dir: str | None = None) -> tuple[str, bool | None]:
@@ -86,7 +92,9 @@ def _weight_files(model_dir: str) -> list[str]:
     return files
 
 
-def read_state_dict(model_dir: str, cfg: ModelConfig, dtype: torch.dtype, plugin) -> dict:
+def read_state_dict(model_dir: str, cfg: ModelConfig, dtype: torch.dtype, plugin,
+                    shard: tp_shard.ShardLayout | None = None) -> dict:
+    """Every weight on the device; with ``shard``, only this rank's part of each is read."""
     state = {}
     for path in _weight_files(model_dir):
         try:
@@ -95,7 +103,7 @@ def read_state_dict(model_dir: str, cfg: ModelConfig, dtype: torch.dtype, plugin
                     key = name.removeprefix("model.")
                     if key == "lm_head.weight" and cfg.tie_word_embeddings:
                         continue
-                    t = f.get_tensor(name)
+                    t = f.get_tensor(name) if shard is None else tp_shard.slice_weight(shard, key, f.get_slice(name))
                     state[key] = plugin.place_weight(t, dtype if t.is_floating_point() else t.dtype)
         except PolychipError:   # e.g. the plugin's out-of-memory, with its own layer
             raise
@@ -105,9 +113,12 @@ def read_state_dict(model_dir: str, cfg: ModelConfig, dtype: torch.dtype, plugin
 
 
 def build_model(cfg: ModelConfig, state: dict, device: torch.device, dtype: torch.dtype,
-                ops: SimpleNamespace, max_positions: int) -> DecoderModel:
+                ops: SimpleNamespace, max_positions: int, shard: tp_shard.ShardLayout | None = None,
+                comm=None) -> DecoderModel:
     with torch.device("meta"):
         model = DecoderModel(cfg, ops)
+    if shard is not None:
+        tp_shard.shard_modules(model, shard, comm)
     expected = set(model.state_dict())
     missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
     if missing or unexpected:
@@ -125,10 +136,14 @@ def build_model(cfg: ModelConfig, state: dict, device: torch.device, dtype: torc
 
 def load_model(model_path: str | None, plugin, dtype: str = "auto", enable_fusion: bool = True,
                cache_dir: str | None = None, max_model_len: int | None = None,
-               registry: OpRegistry | None = None) -> LoadedModel:
+               registry: OpRegistry | None = None, comm=None) -> LoadedModel:
+    """``comm``: a distributed Communicator; with more than one rank, this rank's shard is loaded."""
     t0 = time.perf_counter()
     model_dir, from_cache = resolve_model_dir(model_path, cache_dir)
     cfg = read_config(model_dir)
+    shard = None
+    if comm is not None and comm.world_size > 1:
+        shard = tp_shard.ShardLayout.plan(cfg, comm.rank, comm.world_size)
     tokenizer = Tokenizer.from_dir(model_dir, cfg.eos_token_ids)
     if tokenizer.vocab_size > cfg.vocab_size:
         raise ModelLoadError(f"tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is "
@@ -142,14 +157,14 @@ def load_model(model_path: str | None, plugin, dtype: str = "auto", enable_fusio
         register_native(registry)
         plugin.register_ops(registry)
     ops = SimpleNamespace(fuse_add_norm=False)
-    state = read_state_dict(model_dir, cfg, torch_dtype, plugin)
+    state = read_state_dict(model_dir, cfg, torch_dtype, plugin, shard)
     quantised = [str(t.dtype).removeprefix("torch.") for t in state.values() if not t.is_floating_point()]
     require_dtypes(plugin, quantised, "quantised weight dtype")
     max_len = max_model_len or cfg.max_position_embeddings
-    model = build_model(cfg, state, device, torch_dtype, ops, max_len)
+    model = build_model(cfg, state, device, torch_dtype, ops, max_len, shard, comm)
     resolutions = passes.replace(passes.expand(model), registry, torch_dtype, ops)
     fusions = passes.fuse(model, plugin.fusions() if enable_fusion else (), ops, plugin)
     lm = LoadedModel(model, cfg, tokenizer, torch_dtype, model_dir, registry, resolutions, fusions,
-                     time.perf_counter() - t0, from_cache)
+                     time.perf_counter() - t0, from_cache, shard)
     log.info("loaded %s (%s, %s) in %.2fs", model_dir, cfg.architecture, dname, lm.load_seconds)
     return lm

@@ -36,9 +36,10 @@ class OpSite:
 
 
 def expand(model: nn.Module) -> list[OpSite]:
-    """Module tree -> the op call sites it contains, in module order."""
+    """Module tree -> the op call sites it contains, in module order. A module class declares its
+    own with ``OPS = (...)`` (the tensor-parallel layers do); the table covers the decoder's."""
     return [OpSite(path, op) for path, mod in model.named_modules()
-            for op in MODULE_OPS.get(type(mod).__name__, ())]
+            for op in getattr(type(mod), "OPS", None) or MODULE_OPS.get(type(mod).__name__, ())]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
