@@ -32,6 +32,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-radix-cache", action="store_true")
     g.add_argument("--disable-fusion", action="store_true")
     g.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("tensor parallelism (SGLang's flags; --tp-size counts ranks on all nodes)")
+    g.add_argument("--tp-size", "--tensor-parallel-size", type=int, default=1, dest="tp_size",
+                   help="ranks, one per device, that each hold 1/N of every layer")
+    g.add_argument("--nnodes", type=int, default=1, help="hosts; run the same command on each")
+    g.add_argument("--node-rank", type=int, default=0, help="this host's number; node 0 serves HTTP")
+    g.add_argument("--dist-init-addr", default=None, help="HOST:PORT where node 0 hosts the rendezvous")
+    g.add_argument("--dist-timeout", type=float, default=30.0,
+                   help="seconds a collective waits for a peer before the group is declared failed")
+    g.add_argument("--dist-init-timeout", type=float, default=120.0,
+                   help="seconds every rank gets to join; then the missing ones are named")
+    g.add_argument("--disable-allreduce-fp32", action="store_true",
+                   help="sum bfloat16/float16 all-reduces in their own dtype (default: in float32)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -44,7 +56,9 @@ def config_from_args(args: argparse.Namespace, **extra) -> EngineConfig:
         mem_fraction_static=args.mem_fraction_static, chunked_prefill_size=args.chunked_prefill_size,
         max_running_requests=args.max_running_requests, schedule_policy=args.schedule_policy,
         disable_radix_cache=args.disable_radix_cache, enable_fusion=not args.disable_fusion,
-        seed=args.seed, log_level=args.log_level)
+        seed=args.seed, log_level=args.log_level, tp_size=args.tp_size, nnodes=args.nnodes,
+        node_rank=args.node_rank, dist_init_addr=args.dist_init_addr, dist_timeout=args.dist_timeout,
+        dist_init_timeout=args.dist_init_timeout, allreduce_fp32=not args.disable_allreduce_fp32)
     fields.update(extra)
     return EngineConfig(**fields)
 

@@ -43,7 +43,7 @@ def describe(rec: PluginRecord, spec: DeviceSpec | None) -> dict:
         return out
     spec = spec if spec is not None and spec.device_type == rec.name else None
     try:
-        infos = p.discover()
+        infos = p.discover_for(spec)
         if spec is not None:
             out["spec"] = spec.source
             check_against_devices(spec, rec.name, infos)

@@ -84,6 +84,9 @@ def main(argv: list[str] | None = None) -> int:
                                   enable_metrics=args.enable_metrics, reasoning_parser=args.reasoning_parser,
                                   max_waiting_requests=args.max_waiting_requests,
                                   max_request_body_bytes=args.max_request_body_bytes)
+        if config.node_rank > 0:     # only node 0 serves HTTP; the others run their worker ranks
+            from polychip.engine.tp import run_node
+            return run_node(config)
         sock = bind(config.host, config.port)
     except PolychipError as e:
         return fail(e)
@@ -116,6 +119,9 @@ def _serve(config, sock: socket.socket, grace: float) -> int:
         for s, h in previous.items():
             signal.signal(s, h)
         engine.shutdown()
+    if server.fatal_reason is not None:
+        log.error("polychip stopped after a fatal fault: %s", server.fatal_reason)
+        return 1
     log.info("polychip stopped")
     return 0
 
@@ -126,6 +132,9 @@ def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
+FAULT_LINGER = 2.0   # seconds a failed server keeps answering /health (503) before it exits
+
+
 class ReadyServer(uvicorn.Server):
     """uvicorn.Server that logs one ready line with the URL once it accepts connections, and on
     shutdown gives in-flight requests ``grace`` seconds before aborting them (their streams end
@@ -134,11 +143,24 @@ class ReadyServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, url: str, async_engine, grace: float):
         super().__init__(config)
         self.url, self.async_engine, self.grace = url, async_engine, grace
+        self.fatal_reason: str | None = None
 
     async def startup(self, sockets=None):
+        loop = asyncio.get_running_loop()
+        self.async_engine.engine.on_fault(lambda reason: loop.call_soon_threadsafe(self.fatal, reason))
         await super().startup(sockets)
         if self.started:
             log.info("polychip ready: %s (OpenAI API at %s/v1)", self.url, self.url)
+
+    def fatal(self, reason: str) -> None:
+        """The engine can never step again (a tensor-parallel rank failed): fail what is in flight,
+        answer /health with 503 for FAULT_LINGER seconds so callers can see why, then exit non-zero."""
+        if self.fatal_reason is not None:
+            return
+        self.fatal_reason = reason
+        log.error("fatal: %s; failing in-flight requests and exiting in %.0fs", reason, FAULT_LINGER)
+        self.async_engine.abort_all(f"the server failed: {reason}")
+        asyncio.get_running_loop().call_later(FAULT_LINGER, setattr, self, "should_exit", True)
 
     async def shutdown(self, sockets=None):
         ae = self.async_engine

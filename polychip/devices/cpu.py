@@ -55,16 +55,20 @@ class CpuPlugin(DevicePlugin):
     def is_available(self) -> Availability:
         return Availability(True)
 
-    def _parts(self) -> list[int]:
+    @staticmethod
+    def _parts(spec) -> list[int]:
         """Device ids: one (the host), or the ids a spec declares, at most one per core, each an equal
         share of the host's cores and memory (how tensor parallelism runs several ranks on one CPU)."""
-        if self.spec is None:
+        if spec is None:
             return [0]
-        return list(self.spec.device_ids)[:os.cpu_count() or 1]
+        return list(spec.device_ids)[:os.cpu_count() or 1]
 
     def discover(self) -> list[DeviceInfo]:
+        return self.discover_for(self.spec)
+
+    def discover_for(self, spec) -> list[DeviceInfo]:
         free, total = _meminfo()
-        ids = self._parts()
+        ids = self._parts(spec)
         cores = os.cpu_count() or 1
         return [DeviceInfo(
             index=i, name=platform.processor() or platform.machine(),
@@ -85,7 +89,7 @@ class CpuPlugin(DevicePlugin):
         super().init(spec, index)
         if not self.memory.enabled:
             log.info("cpu: %s", self.memory.reason)
-        parts = len(self._parts())
+        parts = len(self._parts(self.spec))
         if parts > 1:   # one device of several: its share of the cores
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // parts))
 
@@ -97,7 +101,7 @@ class CpuPlugin(DevicePlugin):
 
     def mem_info(self) -> tuple[int, int]:
         free, total = _meminfo()
-        parts = len(self._parts())
+        parts = len(self._parts(self.spec))
         return free // parts, total // parts
 
     def synchronize(self) -> None:

@@ -17,6 +17,7 @@ same process is refused with a clear error instead of sharing hidden state.
 from __future__ import annotations
 
 import datetime
+import pickle
 
 import torch
 import torch.distributed as dist
@@ -108,11 +109,24 @@ class Communicator:
         self.all_reduce(torch.zeros(1, device=self.device))
 
     # small Python objects, on the host control group
-    def broadcast_object(self, obj=None, src: int = 0):
-        """``obj`` from rank ``src``, returned on every rank (pickled; peers are trusted)."""
-        box = [obj if self.rank == src else None]
-        dist.broadcast_object_list(box, src=src, group=self.control)
-        return box[0]
+    def broadcast_object(self, obj=None, src: int = 0, timeout_s: float | None = None):
+        """``obj`` from rank ``src``, returned on every rank. The sender waits at most ``timeout_s``
+        (default: the device timeout) for the receivers to take it; a receiver waits as long as the
+        control group allows, since an idle server's workers wait for the next request. Pickled, as
+        ``torch.distributed.broadcast_object_list`` does: every peer must be trusted."""
+        if self.rank == src:
+            data = pickle.dumps(obj)
+            wait = datetime.timedelta(seconds=timeout_s or self.timeout_s)
+            size = torch.tensor([len(data)], dtype=torch.int64)
+            dist.broadcast(size, src=src, group=self.control, async_op=True).wait(wait)
+            payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            dist.broadcast(payload, src=src, group=self.control, async_op=True).wait(wait)
+            return obj
+        size = torch.empty(1, dtype=torch.int64)
+        dist.broadcast(size, src=src, group=self.control)
+        payload = torch.empty(int(size.item()), dtype=torch.uint8)
+        dist.broadcast(payload, src=src, group=self.control)
+        return pickle.loads(payload.numpy().tobytes())
 
     def all_gather_object(self, obj) -> list:
         out = [None] * self.world_size

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from collections import defaultdict
 
@@ -218,7 +219,7 @@ class Engine:
         free, total = self.plugin.mem_info()
         kv = self.pool.storage.numel() * self.pool.storage.element_size() if self.pool.storage is not None else 0
         return [{"rank": 0, "node": 0, "plugin": self.plugin.name, "device": self.plugin.index,
-                 "free_memory": free, "total_memory": total, "kv_pool_bytes": kv}]
+                 "free_memory": free, "total_memory": total, "kv_pool_bytes": kv, "pid": os.getpid()}]
 
     def shutdown(self) -> None:
         self.pool.release()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -30,6 +31,8 @@ from polychip.distributed.rendezvous import PREFIX, HeartbeatWatch, StoreServer,
 from polychip.distributed.world import LOCAL_HOST, World, local_devices, rendezvous_address
 from polychip.engine.model_runner import Batch, ModelRunner
 from polychip.errors import ConfigError, PolychipError
+from polychip.models.loader import read_config, resolve_model_dir
+from polychip.ops.tp_shard import ShardLayout
 
 log = logging.getLogger("polychip.tp")
 
@@ -91,6 +94,12 @@ class LocalWorkers:
             self.wait(5.0)
 
 
+def check_shardable(config: EngineConfig) -> None:
+    """A ConfigError naming the counts when the model's heads cannot be split over tp_size ranks."""
+    model_dir, _ = resolve_model_dir(config.model_path, config.cache_dir)
+    ShardLayout.plan(read_config(model_dir), 0, config.tp_size)
+
+
 def model_signature(cfg) -> dict:
     return {k: getattr(cfg, k) for k in ("architecture", "vocab_size", "hidden_size", "intermediate_size",
                                          "num_layers", "num_heads", "num_kv_heads", "head_dim")}
@@ -111,7 +120,7 @@ def agree_on_pool(comm: Communicator, pages: int, signature: dict, status: dict)
 def device_status(plugin, rank: int, node: int, kv_bytes: int = 0) -> dict:
     free, total = plugin.mem_info()
     return {"rank": rank, "node": node, "plugin": plugin.name, "device": plugin.index, "free_memory": free,
-            "total_memory": total, "kv_pool_bytes": kv_bytes}
+            "total_memory": total, "kv_pool_bytes": kv_bytes, "pid": os.getpid()}
 
 
 class TensorParallel:
@@ -130,6 +139,7 @@ class TensorParallel:
         self._stopping = threading.Event()
         self._statuses: dict[int, dict] = {}
         self.workers = self.server = self.comm = self.watch = self.plugin = None
+        check_shardable(config)        # before any process starts
         devices = local_devices(config, world)
         host, port = rendezvous_address(config)
         try:

@@ -101,19 +101,18 @@ class _EngineCollector:
         for name, secs in sorted(s.stage_seconds.items()):
             stage.add_metric(m + [name], secs)
         yield stage
-        mem = GaugeMetricFamily("polychip_device_memory_bytes", "Device memory (free, total, used)",
-                                labels=["plugin", "device", "kind"])
+        mem = GaugeMetricFamily("polychip_device_memory_bytes", "Device memory (free, total, used) of every rank",
+                                labels=["plugin", "device", "rank", "node", "kind"])
+        kv = GaugeMetricFamily("polychip_kv_pool_bytes", "Bytes allocated for the KV pool on every rank",
+                               labels=["plugin", "device", "rank", "node"])
         try:
-            free, total = plugin.mem_info()
-            dev = str(plugin.index)
-            for kind, v in (("free", free), ("total", total), ("used", total - free)):
-                mem.add_metric([plugin.name, dev, kind], v)
+            for d in self.ae.engine.device_report():
+                where = [d["plugin"], str(d["device"]), str(d["rank"]), str(d["node"])]
+                free, total = d["free_memory"], d["total_memory"]
+                for kind, v in (("free", free), ("total", total), ("used", total - free)):
+                    mem.add_metric(where + [kind], v)
+                kv.add_metric(where, d["kv_pool_bytes"])
         except Exception as e:  # a plugin's memory query must never break a scrape
-            log.warning("mem_info of plugin %s failed: %s", plugin.name, e)
+            log.warning("device report of plugin %s failed: %s", plugin.name, e)
         yield mem
-        pool = self.ae.engine.pool
-        kv = GaugeMetricFamily("polychip_kv_pool_bytes", "Bytes allocated for the KV pool",
-                               labels=["plugin", "device"])
-        if pool.storage is not None:
-            kv.add_metric([plugin.name, str(plugin.index)], pool.storage.numel() * pool.storage.element_size())
         yield kv

@@ -79,6 +79,8 @@ def build_app(engine: Engine, *, shutdown_timeout: float = 10.0) -> tuple[Gate, 
 
     @app.get("/health")
     async def health():
+        if engine.fault is not None:
+            return JSONResponse({"status": f"engine failed: {engine.fault}"}, status_code=503)
         if ae.alive:
             return JSONResponse({"status": "ok"})
         why = "crashed" if ae.error is not None else "not running"
@@ -111,7 +113,8 @@ def build_app(engine: Engine, *, shutdown_timeout: float = 10.0) -> tuple[Gate, 
         except Exception as e:
             return to_response(e)
         return {"model": name, "max_model_len": state.max_model_len, "plugin": engine.plugin.name,
-                "device_index": engine.plugin.index, **info}
+                "device_index": engine.plugin.index, "tp_size": engine.config.tp_size,
+                "devices": engine.device_report(), **info}
 
     @app.post("/flush_cache")
     async def flush():
