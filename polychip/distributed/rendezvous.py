@@ -30,8 +30,8 @@ HEARTBEAT_PERIOD = 0.5      # seconds between a rank's beats
 
 
 class StoreServer:
-    """Node 0's store, serving on a socket bound here (port 0: any free one). torch does not take
-    the socket over, so this object keeps it open exactly as long as the store."""
+    """Node 0's store, serving on a socket bound here (port 0: any free one). The store takes the
+    socket's descriptor over (it closes it when destroyed), so Python lets go of it."""
 
     def __init__(self, host: str, port: int, timeout_s: float):
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -52,10 +52,11 @@ class StoreServer:
             self.sock.close()
             raise PluginError(f"cannot start the rendezvous store on {host}:{port}: {e}",
                               layer="framework") from None
+        self.sock.detach()
 
     def close(self) -> None:
+        """Drop this reference; the store stops serving once the process group lets go of it too."""
         self.store = None
-        self.sock.close()
 
 
 def connect_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
@@ -68,40 +69,79 @@ def connect_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
                           f"(--dist-init-addr; is node 0 started and reachable?): {first}") from None
 
 
+class DuplicateRankError(ConfigError):
+    """Another process already holds this rank (the same --node-rank started twice)."""
+
+
+def _wait_for(store, keys: list[str], deadline: float, failed: Callable[[], None] = lambda: None) -> bool:
+    while not store.check(keys):
+        failed()
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def report_failure(store, rank: int, message: str) -> None:
+    """A rank that cannot go on says why; rank 0 reads it (at join, or when the rank's process ends)."""
+    store.set(f"{PREFIX}error/{rank}", message)
+
+
+def reported_failures(store, world_size: int) -> dict[int, str]:
+    keys = {r: f"{PREFIX}error/{r}" for r in range(1, world_size)}
+    return {r: store.get(k).decode() for r, k in keys.items() if store.check([k])}
+
+
+def _raise_failures(store, world_size: int, node_of: Callable[[int], int]) -> None:
+    failed = reported_failures(store, world_size)
+    if failed:
+        msg = "; ".join(f"rank {r} (node {node_of(r)}) failed before joining: {m}" for r, m in failed.items())
+        store.set(f"{PREFIX}world", msg)
+        raise PluginError(msg, layer="framework")
+
+
 def join(store, rank: int, world_size: int, facts: dict, timeout_s: float, node_of: Callable[[int], int]) -> None:
     """Claim ``rank``, publish ``facts`` and wait for every rank; every rank's facts must equal rank 0's.
 
-    Raises ConfigError: a duplicate rank, ranks that did not join in time (named, with their
-    nodes), or a rank whose facts differ (the differing fields named)."""
+    Raises ConfigError within ``timeout_s``: a duplicate rank, ranks that did not join (named, with
+    their nodes), or ranks whose facts differ from rank 0's (the fields named, on every rank)."""
     token = uuid.uuid4().hex
     owner = store.compare_set(f"{PREFIX}rank/{rank}", "", token)
     if (owner.decode() if isinstance(owner, bytes) else owner) != token:
-        raise ConfigError(f"rank {rank} (node {node_of(rank)}) has already joined this world from another "
-                          "process: two nodes were started with the same --node-rank")
-    store.set(f"{PREFIX}facts/{rank}", json.dumps(facts, sort_keys=True))
+        raise DuplicateRankError(f"rank {rank} (node {node_of(rank)}) has already joined this world from "
+                                 "another process: two nodes were started with the same --node-rank")
     deadline = time.monotonic() + timeout_s
-    keys = [f"{PREFIX}facts/{r}" for r in range(world_size)]
-    while not store.check(keys):
-        if time.monotonic() > deadline:
-            missing = [r for r in range(world_size) if not store.check([keys[r]])]
-            nodes = sorted({node_of(r) for r in missing})
-            raise ConfigError(f"rank(s) {missing} on node(s) {nodes} did not join within {timeout_s:g}s "
-                              f"(world of {world_size}); start the same command on every node with its "
-                              "--node-rank, the same --nnodes and --dist-init-addr")
-        time.sleep(0.05)
-    if rank != 0:
-        theirs = json.loads(store.get(keys[0]))
-        diff = {k: (theirs.get(k), facts.get(k)) for k in set(theirs) | set(facts) if theirs.get(k) != facts.get(k)}
-        if diff:
-            detail = ", ".join(f"{k}: node 0 has {a!r}, node {node_of(rank)} has {b!r}" for k, (a, b) in sorted(diff.items()))
-            store.set(f"{PREFIX}mismatch/{rank}", detail)
-            raise ConfigError(f"rank {rank} does not match rank 0: {detail}")
-    else:
-        time.sleep(0.2)   # give a mismatching rank the moment it needs to say so
-        bad = [r for r in range(1, world_size) if store.check([f"{PREFIX}mismatch/{r}"])]
+    store.set(f"{PREFIX}facts/{rank}", json.dumps(facts, sort_keys=True))
+    facts_keys = [f"{PREFIX}facts/{r}" for r in range(world_size)]
+    verdict_keys = [f"{PREFIX}verdict/{r}" for r in range(1, world_size)]
+    if rank != 0:   # compare with rank 0's facts and say so, then wait for rank 0's word on everyone
+        if _wait_for(store, facts_keys[:1], deadline):
+            theirs = json.loads(store.get(facts_keys[0]))
+            diff = sorted(k for k in set(theirs) | set(facts) if theirs.get(k) != facts.get(k))
+            store.set(verdict_keys[rank - 1], ", ".join(f"{k}: node 0 has {theirs.get(k)!r}, node {node_of(rank)} "
+                                                        f"has {facts.get(k)!r}" for k in diff))
+            if _wait_for(store, [f"{PREFIX}world"], deadline):
+                word = store.get(f"{PREFIX}world").decode()
+                if word != "ok":
+                    raise ConfigError(word)
+                return
+    elif _wait_for(store, verdict_keys, deadline, lambda: _raise_failures(store, world_size, node_of)):
+        bad = {r: store.get(verdict_keys[r - 1]).decode() for r in range(1, world_size)}
+        bad = {r: d for r, d in bad.items() if d}
+        word = "ok" if not bad else "rank(s) differ from rank 0: " + "; ".join(f"rank {r}: {d}" for r, d in bad.items())
+        store.set(f"{PREFIX}world", word)
         if bad:
-            raise ConfigError(f"rank(s) {bad} do not match rank 0: " +
-                              "; ".join(store.get(f"{PREFIX}mismatch/{r}").decode() for r in bad))
+            raise ConfigError(word)
+        return
+    missing = [r for r in range(world_size) if not store.check([facts_keys[r]])]
+    if rank != 0 and not missing:
+        missing = [0]
+    nodes = sorted({node_of(r) for r in missing})
+    msg = (f"rank(s) {missing} on node(s) {nodes} did not join within {timeout_s:g}s (world of {world_size}); "
+           "start the same command on every node with its --node-rank, the same --nnodes and --dist-init-addr")
+    if rank == 0:   # the ranks that did join hear why at once
+        store.set(f"{PREFIX}world", msg)
+    raise ConfigError(msg)
 
 
 class Heartbeat:

@@ -27,7 +27,7 @@ from typing import Callable
 from polychip.config import EngineConfig
 from polychip.devices.discovery import open_device
 from polychip.distributed.communicator import Communicator
-from polychip.distributed.rendezvous import PREFIX, HeartbeatWatch, StoreServer, join
+from polychip.distributed.rendezvous import HeartbeatWatch, StoreServer, join, reported_failures
 from polychip.distributed.world import LOCAL_HOST, World, local_devices, rendezvous_address
 from polychip.engine.model_runner import Batch, ModelRunner
 from polychip.errors import ConfigError, PolychipError
@@ -139,8 +139,8 @@ class TensorParallel:
         self._stopping = threading.Event()
         self._statuses: dict[int, dict] = {}
         self.workers = self.server = self.comm = self.watch = self.plugin = None
-        check_shardable(config)        # before any process starts
         devices = local_devices(config, world)
+        check_shardable(config)        # before any process starts
         host, port = rendezvous_address(config)
         try:
             self.server = StoreServer(host, port, config.dist_init_timeout)
@@ -217,17 +217,12 @@ class TensorParallel:
 
     def _worker_errors(self) -> str:
         """What workers said before they died (each writes its error into the store)."""
-        out = []
         if self.server is None or self.server.store is None:
             return ""
-        for r in range(1, self.world.tp_size):
-            key = f"{PREFIX}error/{r}"
-            try:
-                if self.server.store.check([key]):
-                    out.append(f"rank {r}: {self.server.store.get(key).decode()}")
-            except RuntimeError:
-                pass
-        return "; ".join(out)
+        try:
+            return "; ".join(f"rank {r}: {m}" for r, m in reported_failures(self.server.store, self.world.tp_size).items())
+        except RuntimeError:
+            return ""
 
     def _watch_loop(self) -> None:
         while not self._stopping.wait(POLL_PERIOD):

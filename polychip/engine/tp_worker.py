@@ -16,7 +16,7 @@ import sys
 from polychip.config import EngineConfig, parse_host_port
 from polychip.devices.discovery import open_device
 from polychip.distributed.communicator import Communicator
-from polychip.distributed.rendezvous import PREFIX, Heartbeat, connect_store, join
+from polychip.distributed.rendezvous import DuplicateRankError, Heartbeat, connect_store, join, report_failure
 from polychip.distributed.world import World
 from polychip.engine.kv_pool import KVPool, size_pool
 from polychip.engine.model_runner import ModelRunner
@@ -39,10 +39,10 @@ def serve_rank(config: EngineConfig, rank: int, device: str, host: str, port: in
         log.error("rank %d: %s; exiting", rank, reason)
         os._exit(EXIT_LOST_RANK0)   # the main thread may sit in a collective that never returns
 
+    join(store, rank, world.tp_size, world.facts(config), config.dist_init_timeout, world.node_of)
     beat = Heartbeat(host, port, rank, lambda: device_status(plugin, rank, node, kv_bytes[0]), lost).start()
     comm = None
     try:
-        join(store, rank, world.tp_size, world.facts(config), config.dist_init_timeout, world.node_of)
         comm = Communicator(plugin.communicator_backend(), rank, world.tp_size, store,
                             timeout_s=config.dist_timeout, plugin_name=plugin.name,
                             device=plugin.device_handle(), accumulate_fp32=config.allreduce_fp32)
@@ -96,9 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as e:  # report whatever it is to rank 0, then exit non-zero
         msg = str(e) if isinstance(e, PolychipError) else f"{type(e).__name__}: {e}"
         log.error("rank %d failed: %s", args.rank, msg)
-        if store is not None:
+        if store is not None and not isinstance(e, DuplicateRankError):   # the rank is another's
             try:
-                store.set(f"{PREFIX}error/{args.rank}", msg)
+                report_failure(store, args.rank, msg)
             except Exception:  # rank 0 is gone too; the log line above is all we can do
                 pass
         return 1
