@@ -92,11 +92,19 @@ def reported_failures(store, world_size: int) -> dict[int, str]:
     return {r: store.get(k).decode() for r, k in keys.items() if store.check([k])}
 
 
+def _let_them_hear(store, ranks: int, timeout_s: float = 3.0) -> None:
+    """Rank 0 is about to fail and take the store with it: first let the other ranks read why."""
+    deadline = time.monotonic() + timeout_s
+    while int(store.add(f"{PREFIX}heard", 0)) < ranks and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def _raise_failures(store, world_size: int, node_of: Callable[[int], int]) -> None:
     failed = reported_failures(store, world_size)
     if failed:
         msg = "; ".join(f"rank {r} (node {node_of(r)}) failed before joining: {m}" for r, m in failed.items())
         store.set(f"{PREFIX}world", msg)
+        _let_them_hear(store, sum(store.check([f"{PREFIX}facts/{r}"]) for r in range(1, world_size)))
         raise PluginError(msg, layer="framework")
 
 
@@ -122,6 +130,7 @@ def join(store, rank: int, world_size: int, facts: dict, timeout_s: float, node_
                                                         f"has {facts.get(k)!r}" for k in diff))
             if _wait_for(store, [f"{PREFIX}world"], deadline):
                 word = store.get(f"{PREFIX}world").decode()
+                store.add(f"{PREFIX}heard", 1)
                 if word != "ok":
                     raise ConfigError(word)
                 return
@@ -131,6 +140,7 @@ def join(store, rank: int, world_size: int, facts: dict, timeout_s: float, node_
         word = "ok" if not bad else "rank(s) differ from rank 0: " + "; ".join(f"rank {r}: {d}" for r, d in bad.items())
         store.set(f"{PREFIX}world", word)
         if bad:
+            _let_them_hear(store, world_size - 1)
             raise ConfigError(word)
         return
     missing = [r for r in range(world_size) if not store.check([facts_keys[r]])]
@@ -141,6 +151,7 @@ def join(store, rank: int, world_size: int, facts: dict, timeout_s: float, node_
            "start the same command on every node with its --node-rank, the same --nnodes and --dist-init-addr")
     if rank == 0:   # the ranks that did join hear why at once
         store.set(f"{PREFIX}world", msg)
+        _let_them_hear(store, world_size - 1 - len(missing))
     raise ConfigError(msg)
 
 
