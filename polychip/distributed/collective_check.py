@@ -79,7 +79,7 @@ def _worker(rank: int, world: int, store_path: str, device: str, device_ids: lis
         ok_reduce = bool(torch.equal(got, torch.full((4,), want)))
         g = comm.all_gather(plugin.to_device(torch.full((2,), float(rank))))
         ok_gather = g.cpu().tolist() == [float(r) for r in range(world) for _ in range(2)]
-        lines = [f"{where}: all_reduce sum = {got[0].item():g} (expected {want:g}); all_gather "
+        lines = [f"{where}: all_reduce sum = {got[0].item():g}, expected {want:g}; all_gather "
                  f"{'in rank order' if ok_gather else 'WRONG: ' + str(g.cpu().tolist())}"]
         n = max(1, nbytes // 4)
         buf = plugin.to_device(torch.ones(n))
