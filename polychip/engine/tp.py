@@ -48,8 +48,10 @@ class TensorParallelError(PolychipError):
 
 def worker_command(config: EngineConfig, rank: int, device: str, host: str, port: int) -> list[str]:
     cfg = json.dumps(dataclasses.asdict(config))
+    level = logging.getLevelName(logging.getLogger("polychip").getEffectiveLevel()).lower()
     return [sys.executable, "-m", "polychip.engine.tp_worker", "--rank", str(rank), "--device", device,
-            "--store", f"[{host}]:{port}" if ":" in host else f"{host}:{port}", "--config", cfg]
+            "--store", f"[{host}]:{port}" if ":" in host else f"{host}:{port}", "--config", cfg,
+            "--log-level", level if level in ("debug", "info", "warning", "error") else "warning"]
 
 
 class LocalWorkers:

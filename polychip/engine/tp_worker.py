@@ -80,9 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", required=True, help="this rank's device, e.g. simxpu:1")
     p.add_argument("--store", required=True, help="HOST:PORT of node 0's rendezvous store")
     p.add_argument("--config", required=True, help="the EngineConfig as JSON")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     config = EngineConfig.from_kwargs(**json.loads(args.config))
-    logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s [rank {args.rank}] %(name)s: %(message)s")
     if config.num_threads:
         import torch
