@@ -18,7 +18,7 @@ import torch
 
 from polychip import LLM, SamplingParams
 from polychip.engine.tp import TensorParallelError, agree_on_pool
-from polychip.errors import ConfigError
+from polychip.errors import ConfigError, PolychipError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU2 = os.path.join(ROOT, "examples", "specs", "cpu-2.yaml")
@@ -274,3 +274,64 @@ def test_a_node_with_other_settings_is_refused_by_name(model_factory):
         if other.poll() is None:
             other.kill()
             other.wait()
+
+
+FLAKY = '''
+from polychip_simxpu import SimXpuPlugin
+
+
+class FlakyXpu(SimXpuPlugin):
+    name = "flakyxpu"
+
+    def init(self, spec=None, index=0):
+        if index == 1:
+            raise RuntimeError("firmware handshake timed out")
+        super().init(spec, index)
+'''
+
+
+def test_a_worker_that_cannot_open_its_device_is_relayed_by_rank_0(model_factory, tmp_path):
+    path = model_factory("llama", False)
+    plugin = tmp_path / "flaky.py"
+    plugin.write_text(FLAKY)
+    t0 = time.monotonic()
+    with pytest.raises(PolychipError, match=r"rank 1 \(node 0\) failed before joining: \[plugin\] plugin 'flakyxpu' "
+                                            r"failed in init\(device 1\): RuntimeError: firmware handshake timed out"):
+        LLM(path, device="flakyxpu", plugins=(str(plugin),), tp_size=2)
+    assert time.monotonic() - t0 < 60
+
+
+RANK0 = '''
+import os, sys, time
+from polychip import LLM
+llm = LLM(sys.argv[1], device="cpu", device_config=sys.argv[2], tp_size=2, max_total_tokens=512)
+print(llm.engine.device_report()[1]["pid"], flush=True)
+time.sleep(600)
+'''
+
+
+def test_workers_leave_when_rank_0_dies(model_factory, tmp_path):
+    path = model_factory("llama", False)
+    script = tmp_path / "rank0.py"
+    script.write_text(RANK0)
+    rank0 = subprocess.Popen([sys.executable, str(script), path, CPU2], stdout=subprocess.PIPE, text=True)
+    try:
+        worker = int(rank0.stdout.readline())
+        rank0.kill()
+        rank0.wait()
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 15:
+            try:   # gone, or a zombie nobody reaps (the orphan's new parent may not)
+                with open(f"/proc/{worker}/stat") as f:
+                    if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                        break
+            except FileNotFoundError:
+                break
+            time.sleep(0.1)
+        else:
+            os.kill(worker, signal.SIGKILL)
+            pytest.fail("the worker outlived rank 0 by 15 s")
+    finally:
+        if rank0.poll() is None:
+            rank0.kill()
+            rank0.wait()
