@@ -67,3 +67,16 @@ def test_probe_prints_the_bus_bandwidth_of_all_reduce_and_all_gather(capsys):
 def test_conformance_collective_check_on_two_simxpu_cards():
     msg = conformance.run_check(Target("simxpu", device_config=SIMXPU2), "collective")
     assert msg.startswith("all_reduce and all_gather over gloo on 2 rank(s); bus bandwidth all_reduce")
+
+
+def test_a_node_that_cannot_reach_node_0_exits_with_the_address(tiny_model):
+    import socket
+    with socket.socket() as s:        # a loopback port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "polychip.serve", "--model-path", tiny_model, "--device", "cpu", "--tp-size", "2",
+           "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", f"127.0.0.1:{port}", "--dist-init-timeout", "2"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1, run.stderr[-2000:]
+    assert f"cannot reach the tensor-parallel rendezvous at 127.0.0.1:{port} within 2s" in run.stderr
+    assert "Uvicorn running" not in run.stderr
