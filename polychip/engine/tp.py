@@ -254,7 +254,8 @@ class TensorParallel:
     def statuses(self) -> list[dict]:
         """Every rank's device and memory: rank 0 read now, the others from their last heartbeat."""
         own = device_status(self.plugin, 0, 0, self.kv_pool_bytes)
-        return [own] + [self._statuses[r] for r in sorted(self._statuses) if r != 0]
+        others = dict(self._statuses)          # the monitor thread replaces entries as beats come
+        return [own] + [others[r] for r in sorted(others) if r != 0]
 
     def stop(self) -> None:
         """Tell the workers to leave (when the group is healthy), wait, then end what is left."""
