@@ -191,7 +191,8 @@ class TensorParallel:
         while self.fault is None and time.monotonic() < deadline:
             time.sleep(POLL_PERIOD / 5)
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        self._set_fault(f"a collective failed on rank 0: {first}")
+        said = self._worker_errors()          # a rank on another host may have said why it left
+        self._set_fault(f"a collective failed on rank 0: {first}" + (f" ({said})" if said else ""))
         return TensorParallelError(f"tensor-parallel group failed: {self.fault}")
 
     # faults
