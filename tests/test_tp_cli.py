@@ -11,8 +11,8 @@ import sys
 import pytest
 
 from polychip.cli import main
-from polychip.devices import conformance
-from polychip.devices.conformance import Target
+from polychip.pluginkit import conformance
+from polychip.pluginkit.conformance import Target
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU2 = os.path.join(ROOT, "examples", "specs", "cpu-2.yaml")

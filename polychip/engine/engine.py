@@ -11,8 +11,6 @@ import logging
 import os
 from collections import defaultdict
 
-import torch
-
 from polychip.config import EngineConfig
 from polychip.devices.discovery import open_from_config
 from polychip.engine.kv_pool import KVPool, size_pool
@@ -26,7 +24,7 @@ from polychip.engine.scheduler import Scheduler
 from polychip.engine.stats import STAGES, EngineStats, StageTimer
 from polychip.engine.stop import streamable_len
 from polychip.engine.tp import TensorParallel, TPModelRunner
-from polychip.errors import InvalidRequestError
+from polychip.errors import ConfigError, InvalidRequestError
 from polychip.models.loader import load_model
 from polychip.models.tokenizer import IncrementalDetokenizer
 
@@ -40,8 +38,9 @@ COUNTERS = ("requests_added", "requests_aborted", "preemptions", "steps", "promp
 class Engine:
     def __init__(self, config: EngineConfig | None = None, plugin=None):
         self.config = config = config or EngineConfig()
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        if plugin is not None and config.num_threads is not None:
+            raise ConfigError("num_threads is applied when the engine opens its device; for a plugin opened "
+                              "by the caller, pass num_threads to open_device instead")
         # tensor parallel: this process is rank 0; the other ranks' processes start here
         self.tp = TensorParallel(config) if config.tp_size > 1 else None
         try:

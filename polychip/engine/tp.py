@@ -150,7 +150,8 @@ class TensorParallel:
                      world.tp_size, world.nnodes, host, self.server.port,
                      ", ".join(f"rank {r} on {d}" for r, d in zip(world.local_ranks, devices)))
             self.workers = LocalWorkers(config, world.local_ranks[1:], devices[1:], host, self.server.port)
-            self.plugin = open_device(devices[0], tuple(config.plugins), config.device_config)
+            self.plugin = open_device(devices[0], tuple(config.plugins), config.device_config,
+                                      num_threads=config.num_threads)
             join(self.server.store, 0, world.tp_size, world.facts(config), config.dist_init_timeout, world.node_of)
             self.comm = Communicator(self.plugin.communicator_backend(), 0, world.tp_size, self.server.store,
                                      timeout_s=config.dist_timeout, plugin_name=self.plugin.name,

@@ -32,7 +32,7 @@ EXIT_LOST_RANK0 = 3
 def serve_rank(config: EngineConfig, rank: int, device: str, host: str, port: int, store) -> None:
     world = World.from_config(config)
     node = world.node_of(rank)
-    plugin = open_device(device, tuple(config.plugins), config.device_config)
+    plugin = open_device(device, tuple(config.plugins), config.device_config, num_threads=config.num_threads)
     kv_bytes = [0]
 
     def lost(reason: str) -> None:
@@ -85,9 +85,6 @@ def main(argv: list[str] | None = None) -> int:
     config = EngineConfig.from_kwargs(**json.loads(args.config))
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s [rank {args.rank}] %(name)s: %(message)s")
-    if config.num_threads:
-        import torch
-        torch.set_num_threads(config.num_threads)
     store = None
     try:
         host, port = parse_host_port(args.store, "--store")

@@ -7,7 +7,7 @@ import platform
 
 import torch
 
-from polychip.devices.cpu_memory import HugePageAllocator
+from polychip.devices.cpu.memory import HugePageAllocator
 from polychip.devices.plugin import Availability, DeviceInfo, DevicePlugin, Event, Stream
 
 log = logging.getLogger("polychip.devices.cpu")
@@ -85,13 +85,16 @@ class CpuPlugin(DevicePlugin):
         super().__init__()
         self.memory = HugePageAllocator()
 
-    def init(self, spec=None, index: int = 0) -> None:
+    def init(self, spec=None, index: int = 0, num_threads: int | None = None) -> None:
+        """``num_threads``: torch's intra-op threads, which run the kernels and the native ops."""
         super().init(spec, index)
+        parts = len(self._parts(self.spec))
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
+        elif parts > 1:   # one device of several: its share of the cores
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // parts))
         if not self.memory.enabled:
             log.info("cpu: %s", self.memory.reason)
-        parts = len(self._parts(self.spec))
-        if parts > 1:   # one device of several: its share of the cores
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // parts))
 
     def alloc(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """On huge pages: the KV pool and, through the base place_weight, the weights (copies, not
@@ -115,8 +118,8 @@ class CpuPlugin(DevicePlugin):
 
     def register_ops(self, registry) -> None:
         """float32 C++ fast paths (decode attention, linear, row ops) when they build."""
-        from polychip.devices import cpu_ops
-        cpu_ops.register(registry)
+        from polychip.devices.cpu import ops
+        ops.register(registry)
 
     def fusions(self) -> tuple[str, ...]:
         return ("qkv", "gate_up", "add_rms_norm")
