@@ -64,9 +64,9 @@ def test_tp2_on_cpu_matches_tp1(model_factory, arch, tie):
         # GQA: 2 KV heads over 2 ranks, one each; the pool holds this rank's head only
         assert eng.loaded.kv_heads == 1 and eng.pool.storage.shape[4] == 1
         report = eng.device_report()
-        assert [(d["rank"], d["plugin"], d["device"]) for d in report] == [(0, "cpu", 0), (1, "cpu", 1)]
-        assert all(d["kv_pool_bytes"] == report[0]["kv_pool_bytes"] > 0 for d in report)
-        assert report[1]["pid"] != os.getpid()
+        assert [(d.rank, d.plugin, d.device) for d in report] == [(0, "cpu", 0), (1, "cpu", 1)]
+        assert all(d.kv_pool_bytes == report[0].kv_pool_bytes > 0 for d in report)
+        assert report[1].pid != os.getpid()
     finally:
         llm.shutdown()
     assert eng.tp.workers.exited() == {1: 0}, "the worker leaves cleanly on rank 0's stop message"
@@ -79,14 +79,14 @@ def test_simxpu_tp2_and_tp4_with_replicated_kv_heads_match_tp1(model_factory):
     got2, llm = run(path, device="simxpu", device_config=SIMXPU2, tp_size=2)
     try:
         assert_same(got2, want)
-        assert [d["plugin"] for d in llm.engine.device_report()] == ["simxpu", "simxpu"]
+        assert [d.plugin for d in llm.engine.device_report()] == ["simxpu", "simxpu"]
     finally:
         llm.shutdown()
     got4, llm = run(path, device="simxpu", device_config=SIMXPU4, tp_size=4)
     try:
         assert_same(got4, want)
         assert llm.engine.loaded.shard.kv_replicas == 2 and llm.engine.loaded.kv_heads == 1
-        assert [d["device"] for d in llm.engine.device_report()] == [0, 1, 2, 3]
+        assert [d.device for d in llm.engine.device_report()] == [0, 1, 2, 3]
     finally:
         llm.shutdown()
 
@@ -120,7 +120,7 @@ def test_a_dead_worker_is_named_and_the_next_step_fails(model_factory):
     path = model_factory("llama", False)
     _, llm = run(path, device="cpu", device_config=CPU2, tp_size=2, dist_timeout=5)
     try:
-        pid = llm.engine.device_report()[1]["pid"]
+        pid = llm.engine.device_report()[1].pid
         seen = []
         llm.engine.on_fault(seen.append)
         t0 = time.monotonic()
@@ -137,7 +137,7 @@ def test_a_dead_worker_is_named_and_the_next_step_fails(model_factory):
 def test_a_hung_worker_fails_the_step_within_the_collective_timeout(model_factory):
     path = model_factory("llama", False)
     _, llm = run(path, device="cpu", device_config=CPU2, tp_size=2, dist_timeout=3)
-    pid = llm.engine.device_report()[1]["pid"]
+    pid = llm.engine.device_report()[1].pid
     try:
         os.kill(pid, signal.SIGSTOP)
         t0 = time.monotonic()
@@ -238,7 +238,7 @@ def test_two_nodes_on_loopback_and_a_duplicate_node_rank(model_factory):
     try:
         got, llm = run(path, device="cpu", tp_size=2, nnodes=2, node_rank=0, dist_init_addr=f"127.0.0.1:{port}")
         assert_same(got, want)
-        assert [(d["rank"], d["node"]) for d in llm.engine.device_report()] == [(0, 0), (1, 1)]
+        assert [(d.rank, d.node) for d in llm.engine.device_report()] == [(0, 0), (1, 1)]
         deadline = time.monotonic() + 60
         while first.poll() is None and second.poll() is None and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -305,7 +305,7 @@ RANK0 = '''
 import os, sys, time
 from polychip import LLM
 llm = LLM(sys.argv[1], device="cpu", device_config=sys.argv[2], tp_size=2, max_total_tokens=512)
-print(llm.engine.device_report()[1]["pid"], flush=True)
+print(llm.engine.device_report()[1].pid, flush=True)
 time.sleep(600)
 '''
 

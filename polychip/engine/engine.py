@@ -21,7 +21,7 @@ from polychip.engine.request import CompletionOutput, Request, RequestOutput
 from polychip.engine.sampler import Sampler
 from polychip.engine.sampling_params import SamplingParams
 from polychip.engine.scheduler import Scheduler
-from polychip.engine.stats import STAGES, EngineStats, StageTimer
+from polychip.engine.stats import STAGES, EngineStats, RankDevice, StageTimer
 from polychip.engine.stop import streamable_len
 from polychip.engine.tp import TensorParallel, TPModelRunner
 from polychip.errors import ConfigError, InvalidRequestError
@@ -190,22 +190,22 @@ class Engine:
         queried = c.get("prompt_tokens_queried", 0)
         return EngineStats(
             num_waiting=self.num_waiting, num_running=self.num_running, page_size=pm.page_size,
-            pages_total=pm.num_pages, pages_free=pm.num_free, pages_cached=pm.cache.num_pages,
+            pages_total=pm.num_pages, kv_pool_bytes=self.pool.num_bytes, pages_free=pm.num_free, pages_cached=pm.cache.num_pages,
             pages_evictable=pm.cache.evictable_pages(), kv_usage=1 - pm.num_free / pm.num_pages,
             prefix_cache_hit_rate=c.get("prompt_tokens_cached", 0) / queried if queried else 0.0,
             **{k: c.get(k, 0) for k in COUNTERS},
             stage_seconds=tuple((s, self.stage_seconds.get(s, 0.0)) for s in STAGES),
-            device_memory=self._device_memory())
+            **self._device_memory())
 
-    def _device_memory(self) -> tuple[tuple[str, int, int], ...]:
+    def _device_memory(self) -> dict:
         try:
-            report = self.device_report()
+            ranks = self.device_report()
         except Exception as e:    # a plugin's memory query must never break the stats
             log.warning("mem_info of plugin %s failed: %s", self.plugin.name, e)
-            return ()
-        label = (lambda d: f"{d['plugin']}:{d['device']}") if self.tp is None else \
-            (lambda d: f"rank {d['rank']} {d['plugin']}:{d['device']}")
-        return tuple((label(d), d["free_memory"], d["total_memory"]) for d in report)
+            return {"device_memory": (), "ranks": ()}
+        label = (lambda r: f"{r.plugin}:{r.device}") if self.tp is None else \
+            (lambda r: f"rank {r.rank} {r.plugin}:{r.device}")
+        return {"device_memory": tuple((label(r), r.free_memory, r.total_memory) for r in ranks), "ranks": ranks}
 
     def flush_prefix_cache(self) -> int:
         """Evict every cached page no running request holds; returns how many were released."""
@@ -225,14 +225,13 @@ class Engine:
         if self.tp is not None:
             self.tp.on_fault(callback)
 
-    def device_report(self) -> list[dict]:
+    def device_report(self) -> tuple[RankDevice, ...]:
         """Every rank's device and memory (one entry without tensor parallelism)."""
         if self.tp is not None:
-            return self.tp.statuses()
+            return tuple(RankDevice(**d) for d in self.tp.statuses())
         free, total = self.plugin.mem_info()
-        kv = self.pool.storage.numel() * self.pool.storage.element_size() if self.pool.storage is not None else 0
-        return [{"rank": 0, "node": 0, "plugin": self.plugin.name, "device": self.plugin.index,
-                 "free_memory": free, "total_memory": total, "kv_pool_bytes": kv, "pid": os.getpid()}]
+        return (RankDevice(0, 0, self.plugin.name, self.plugin.index, free, total,
+                           self.pool.num_bytes if self.pool.storage is not None else 0, os.getpid()),)
 
     def shutdown(self) -> None:
         self.pool.release()
