@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response
 
 from polychip.engine.async_engine import AsyncEngine
 from polychip.engine.engine import Engine
-from polychip.server import chat, completions
+from polychip.server import chat, completions, server_info
 from polychip.server.errors import error_response, install_error_handlers, parse_body, to_response
 from polychip.server.metrics import CONTENT_TYPE, ServerMetrics
 from polychip.models.gguf import default_gguf_path
@@ -104,14 +104,7 @@ def build_app(engine: Engine, *, shutdown_timeout: float = 10.0) -> tuple[Gate, 
         except Exception as e:
             return to_response(e, KNOWN_PARAMS)
 
-    @app.get("/server_info")
-    async def server_info():
-        try:
-            info = await ae.call(pool_info)
-        except Exception as e:
-            return to_response(e)
-        return {"model": name, "max_model_len": state.max_model_len, "plugin": engine.plugin.name,
-                "device_index": engine.plugin.index, **info}
+    app.include_router(server_info.make_router(state))    # /server_info, /get_server_info
 
     @app.post("/flush_cache")
     async def flush():
