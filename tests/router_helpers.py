@@ -59,6 +59,7 @@ class FakeReplica:
         self.model, self.version, self.device, self.dtypes = model, version, device, tuple(dtypes)
         self.max_running, self.delay, self.tokens, self.mode = max_running, delay, tokens, mode
         self.served = 0
+        self.hold = False              # while True, requests wait before answering
         self.inflight = 0
         self.peak_inflight = 0
         self.bodies: list[dict] = []
@@ -85,6 +86,8 @@ class FakeReplica:
             if self.mode == "http500":
                 return JSONResponse({"error": {"message": "boom", "type": "internal_error"}}, status_code=500)
             n = int(body.get("max_tokens") or self.tokens)
+            while self.hold:
+                await asyncio.sleep(0.01)
             self.inflight += 1
             self.peak_inflight = max(self.peak_inflight, self.inflight)
             usage = {"prompt_tokens": 5, "completion_tokens": n, "total_tokens": 5 + n}
