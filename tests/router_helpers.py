@@ -155,3 +155,61 @@ def wait_for(pred, timeout: float = 30, what: str = "condition"):
             return
         time.sleep(0.05)
     raise TimeoutError(f"timed out waiting for {what}")
+
+
+class RouterProcess:
+    """``polychip router ...`` in a subprocess on a free port; ``wait_ready(n)`` waits until n
+    replicas are up."""
+
+    def __init__(self, args: list[str], env: dict | None = None):
+        import os
+        import subprocess
+        import sys
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "polychip.cli", "router", "--port", str(self.port), *args]
+        self.lines: list[str] = []
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env={**os.environ, **(env or {})})
+        self._reader = threading.Thread(target=lambda: [self.lines.append(l.rstrip("\n")) for l in self.proc.stdout],
+                                        daemon=True)
+        self._reader.start()
+
+    @property
+    def log(self) -> str:
+        return "\n".join(self.lines)
+
+    def replicas(self) -> list[dict]:
+        import httpx
+        return httpx.get(self.url + "/admin/replicas", timeout=10).json()["replicas"]
+
+    def wait_ready(self, n: int, timeout: float = 180) -> "RouterProcess":
+        import httpx
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"router exited with {self.proc.returncode}:\n{self.log[-5000:]}")
+            try:
+                h = httpx.get(self.url + "/health", timeout=2)
+                if h.status_code == 200 and h.json()["replicas_up"] >= n:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        self.stop()
+        raise TimeoutError(f"{n} replicas not up after {timeout}s:\n{self.log[-5000:]}")
+
+    def stop(self, timeout: float = 60) -> int:
+        import signal
+        import subprocess
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._reader.join(5)
+        return self.proc.returncode

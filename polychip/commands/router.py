@@ -96,28 +96,28 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not args.replica and not args.deployment:
             raise ConfigError("give --replica URL (repeatable) or --deployment FILE.yaml")
-        deployment = None
+        deployment = placed = None
         if args.deployment:
             from polychip.router.deployment import load_deployment
             from polychip.router.placement import plan
             deployment = load_deployment(args.deployment)
-            plan(deployment)                 # refuse a deployment no device here can serve, before binding
+            placed = plan(deployment)        # refuse a deployment no device here can serve, before binding
         cfg = router_config(args, deployment.router_config() if deployment else None)
         from polychip.commands.serve import bind
         sock = bind(args.host, args.port)
     except PolychipError as e:
         return fail(e)
     try:
-        return run_router(cfg, sock, args.replica, deployment, args.deployment)
+        return run_router(cfg, sock, args.replica, deployment, args.deployment, placed)
     except PolychipError as e:
         return fail(e)
     finally:
         sock.close()
 
 
-def run_router(cfg, sock, replica_urls, deployment, deployment_path) -> int:
+def run_router(cfg, sock, replica_urls, deployment, deployment_path, placed=None) -> int:
     from polychip.router.app import Router, build_app
-    router = Router(cfg, replica_urls, deployment, deployment_path)
+    router = Router(cfg, replica_urls, deployment, deployment_path, placed)
     app = build_app(router)
     uv = uvicorn.Config(app, log_config=None, log_level=cfg_log_level(), access_log=False,
                         timeout_graceful_shutdown=cfg.drain_timeout, lifespan="on")
@@ -224,3 +224,73 @@ def format_rollout(models: dict) -> str:
                         f"{100 * s['error_rate']:>5.1f}% {ms(s['ttft_p50']) + '/' + ms(s['ttft_p95']):>16} "
                         f"{ms(s['e2e_p50']) + '/' + ms(s['e2e_p95']):>16}  {note}")
     return "\n".join(rows)
+
+
+# polychip serve --dp-size N
+ROUTER_LEVEL = ("--dp-size", "--host", "--port", "--api-key", "--device", "--served-model-name")
+
+
+def serve_dp(argv: list[str]) -> int:
+    """``polychip serve --dp-size N ...``: N replicas of the same serve flags on the chosen plugin's
+    devices (cpu: all share the one device, with the cores split between them), behind a
+    least-load router on --host/--port that checks the API key."""
+    from polychip.commands.serve import bind, build_parser as serve_parser
+    args = serve_parser().parse_args(argv)
+    setup_logging(args.log_level)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    try:
+        if args.dp_size is None or args.dp_size < 1:
+            raise ConfigError(f"--dp-size must be >= 1, got {args.dp_size}")
+        deployment, records = dp_deployment(args, replica_args(argv))
+        from polychip.router.config import RouterConfig
+        from polychip.router.placement import plan
+        placed = plan(deployment, records)
+        cfg = RouterConfig(api_key=args.api_key, drain_timeout=args.graceful_shutdown_timeout + 5)
+        sock = bind(args.host, args.port)
+    except PolychipError as e:
+        return fail(e)
+    try:
+        return run_router(cfg, sock, [], deployment, None, placed)
+    except PolychipError as e:
+        return fail(e)
+    finally:
+        sock.close()
+
+
+def replica_args(argv: list[str]) -> list[str]:
+    """The serve flags every replica gets: all but the router-level ones."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        flag = a.split("=", 1)[0]
+        if flag in ROUTER_LEVEL:
+            skip = "=" not in a
+            continue
+        out.append(a)
+    return out
+
+
+def dp_deployment(args, extra: list[str]):
+    """(Deployment, plugin records) for ``--dp-size`` replicas on the devices of ``--device``."""
+    from polychip.devices.discovery import discover_plugins, parse_device, select
+    from polychip.router.deployment import from_dict
+    records = discover_plugins(tuple(args.plugins))
+    kind, index = parse_device(args.device)
+    if kind == "auto":
+        kind = select(records, "auto")[0].name
+    n = args.dp_size
+    devices = [kind] * n if kind == "cpu" else [f"{kind}:{(index or 0) + i}" for i in range(n)]
+    if kind == "cpu" and args.num_threads is None:
+        extra = [*extra, "--num-threads", str(max(1, (os.cpu_count() or 1) // n))]
+    name = args.served_model_name or args.model_path or _default_model_name()
+    replicas = [{"name": f"dp{i}", "model": name, "device": d, "args": extra} for i, d in enumerate(devices)]
+    dep = from_dict({"replicas": replicas, "models": [{"name": name, "versions": {"default": 1}}]},
+                    source=f"--dp-size {n}")
+    return dep, records
+
+
+def _default_model_name() -> str:
+    from polychip.models.gguf import default_gguf_path
+    return os.path.splitext(os.path.basename(default_gguf_path()))[0]

@@ -37,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="larger request bodies get 413")
     g.add_argument("--graceful-shutdown-timeout", type=float, default=10.0,
                    help="seconds in-flight requests get to finish after SIGINT/SIGTERM before they are aborted")
+    g.add_argument("--dp-size", type=int, default=None, help="N replicas behind a router (polychip router)")
     return p
 
 
@@ -75,7 +76,11 @@ def progress(label: str):
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a == "--dp-size" or a.startswith("--dp-size=") for a in argv):   # N replicas behind a router
+        from polychip.commands.router import serve_dp
+        return serve_dp(argv)
+    args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
     if args.graceful_shutdown_timeout < 0:
         return fail(ConfigError("--graceful-shutdown-timeout must be >= 0"))
