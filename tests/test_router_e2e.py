@@ -212,3 +212,20 @@ def _zombie(pid: int) -> bool:
             return f.read().split(")")[1].split()[0] == "Z"
     except FileNotFoundError:
         return True
+
+
+def test_serve_dp_size_is_a_router_over_local_replicas(model_factory):
+    from polychip.server.launcher import ServerProcess
+    args = ["--dp-size", "2", "--model-path", model_factory("qwen3", True), "--served-model-name", "tiny",
+            "--api-key", "k", *REPLICA_ARGS]
+    with ServerProcess(args) as s:
+        auth = {"Authorization": "Bearer k"}
+        wait_for(lambda: httpx.get(s.url + "/health").json()["replicas_up"] == 2, 120, "2 replicas")
+        assert httpx.post(s.url + "/v1/completions", json={"prompt": "x"}).status_code == 401
+        seen = Counter()
+        for i in range(6):
+            r = httpx.post(s.url + "/v1/completions", headers=auth, timeout=60,
+                           json={"model": "tiny", "prompt": f"hi {i}", "max_tokens": 2})
+            assert r.status_code == 200 and r.headers["x-polychip-device"] == "cpu:0"
+            seen[r.headers["x-polychip-replica"]] += 1
+        assert seen == {"dp0": 3, "dp1": 3}
