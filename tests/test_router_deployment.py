@@ -120,3 +120,11 @@ def test_the_command_refuses_a_bad_file_before_listening(tmp_path, capsys):
     assert err.startswith("error: [framework]") and "replicas.1.device: unknown device type 'tpu'" in err
     assert router_cmd.main(["--port", "1"]) == 1
     assert "give --replica URL" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["mixed.yaml", "two-hosts.yaml"])
+def test_the_example_deployments_are_valid(name):
+    import os
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    placed = plan(load_deployment(os.path.join(root, "examples", "deploy", name)))
+    assert placed.launch and not placed.excluded

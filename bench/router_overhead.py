@@ -1,0 +1,140 @@
+"""What the router costs: bench serving's streaming client against one replica directly and
+through ``polychip router`` in front of it, interleaved round by round in one run (so both see
+the same machine load), then a router over two replicas.
+
+  .venv/bin/python bench/router_overhead.py [--model-path P] [--input-len 256] [--output-len 64]
+        [--concurrency 16] [--rounds 3] [--json out.json]
+
+Prints median TTFT (direct, via router, added) and output throughput (cost %) per round and
+over all rounds; with --two-replicas, the same workload on a router over 2 replicas.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+import httpx
+
+from polychip.bench import datasets
+from polychip.bench.serving import ServingConfig, discover_model, run_step, send_request
+from polychip.bench.datasets import BenchRequest
+from polychip.bench.stats import summarize
+from polychip.server.launcher import ServerProcess
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_router(replica_urls: list[str]):
+    port = free_port()
+    cmd = [sys.executable, "-m", "polychip.cli", "router", "--port", str(port), "--log-level", "warning",
+           "--policy", "least_load"]
+    for u in replica_urls:
+        cmd += ["--replica", u]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            h = httpx.get(url + "/health", timeout=2)
+            if h.status_code == 200 and h.json()["replicas_up"] == len(replica_urls):
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("router not ready")
+
+
+async def measure(url: str, reqs: list[BenchRequest], concurrency: int) -> dict:
+    cfg = ServingConfig(url, progress=False)
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(3600, connect=30), limits=limits) as client:
+        model = await discover_model(client, cfg)
+        await send_request(client, cfg, model, BenchRequest("Warm-up: count from one to ten.", 8, 4))
+        results, wall = await run_step(cfg, model, reqs, concurrency, client)
+    step = summarize(results, wall, concurrency)
+    return {"ttft_median_ms": step["ttft_ms"]["median"], "output_throughput": step["output_throughput"],
+            "completed": step["completed"]}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-path", default=None, help="default: the embedded SmolLM2-135M GGUF")
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--two-replicas", action="store_true")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    tok = datasets.load_tokenizer(args.model_path)
+    serve_args = ["--max-running-requests", str(args.concurrency), "--log-level", "warning"]
+    if args.model_path:
+        serve_args += ["--model-path", args.model_path]
+    out = {"config": vars(args), "rounds": []}
+    with ServerProcess(serve_args) as replica:
+        router, rurl = start_router([replica.url])
+        try:
+            for i in range(args.rounds):
+                row = {}
+                # fresh prompts per measurement: no prefix-cache hits between them
+                order = ("direct", "router") if i % 2 == 0 else ("router", "direct")
+                for j, name in enumerate(order):
+                    reqs = datasets.synthetic(tok, args.concurrency * 2, args.input_len, args.output_len,
+                                              seed=1000 * i + j)
+                    row[name] = asyncio.run(measure(replica.url if name == "direct" else rurl, reqs,
+                                                    args.concurrency))
+                row["ttft_added_ms"] = row["router"]["ttft_median_ms"] - row["direct"]["ttft_median_ms"]
+                row["throughput_cost_pct"] = 100 * (1 - row["router"]["output_throughput"] /
+                                                    row["direct"]["output_throughput"])
+                out["rounds"].append(row)
+                print(f"round {i}: TTFT median direct {row['direct']['ttft_median_ms']:.1f} ms, via router "
+                      f"{row['router']['ttft_median_ms']:.1f} ms (added {row['ttft_added_ms']:+.1f} ms); output "
+                      f"tok/s direct {row['direct']['output_throughput']:.1f}, via router "
+                      f"{row['router']['output_throughput']:.1f} (cost {row['throughput_cost_pct']:+.1f}%)",
+                      flush=True)
+        finally:
+            router.send_signal(signal.SIGTERM)
+            router.wait(30)
+        added = [r["ttft_added_ms"] for r in out["rounds"]]
+        cost = [r["throughput_cost_pct"] for r in out["rounds"]]
+        out["summary"] = {"ttft_added_ms_median": statistics.median(added),
+                          "throughput_cost_pct_median": statistics.median(cost)}
+        print(f"over {args.rounds} rounds: median TTFT added {statistics.median(added):+.1f} ms, median output "
+              f"throughput cost {statistics.median(cost):+.1f}% (concurrency {args.concurrency}, "
+              f"{args.input_len} in / {args.output_len} out)")
+        if args.two_replicas:
+            with ServerProcess(serve_args) as second:
+                router, rurl = start_router([replica.url, second.url])
+                try:
+                    reqs = datasets.synthetic(tok, args.concurrency * 2, args.input_len, args.output_len, seed=77)
+                    two = asyncio.run(measure(rurl, reqs, args.concurrency))
+                    reqs = datasets.synthetic(tok, args.concurrency * 2, args.input_len, args.output_len, seed=78)
+                    one = asyncio.run(measure(replica.url, reqs, args.concurrency))
+                finally:
+                    router.send_signal(signal.SIGTERM)
+                    router.wait(30)
+            out["two_replicas"] = {"router_over_2": two, "one_direct": one}
+            print(f"2 replicas behind the router: {two['output_throughput']:.1f} output tok/s, TTFT median "
+                  f"{two['ttft_median_ms']:.0f} ms; 1 replica direct: {one['output_throughput']:.1f} tok/s, "
+                  f"{one['ttft_median_ms']:.0f} ms (os.cpu_count() = {os.cpu_count()})")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
