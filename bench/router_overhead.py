@@ -3,7 +3,7 @@ through ``polychip router`` in front of it, interleaved round by round in one ru
 the same machine load), then a router over two replicas.
 
   .venv/bin/python bench/router_overhead.py [--model-path P] [--input-len 256] [--output-len 64]
-        [--concurrency 16] [--rounds 3] [--json out.json]
+        [--concurrency 1,16] [--rounds 3] [--two-replicas] [--json out.json]
 
 Prints median TTFT (direct, via router, added) and output throughput (cost %) per round and
 over all rounds; with --two-replicas, the same workload on a router over 2 replicas.
@@ -65,7 +65,7 @@ async def measure(url: str, reqs: list[BenchRequest], concurrency: int) -> dict:
         await send_request(client, cfg, model, BenchRequest("Warm-up: count from one to ten.", 8, 4))
         results, wall = await run_step(cfg, model, reqs, concurrency, client)
     step = summarize(results, wall, concurrency)
-    return {"ttft_median_ms": step["ttft_ms"]["median"], "output_throughput": step["output_throughput"],
+    return {"ttft_median_ms": step["ttft_ms"]["p50"], "output_throughput": step["output_throughput"],
             "completed": step["completed"]}
 
 
@@ -74,13 +74,14 @@ def main() -> int:
     p.add_argument("--model-path", default=None, help="default: the embedded SmolLM2-135M GGUF")
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--concurrency", type=lambda t: [int(x) for x in t.split(",")], default=[1, 16],
+                   help="comma-separated (default 1,16: the bare added latency, and the issue's load)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--two-replicas", action="store_true")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     tok = datasets.load_tokenizer(args.model_path)
-    serve_args = ["--max-running-requests", str(args.concurrency), "--log-level", "warning"]
+    serve_args = ["--max-running-requests", str(max(args.concurrency)), "--log-level", "warning"]
     if args.model_path:
         serve_args += ["--model-path", args.model_path]
     out = {"config": vars(args), "rounds": []}
@@ -88,41 +89,43 @@ def main() -> int:
         router, rurl = start_router([replica.url])
         try:
             for i in range(args.rounds):
-                row = {}
-                # fresh prompts per measurement: no prefix-cache hits between them
-                order = ("direct", "router") if i % 2 == 0 else ("router", "direct")
-                for j, name in enumerate(order):
-                    reqs = datasets.synthetic(tok, args.concurrency * 2, args.input_len, args.output_len,
-                                              seed=1000 * i + j)
-                    row[name] = asyncio.run(measure(replica.url if name == "direct" else rurl, reqs,
-                                                    args.concurrency))
-                row["ttft_added_ms"] = row["router"]["ttft_median_ms"] - row["direct"]["ttft_median_ms"]
-                row["throughput_cost_pct"] = 100 * (1 - row["router"]["output_throughput"] /
-                                                    row["direct"]["output_throughput"])
-                out["rounds"].append(row)
-                print(f"round {i}: TTFT median direct {row['direct']['ttft_median_ms']:.1f} ms, via router "
-                      f"{row['router']['ttft_median_ms']:.1f} ms (added {row['ttft_added_ms']:+.1f} ms); output "
-                      f"tok/s direct {row['direct']['output_throughput']:.1f}, via router "
-                      f"{row['router']['output_throughput']:.1f} (cost {row['throughput_cost_pct']:+.1f}%)",
-                      flush=True)
+                for c in args.concurrency:
+                    row = {"round": i, "concurrency": c}
+                    # fresh prompts per measurement: no prefix-cache hits between them; alternate who goes first
+                    order = ("direct", "router") if i % 2 == 0 else ("router", "direct")
+                    for j, name in enumerate(order):
+                        reqs = datasets.synthetic(tok, c * 2, args.input_len, args.output_len,
+                                                  seed=10_000 * i + 100 * c + j)
+                        row[name] = asyncio.run(measure(replica.url if name == "direct" else rurl, reqs, c))
+                    row["ttft_added_ms"] = row["router"]["ttft_median_ms"] - row["direct"]["ttft_median_ms"]
+                    row["throughput_cost_pct"] = 100 * (1 - row["router"]["output_throughput"] /
+                                                        row["direct"]["output_throughput"])
+                    out["rounds"].append(row)
+                    print(f"round {i} c{c}: TTFT median direct {row['direct']['ttft_median_ms']:.1f} ms, via router "
+                          f"{row['router']['ttft_median_ms']:.1f} ms (added {row['ttft_added_ms']:+.1f} ms); output "
+                          f"tok/s direct {row['direct']['output_throughput']:.1f}, via router "
+                          f"{row['router']['output_throughput']:.1f} (cost {row['throughput_cost_pct']:+.1f}%)",
+                          flush=True)
         finally:
             router.send_signal(signal.SIGTERM)
             router.wait(30)
-        added = [r["ttft_added_ms"] for r in out["rounds"]]
-        cost = [r["throughput_cost_pct"] for r in out["rounds"]]
-        out["summary"] = {"ttft_added_ms_median": statistics.median(added),
-                          "throughput_cost_pct_median": statistics.median(cost)}
-        print(f"over {args.rounds} rounds: median TTFT added {statistics.median(added):+.1f} ms, median output "
-              f"throughput cost {statistics.median(cost):+.1f}% (concurrency {args.concurrency}, "
-              f"{args.input_len} in / {args.output_len} out)")
+        out["summary"] = {}
+        for c in args.concurrency:
+            rows = [r for r in out["rounds"] if r["concurrency"] == c]
+            added = statistics.median(r["ttft_added_ms"] for r in rows)
+            cost = statistics.median(r["throughput_cost_pct"] for r in rows)
+            out["summary"][f"c{c}"] = {"ttft_added_ms_median": added, "throughput_cost_pct_median": cost}
+            print(f"concurrency {c}, {args.rounds} rounds, {args.input_len} in / {args.output_len} out: median TTFT "
+                  f"added {added:+.1f} ms, median output throughput cost {cost:+.1f}%")
         if args.two_replicas:
             with ServerProcess(serve_args) as second:
                 router, rurl = start_router([replica.url, second.url])
                 try:
-                    reqs = datasets.synthetic(tok, args.concurrency * 2, args.input_len, args.output_len, seed=77)
-                    two = asyncio.run(measure(rurl, reqs, args.concurrency))
-                    reqs = datasets.synthetic(tok, args.concurrency * 2, args.input_len, args.output_len, seed=78)
-                    one = asyncio.run(measure(replica.url, reqs, args.concurrency))
+                    c = max(args.concurrency)
+                    reqs = datasets.synthetic(tok, c * 2, args.input_len, args.output_len, seed=77)
+                    two = asyncio.run(measure(rurl, reqs, c))
+                    reqs = datasets.synthetic(tok, c * 2, args.input_len, args.output_len, seed=78)
+                    one = asyncio.run(measure(replica.url, reqs, c))
                 finally:
                     router.send_signal(signal.SIGTERM)
                     router.wait(30)

@@ -175,3 +175,15 @@ def test_metrics_label_requests_by_replica_device_model_version_priority(cluster
     assert "polychip_router_queue_length" in text and "polychip_router_e2e_request_latency_seconds" in text
     assert 'polychip_router_completion_tokens_total{device_type="simxpu",model="tiny",replica="r0",version="v7"} 3.0' \
         in text
+
+
+def test_a_client_that_leaves_mid_stream_frees_the_replica(cluster):
+    fake = FakeReplica(delay=0.2, tokens=50)
+    url, router, _ = cluster([fake])
+    with httpx.stream("POST", url + "/v1/completions", json={"prompt": "x", "max_tokens": 50, "stream": True},
+                      timeout=30) as r:
+        first = next(l for l in r.iter_lines() if l.startswith("data:"))
+        assert '"text": "x"' in first
+    # the connection is closed after one event: the router lets go of the replica, which stops too
+    wait_for(lambda: router.dispatcher.replicas["r0"].inflight == 0 and fake.inflight == 0, 10, "released")
+    assert fake.served == 0

@@ -103,6 +103,10 @@ def main(argv: list[str] | None = None) -> int:
             deployment = load_deployment(args.deployment)
             placed = plan(deployment)        # refuse a deployment no device here can serve, before binding
         cfg = router_config(args, deployment.router_config() if deployment else None)
+        if cfg.health.interval > 30:
+            log.warning("health-check interval %.0fs: a dead replica stays in rotation that long between "
+                        "checks (requests to it are retried elsewhere, but a shorter interval is advised)",
+                        cfg.health.interval)
         from polychip.commands.serve import bind
         sock = bind(args.host, args.port)
     except PolychipError as e:

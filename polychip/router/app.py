@@ -158,9 +158,10 @@ class Router:
                            "not_found_error")
         return name
 
-    def version_for(self, model: str, user: str | None) -> str:
+    def version_for(self, model: str, user: str | None) -> str | None:
+        """The version this request goes to (None: any; no replica has reported its version yet)."""
         route = self.rollout.models.get(model)
-        return route.pick(user) if route is not None else ""
+        return route.pick(user) if route is not None else None
 
     def replicas_view(self) -> list[dict]:
         out = []

@@ -28,7 +28,7 @@ class NoReplicaError(Exception):
 @dataclass
 class Ticket:
     model: str
-    version: str
+    version: str | None                      # None: any version
     priority: str = "normal"
     preferred: tuple[str, ...] = ()          # device types, most preferred first
     prompt: str = ""

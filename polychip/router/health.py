@@ -1,5 +1,6 @@
 """Health checks: every ``interval`` each replica's ``/server_info`` is read. Down after
-``failure_threshold`` failures in a row (at once on a connection error); up again after
+``failure_threshold`` failures in a row (at once when the connection is refused or cannot be
+made); up again after
 ``success_threshold`` successes (a replica never up before: after its first).
 """
 from __future__ import annotations
@@ -15,8 +16,7 @@ from polychip.router.replica import Replica, ReplicaInfo
 
 log = logging.getLogger("polychip.router")
 
-CONNECTION_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError,
-                     httpx.WriteError, httpx.PoolTimeout)
+CONNECTION_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)      # refused or unreachable: down at once
 
 
 class HealthChecker:

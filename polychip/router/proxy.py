@@ -28,8 +28,8 @@ log = logging.getLogger("polychip.router")
 access = logging.getLogger("polychip.router.access")
 
 RETRYABLE_STATUS = frozenset({500, 502, 503, 504})
-BROKEN = (httpx.ConnectError, httpx.ConnectTimeout, httpx.ReadError, httpx.WriteError,
-          httpx.RemoteProtocolError, httpx.PoolTimeout)
+CONNECT_FAILED = (httpx.ConnectError, httpx.ConnectTimeout)
+BROKEN = CONNECT_FAILED + (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError, httpx.PoolTimeout)
 
 
 def error_body(message: str, type_: str, code=None) -> dict:
@@ -53,7 +53,7 @@ class Call:
     path: str
     body: bytes
     model: str
-    version: str
+    version: str | None
     priority: str
     preferred: tuple[str, ...]
     prompt: str
@@ -108,7 +108,10 @@ class Proxy:
         return headers
 
     def _broken(self, replica: Replica, e: Exception) -> Retry:
-        replica.mark_down(f"connection error while proxying: {type(e).__name__}: {e}")
+        """A refused connection marks the replica down at once; a connection that broke (it may be
+        a stale keep-alive one) only fails this attempt, and the health check decides."""
+        if isinstance(e, CONNECT_FAILED):
+            replica.mark_down(f"connection refused while proxying: {type(e).__name__}: {e}")
         return Retry("connection", f"{replica.name}: {type(e).__name__}: {e}")
 
     async def _json(self, call: Call, replica: Replica) -> Response:
@@ -205,8 +208,6 @@ class Proxy:
                 yield text
         except (httpx.TransportError, httpx.TimeoutException) as e:
             ok, status, kind = False, 599, "stream_broken"
-            if isinstance(e, BROKEN):
-                replica.mark_down(f"stream broke: {type(e).__name__}: {e}")
             log.warning("%s: stream from %s broke after the first token: %s", call.request_id, replica.name, e)
             yield sse_text(error_body(f"the replica {replica.name} failed mid-stream ({type(e).__name__}: {e}); "
                                       "the answer is incomplete", "upstream_error", 502))
@@ -228,7 +229,7 @@ class Proxy:
 
     def _labels(self, call: Call, replica: Replica | None) -> list[str]:
         if replica is None:
-            return [call.model, call.version, "", "", call.priority]
+            return [call.model, call.version or "", "", "", call.priority]
         return [call.model, replica.version_label or "", replica.name, replica.device_type, call.priority]
 
     def _finish(self, call: Call, replica: Replica, status: int, ttft: float | None, ok: bool,
