@@ -174,3 +174,26 @@ def test_model_quantization_is_never_placed_on_a_device_without_it(stack):
     assert all(r.status_code == 200 and r.headers["x-polychip-replica"] == "c" for r in res)
     view = {r["name"]: r for r in httpx.get(url + "/admin/replicas").json()["replicas"]}
     assert "lacks ['int8']" in view["s"]["incapable"] and view["c"]["incapable"] is None
+
+
+def test_a_client_that_leaves_while_queued_gives_its_place_back(stack):
+    fake = FakeReplica(max_running=1)
+    url, router = stack([fake], max_inflight_per_replica=1)
+    fake.hold = True
+
+    async def run():
+        async with httpx.AsyncClient(timeout=30) as client:
+            first = asyncio.ensure_future(client.post(url + "/v1/completions", json={"prompt": "a", "max_tokens": 1}))
+            while not fake.bodies:
+                await asyncio.sleep(0.02)
+            with pytest.raises(httpx.ReadTimeout):        # waits in the router's queue, then gives up
+                await client.post(url + "/v1/completions", json={"prompt": "b", "max_tokens": 1}, timeout=0.5)
+            while sum(router.dispatcher.queue_lengths().values()):
+                await asyncio.sleep(0.02)
+            fake.hold = False
+            return await first
+
+    assert asyncio.run(run()).status_code == 200
+    time.sleep(0.3)
+    assert [b["prompt"] for b in fake.bodies] == ["a"]          # the abandoned request never reached it
+    assert router.dispatcher.replicas["r0"].inflight == 0

@@ -241,6 +241,26 @@ def _call_from(router: Router, request: Request, body: bytes, path: str, rid: st
                 prompt_text(path, data), bool(data.get("stream")))
 
 
+async def _unless_client_leaves(request: Request, work):
+    """Run ``work``; if the client disconnects first (waiting in the queue, or before the first
+    token), cancel it so the request gives its place and its replica back."""
+    task = asyncio.ensure_future(work)
+
+    async def gone():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+    watch = asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if not task.done():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return Response(status_code=499)
+    return task.result()
+
+
 def build_app(router: Router) -> FastAPI:
     cfg = router.cfg
 
@@ -280,7 +300,7 @@ def build_app(router: Router) -> FastAPI:
             call = _call_from(router, request, await request.body(), path, rid)
         except _Refusal as e:
             return error_json(e.status, e.message, e.type, e.headers)
-        return await router.proxy.handle(call)
+        return await _unless_client_leaves(request, router.proxy.handle(call))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):

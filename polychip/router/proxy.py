@@ -12,6 +12,7 @@ import asyncio
 import json
 import logging
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import anyio
@@ -97,6 +98,10 @@ class Proxy:
                 self.d.release(replica)
                 self._attempt_failed(call, replica, r)
                 last = r
+            except asyncio.CancelledError:          # the client left before the first token
+                self.d.release(replica)
+                self._finish(call, replica, 499, None, ok=True, kind="client_gone")
+                raise
         return self._refuse(call, 502, f"no replica answered after {call.attempts} attempt(s); last error: "
                             f"{last.reason if last else 'none'}", "all_attempts_failed", retry_after=False)
 
@@ -178,14 +183,18 @@ class Proxy:
         except httpx.TimeoutException as e:
             await _close(resp)
             raise Retry("timeout", f"{replica.name}: {type(e).__name__} before the first token") from None
-        except Retry:
-            await _close(resp)
+        except (Retry, asyncio.CancelledError):
+            with anyio.CancelScope(shield=True):
+                await _close(resp)
             raise
         ttft = time.perf_counter() - call.t0
-        return StreamingResponse(self._relay(call, replica, resp, events, held, ttft),
-                                 media_type="text/event-stream", headers=self._where(replica, call, None))
+        released = []
+        relay = self._relay(call, replica, resp, events, held, ttft, released)
+        # a response the server drops before iterating it (client gone at once) still frees the slot
+        weakref.finalize(relay, lambda: released or (released.append(True), self.d.release(replica)))
+        return StreamingResponse(relay, media_type="text/event-stream", headers=self._where(replica, call, None))
 
-    async def _relay(self, call, replica, resp, events, held, ttft):
+    async def _relay(self, call, replica, resp, events, held, ttft, released: list):
         ok, status, tokens, done, kind = True, 200, None, False, None
         try:
             pending = list(held)
@@ -218,7 +227,9 @@ class Proxy:
         finally:
             with anyio.CancelScope(shield=True):
                 await _close(resp)
-                self.d.release(replica)
+                if not released:
+                    released.append(True)
+                    self.d.release(replica)
                 self._finish(call, replica, status, ttft, ok=ok, tokens=tokens, kind=kind)
 
     # bookkeeping
