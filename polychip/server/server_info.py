@@ -68,7 +68,8 @@ def engine_figures(engine: Engine, hits: PrefixHits) -> dict[str, Any]:
     return figures
 
 
-def identity(engine: Engine, model_name: str, max_model_len: int, version: str) -> dict[str, Any]:
+def identity(engine: Engine, model_name: str, max_model_len: int, version: str,
+             max_waiting: int) -> dict[str, Any]:
     """The fixed part: what this replica serves and on which device."""
     plugin = engine.plugin
     return {"model": model_name, "model_id": model_name, "version": version,
@@ -79,7 +80,7 @@ def identity(engine: Engine, model_name: str, max_model_len: int, version: str) 
             "dtype": str(engine.loaded.dtype).removeprefix("torch."),
             "device_dtypes": list(supported_dtypes(plugin)), "quantization": None, "tp_size": 1,
             "max_running_requests": engine.config.max_running_requests,
-            "max_waiting_requests": engine.config.max_waiting_requests}
+            "max_waiting_requests": max_waiting}
 
 
 def build_server_info(ident: dict[str, Any], figures: dict[str, Any]) -> dict[str, Any]:
@@ -91,7 +92,7 @@ def make_router(state) -> APIRouter:
     ae = state.engine
     hits = PrefixHits(ae)
     ident = identity(ae.engine, state.model_name, state.max_model_len,
-                     os.environ.get(VERSION_ENV) or DEFAULT_VERSION)
+                     os.environ.get(VERSION_ENV) or DEFAULT_VERSION, ae.max_waiting)
     router = APIRouter()
 
     async def server_info():
