@@ -94,7 +94,7 @@ def main() -> int:
                     # fresh prompts per measurement: no prefix-cache hits between them; alternate who goes first
                     order = ("direct", "router") if i % 2 == 0 else ("router", "direct")
                     for j, name in enumerate(order):
-                        reqs = datasets.synthetic(tok, c * 2, args.input_len, args.output_len,
+                        reqs = datasets.synthetic(tok, max(16, 2 * c), args.input_len, args.output_len,
                                                   seed=10_000 * i + 100 * c + j)
                         row[name] = asyncio.run(measure(replica.url if name == "direct" else rurl, reqs, c))
                     row["ttft_added_ms"] = row["router"]["ttft_median_ms"] - row["direct"]["ttft_median_ms"]

@@ -154,3 +154,32 @@ def test_the_guard_rolls_back_a_slow_canary_against_the_baseline():
     for _ in range(5):
         ro.record("m", "v2", True, 0.01, 0.40)
     assert ro.models["m"].weights["v2"] == 0.0 and "p95" in ro.models["m"].rolled_back["v2"]
+
+
+def test_health_thresholds_down_after_n_failures_up_after_m_successes():
+    from polychip.router.config import HealthConfig
+    from polychip.router.health import HealthChecker
+    from polychip.router.replica import ReplicaInfo
+    hc = HealthChecker(HealthConfig(failure_threshold=3, success_threshold=2), None, list, {}, lambda r: None)
+    info = ReplicaInfo.parse({"model": "m", "device_type": "cpu"})
+    r = Replica("a", "http://a")
+    hc.succeeded(r, info)
+    assert r.up                                   # never up before: the first success is enough
+    hc.failed(r, "HTTP 500", at_once=False)
+    hc.failed(r, "HTTP 500", at_once=False)
+    assert r.up                                   # 2 of 3
+    hc.failed(r, "HTTP 500", at_once=False)
+    assert not r.up and r.down_reason == "HTTP 500"
+    hc.succeeded(r, info)
+    assert not r.up                               # 1 of 2
+    hc.failed(r, "timeout", at_once=False)
+    hc.succeeded(r, info)
+    assert not r.up                               # the run of successes starts again
+    hc.succeeded(r, info)
+    assert r.up
+    hc.failed(r, "connection refused", at_once=True)
+    assert not r.up                               # a refused connection: down at once
+    # a replica that reports another model than the deployment declares is kept down
+    d = Replica("b", "http://b", model="other")
+    hc.succeeded(d, info)
+    assert not d.up and "declares 'other'" in d.down_reason

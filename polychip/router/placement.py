@@ -27,12 +27,6 @@ class Plan:
     dtypes: dict[str, tuple[str, ...]] = field(default_factory=dict)   # replica name -> device dtypes
 
 
-def serve_flags() -> frozenset[str]:
-    """The flags this build's ``polychip serve`` accepts (tp and quantization arrive with their issues)."""
-    from polychip.commands.serve import build_parser
-    return frozenset(opt for a in build_parser()._actions for opt in a.option_strings)
-
-
 def effective_dtype(replica: ReplicaEntry, dep: Deployment) -> str:
     model = next(m for m in dep.models if m.name == replica.model)
     return replica.dtype if replica.dtype != "auto" else (model.dtype or "auto")
@@ -46,12 +40,13 @@ def needs(replica: ReplicaEntry, dep: Deployment) -> list[str]:
             if d]
 
 
-def plan(dep: Deployment, records=None, flags: frozenset[str] | None = None) -> Plan:
-    """Check ``dep`` against this host's devices; raises DeploymentError listing every problem."""
+def plan(dep: Deployment, records=None, flags: frozenset[str] = frozenset()) -> Plan:
+    """Check ``dep`` against this host's devices; raises DeploymentError listing every problem.
+    ``flags``: what ``polychip serve`` accepts here (``--tp-size`` and ``--quantization`` arrive
+    with their issues; without them, tp > 1 and quantized replicas are refused)."""
     src = dep.source
     records = discover_plugins() if records is None else records
     by_name = {r.name: r for r in records}
-    flags = serve_flags() if flags is None else flags
     out, problems, used = Plan(), [], {}
     for i, r in enumerate(dep.replicas):
         if r.url is not None:
