@@ -7,6 +7,10 @@ the same machine load), then a router over two replicas.
 
 Prints median TTFT (direct, via router, added) and output throughput (cost %) per round and
 over all rounds; with --two-replicas, the same workload on a router over 2 replicas.
+
+``--echo`` puts an echo replica (no model: it streams ``output_len`` chunks at once) in place of
+polychip serve, so what is left is the router's own cost per request and per streamed chunk,
+free of the model's time and of its noise on a shared machine.
 """
 from __future__ import annotations
 
@@ -69,7 +73,70 @@ async def measure(url: str, reqs: list[BenchRequest], concurrency: int) -> dict:
             "completed": step["completed"]}
 
 
+def echo_app():
+    """A replica without a model: /server_info, /v1/models, and streamed completions of
+    max_tokens one-character chunks sent as fast as the socket takes them."""
+    from fastapi import FastAPI, Request
+    from fastapi.responses import StreamingResponse
+    app = FastAPI()
+
+    @app.get("/server_info")
+    async def info():
+        return {"model": "echo", "version": "default", "plugin": "none", "device_type": "none", "device": "none:0",
+                "max_running_requests": 1024, "num_waiting": 0, "num_running": 0, "kv_usage": 0.0}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": "echo", "object": "model"}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await request.json()
+        n = int(body.get("max_tokens") or 16)
+
+        async def events():
+            for _ in range(n):
+                yield 'data: {"choices":[{"index":0,"text":"x","finish_reason":null}]}\n\n'
+            yield ('data: {"choices":[{"index":0,"text":"","finish_reason":"length"}],'
+                   f'"usage":{{"prompt_tokens":1,"completion_tokens":{n},"total_tokens":{n + 1}}}}}\n\n')
+            yield "data: [DONE]\n\n"
+        return StreamingResponse(events(), media_type="text/event-stream")
+    return app
+
+
+def start_echo():
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, __file__, "--serve-echo", str(port)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("echo replica not ready")
+
+
+class _Echo:
+    """Stands in for ServerProcess: the echo replica in a subprocess."""
+
+    def __enter__(self):
+        self.proc, self.url = start_echo()
+        return self
+
+    def __exit__(self, *exc):
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(30)
+
+
 def main() -> int:
+    if sys.argv[1:2] == ["--serve-echo"]:
+        import uvicorn
+        uvicorn.run(echo_app(), host="127.0.0.1", port=int(sys.argv[2]), log_level="warning")
+        return 0
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-path", default=None, help="default: the embedded SmolLM2-135M GGUF")
     p.add_argument("--input-len", type=int, default=256)
@@ -77,15 +144,18 @@ def main() -> int:
     p.add_argument("--concurrency", type=lambda t: [int(x) for x in t.split(",")], default=[1, 16],
                    help="comma-separated (default 1,16: the bare added latency, and the issue's load)")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--num-prompts", type=int, default=None, help="per measurement (default: max(16, 2 x concurrency))")
     p.add_argument("--two-replicas", action="store_true")
+    p.add_argument("--echo", action="store_true", help="an echo replica instead of polychip serve")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     tok = datasets.load_tokenizer(args.model_path)
-    serve_args = ["--max-running-requests", str(max(args.concurrency)), "--log-level", "warning"]
+    serve_args = ["--max-running-requests", str(max(args.concurrency))]
     if args.model_path:
         serve_args += ["--model-path", args.model_path]
+    replica_cm = _Echo if args.echo else (lambda: ServerProcess(serve_args))
     out = {"config": vars(args), "rounds": []}
-    with ServerProcess(serve_args) as replica:
+    with replica_cm() as replica:
         router, rurl = start_router([replica.url])
         try:
             for i in range(args.rounds):
@@ -94,7 +164,7 @@ def main() -> int:
                     # fresh prompts per measurement: no prefix-cache hits between them; alternate who goes first
                     order = ("direct", "router") if i % 2 == 0 else ("router", "direct")
                     for j, name in enumerate(order):
-                        reqs = datasets.synthetic(tok, max(16, 2 * c), args.input_len, args.output_len,
+                        reqs = datasets.synthetic(tok, args.num_prompts or max(16, 2 * c), args.input_len, args.output_len,
                                                   seed=10_000 * i + 100 * c + j)
                         row[name] = asyncio.run(measure(replica.url if name == "direct" else rurl, reqs, c))
                     row["ttft_added_ms"] = row["router"]["ttft_median_ms"] - row["direct"]["ttft_median_ms"]
@@ -118,7 +188,7 @@ def main() -> int:
             print(f"concurrency {c}, {args.rounds} rounds, {args.input_len} in / {args.output_len} out: median TTFT "
                   f"added {added:+.1f} ms, median output throughput cost {cost:+.1f}%")
         if args.two_replicas:
-            with ServerProcess(serve_args) as second:
+            with replica_cm() as second:
                 router, rurl = start_router([replica.url, second.url])
                 try:
                     c = max(args.concurrency)

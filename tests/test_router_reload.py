@@ -3,7 +3,6 @@ replicas added are taken in, replicas removed are drained; a bad file changes no
 from __future__ import annotations
 
 import signal
-import textwrap
 
 import httpx
 import pytest

@@ -260,7 +260,7 @@ class Proxy:
             self.metrics.errors.labels(*labels, kind).inc()
         if kind != "client_gone":
             self.rollout.record(call.model, labels[1], not failed, ttft, e2e)
-        access.info("%s POST %s %d model=%s version=%s priority=%s target=%s device=%s attempts=%d%s %.0fms",
+        access.info("%s POST %s %d model=%s version=%s priority=%s target=%s target_device=%s attempts=%d%s %.0fms",
                     call.request_id, call.path, status, call.model, labels[1], call.priority, replica.name,
                     replica.device_name, call.attempts, f" ttft={ttft * 1000:.0f}ms" if ttft is not None else "",
                     e2e * 1000)
