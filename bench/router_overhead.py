@@ -26,6 +26,8 @@ import sys
 import time
 
 import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
 
 from polychip.bench import datasets
 from polychip.bench.serving import ServingConfig, discover_model, run_step, send_request
@@ -76,8 +78,6 @@ async def measure(url: str, reqs: list[BenchRequest], concurrency: int) -> dict:
 def echo_app():
     """A replica without a model: /server_info, /v1/models, and streamed completions of
     max_tokens one-character chunks sent as fast as the socket takes them."""
-    from fastapi import FastAPI, Request
-    from fastapi.responses import StreamingResponse
     app = FastAPI()
 
     @app.get("/server_info")

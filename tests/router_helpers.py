@@ -17,7 +17,7 @@ class ThreadServer:
     """Serve an ASGI app with uvicorn on 127.0.0.1:<free port> in a thread."""
 
     def __init__(self, app, port: int | None = None):
-        self.sock = socket.socket()
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)   # asyncio sets TCP_NODELAY
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", port or 0))
         self.port = self.sock.getsockname()[1]

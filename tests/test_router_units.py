@@ -183,3 +183,12 @@ def test_health_thresholds_down_after_n_failures_up_after_m_successes():
     d = Replica("b", "http://b", model="other")
     hc.succeeded(d, info)
     assert not d.up and "declares 'other'" in d.down_reason
+
+
+def test_learnt_models_take_the_heaviest_version_as_baseline():
+    ro = Rollout(GuardConfig())
+    ro.learn("m", "v2")
+    ro.learn("m", "v1")
+    assert ro.models["m"].baseline == "v1"                 # equal weights: the first by name
+    ro.set_weights("m", {"v1": 10, "v2": 90})
+    assert ro.models["m"].baseline == "v2"

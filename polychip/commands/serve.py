@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
 def bind(host: str, port: int) -> socket.socket:
     """Bind before loading the model, so a busy port fails in a second, not after the load."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)   # proto TCP: asyncio then sets TCP_NODELAY on accepted connections
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))

@@ -163,20 +163,21 @@ class Proxy:
             return Response(content, status_code=resp.status_code,
                             media_type=resp.headers.get("content-type", "application/json"),
                             headers=self._where(replica, call, None))
-        events = _events(resp.aiter_lines())
-        held: list[tuple] = []
+        events = _SSE(resp)
+        held: list[bytes] = []
         try:
-            while True:
-                event = await anext(events, None)
-                if event is None:
+            first = False
+            while not first:
+                batch = await events.batch()
+                if batch is None:
                     raise Retry("stream_ended", f"{replica.name} ended the stream before the first token")
-                text, msg = event
-                if isinstance(msg, dict) and "error" in msg:
-                    raise Retry("stream_error", f"{replica.name} sent an error before the first token: "
-                                f"{str(msg['error'])[:200]}")
-                held.append(event)
-                if msg == "[DONE]" or _has_token(msg):
-                    break
+                for event in batch:
+                    msg = _parse(event) if not first else None
+                    if isinstance(msg, dict) and "error" in msg:
+                        raise Retry("stream_error", f"{replica.name} sent an error before the first token: "
+                                    f"{str(msg['error'])[:200]}")
+                    held.append(event)
+                    first = first or msg == "[DONE]" or _has_token(msg)
         except BROKEN as e:
             await _close(resp)
             raise self._broken(replica, e) from None
@@ -194,27 +195,29 @@ class Proxy:
         weakref.finalize(relay, lambda: released or (released.append(True), self.d.release(replica)))
         return StreamingResponse(relay, media_type="text/event-stream", headers=self._where(replica, call, None))
 
-    async def _relay(self, call, replica, resp, events, held, ttft, released: list):
+    async def _relay(self, call, replica, resp, events: "_SSE", held: list[bytes], ttft, released: list):
+        """Pass the stream on as the network delivers it, one write per batch of events; only the
+        events that may carry usage, an error or [DONE] are parsed."""
         ok, status, tokens, done, kind = True, 200, None, False, None
         try:
-            pending = list(held)
-            while not done:
-                if pending:
-                    text, msg = pending.pop(0)
-                else:
-                    event = await anext(events, None)
-                    if event is None:
-                        raise httpx.RemoteProtocolError("the replica closed the stream without [DONE]")
-                    text, msg = event
-                if msg == "[DONE]":
-                    done = True
-                elif isinstance(msg, dict):
-                    if "error" in msg:
-                        ok, kind = False, "stream_error"
-                    usage = msg.get("usage")
-                    if usage:
-                        tokens = usage.get("completion_tokens", tokens)
-                yield text
+            batch = held
+            while True:
+                for i, event in enumerate(batch):
+                    if b"[DONE]" in event and _parse(event) == "[DONE]":
+                        done, batch = True, batch[:i + 1]
+                        break
+                    if b'"usage"' in event or b'"error"' in event:
+                        msg = _parse(event)
+                        if isinstance(msg, dict):
+                            if "error" in msg:
+                                ok, kind = False, "stream_error"
+                            tokens = (msg.get("usage") or {}).get("completion_tokens", tokens)
+                yield b"".join(batch)
+                if done:
+                    break
+                batch = await events.batch()
+                if batch is None:
+                    raise httpx.RemoteProtocolError("the replica closed the stream without [DONE]")
         except (httpx.TransportError, httpx.TimeoutException) as e:
             ok, status, kind = False, 599, "stream_broken"
             log.warning("%s: stream from %s broke after the first token: %s", call.request_id, replica.name, e)
@@ -297,30 +300,37 @@ def _has_token(msg) -> bool:
     return bool(msg.get("usage"))
 
 
-async def _events(lines):
-    """SSE events from httpx's line iterator: (raw bytes to pass on, parsed data or None)."""
-    buf: list[str] = []
-    async for line in lines:
-        if line:
-            buf.append(line)
-            continue
-        if buf:
-            yield _event(buf)
-            buf = []
-    if buf:
-        yield _event(buf)
+class _SSE:
+    """Complete server-sent events from a streamed body, in the batches the network delivers
+    them (an event ends at a blank line; each is passed on byte for byte)."""
+
+    def __init__(self, resp: httpx.Response):
+        self._chunks = resp.aiter_bytes()
+        self._buf = b""
+
+    async def batch(self) -> list[bytes] | None:
+        """The next events (each ending in a blank line); None when the body has ended."""
+        while True:
+            cut = self._buf.rfind(b"\n\n")
+            if cut >= 0:
+                whole, self._buf = self._buf[:cut], self._buf[cut + 2:]
+                return [e + b"\n\n" for e in whole.split(b"\n\n") if e.strip()] or await self.batch()
+            chunk = await anext(self._chunks, None)
+            if chunk is None:
+                rest, self._buf = self._buf.strip(), b""
+                return [rest + b"\n\n"] if rest else None
+            self._buf += chunk.replace(b"\r\n", b"\n")
 
 
-def _event(lines: list[str]):
-    data = "\n".join(l[5:].lstrip(" ") if l.startswith("data:") else "" for l in lines if l.startswith("data:"))
-    if data == "[DONE]":
-        msg = "[DONE]"
-    else:
-        try:
-            msg = json.loads(data) if data else None
-        except ValueError:
-            msg = None
-    return ("\n".join(lines) + "\n\n").encode(), msg
+def _parse(event: bytes):
+    """An event's data: "[DONE]", the JSON object, or None."""
+    data = b"\n".join(line[5:].lstrip(b" ") for line in event.split(b"\n") if line.startswith(b"data:"))
+    if data == b"[DONE]":
+        return "[DONE]"
+    try:
+        return json.loads(data) if data else None
+    except ValueError:
+        return None
 
 
 async def _read_and_close(resp: httpx.Response) -> bytes:

@@ -19,6 +19,11 @@ from polychip.router.config import GuardConfig
 log = logging.getLogger("polychip.router")
 
 
+def _heaviest(weights: dict[str, float]) -> str:
+    """The version with the most weight (ties: the first by name)."""
+    return max(sorted(weights), key=lambda v: weights[v])
+
+
 def percentile(values, q: float) -> float | None:
     if not values:
         return None
@@ -59,7 +64,7 @@ class VersionStats:
 class ModelRoute:
     name: str
     weights: dict[str, float]                     # version -> weight (>= 0)
-    baseline: str
+    baseline: str                                 # the guard compares other versions with it
     preferred_device_types: tuple[str, ...] = ()
     dtype: str | None = None                      # what the model needs of a device
     quantization: str | None = None
@@ -109,6 +114,7 @@ class Rollout:
             self.models[model] = ModelRoute(model, {version: 1.0}, version)
         elif version not in route.weights and not route.declared:
             route.weights[version] = 1.0
+            route.baseline = _heaviest(route.weights)
 
     def forget_undeclared(self, keep: set[str]) -> None:
         for name in [n for n, r in self.models.items() if r.declared and n not in keep]:
@@ -128,6 +134,8 @@ class Rollout:
         if sum(merged.values()) <= 0:
             raise ConfigError(f"the weights of model {model!r} must sum to a positive number, got {merged}")
         route.weights = merged
+        if not route.declared:        # learnt from replicas: the baseline is the heaviest version
+            route.baseline = _heaviest(merged)
         route._current.clear()
         for v, w in weights.items():
             if w > 0:
