@@ -214,6 +214,7 @@ class Proxy:
                             tokens = (msg.get("usage") or {}).get("completion_tokens", tokens)
                 yield b"".join(batch)
                 if done:
+                    await events.drain()        # read the body's end, so the connection is reused
                     break
                 batch = await events.batch()
                 if batch is None:
@@ -320,6 +321,16 @@ class _SSE:
                 rest, self._buf = self._buf.strip(), b""
                 return [rest + b"\n\n"] if rest else None
             self._buf += chunk.replace(b"\r\n", b"\n")
+
+
+    async def drain(self, limit: int = 1 << 16) -> None:
+        """Read what is left of the body (normally just its end) so that httpx can keep the
+        connection; give up past ``limit`` bytes."""
+        seen = 0
+        async for chunk in self._chunks:
+            seen += len(chunk)
+            if seen > limit:
+                break
 
 
 def _parse(event: bytes):
