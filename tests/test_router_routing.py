@@ -112,7 +112,8 @@ def _send(url, n, **body):
 
 def test_canary_split_set_at_run_time_and_sticky_users(stack):
     v1, v2 = FakeReplica(model="m", version="v1"), FakeReplica(model="m", version="v2")
-    url, router = stack([v1, v2])
+    # the guard off: on a loaded machine v2's p95 may pass 1.5x v1's by chance, and this test is about the split
+    url, router = stack([v1, v2], guard=GuardConfig(max_error_rate=1.0, max_p95_ratio=1e9))
     assert router_cmd.main(["rollout", "set", "m", "v1=90", "v2=10", "--url", url]) == 0
     got = Counter(r.headers["x-polychip-version"] for r in _send(url, 400))
     assert abs(got["v2"] / 400 - 0.10) <= 0.04, got
