@@ -1,6 +1,6 @@
 """``GET /server_info`` (and SGLang's older ``/get_server_info``): what a router needs to know
 about this replica — model id and version label, plugin and device, dtypes, tp size, and the
-live engine figures (queue lengths, KV usage, prefix-cache hit rate, pool pages).
+live figures of ``Engine.stats()`` (queue lengths, KV usage, prefix-cache hit rate, pool pages).
 
 The version label comes from ``POLYCHIP_VERSION_LABEL`` (the router sets it for replicas it
 launches; a hand-started replica may set it too); unset it reads ``"default"``.
@@ -13,59 +13,30 @@ from typing import Any
 from fastapi import APIRouter
 
 from polychip.devices.spec import supported_dtypes
-from polychip.engine.engine import Engine
+from polychip.engine.engine import COUNTERS, Engine
+from polychip.errors import IntegrityError
 from polychip.server.errors import to_response
 
 VERSION_ENV = "POLYCHIP_VERSION_LABEL"
 DEFAULT_VERSION = "default"
 
 
-class PrefixHits:
-    """Cached / queried prompt tokens over finished requests, counted in the engine thread.
-
-    Chained in front of whatever ``on_finish`` hook the async engine already has (metrics)."""
-
-    def __init__(self, async_engine):
-        self.queried = self.hit = 0
-        self._next = async_engine.on_finish
-        async_engine.on_finish = self
-
-    def __call__(self, out) -> None:
-        self.queried += len(out.prompt_token_ids)
-        self.hit += out.num_cached_tokens
-        if self._next is not None:
-            self._next(out)
-
-    @property
-    def rate(self) -> float:
-        return self.hit / self.queried if self.queried else 0.0
-
-
-def engine_figures(engine: Engine, hits: PrefixHits) -> dict[str, Any]:
-    """Runs in the engine thread: the live figures, taken between steps."""
-    stats = getattr(engine, "stats", None)
-    if callable(stats):            # Engine.stats() (the architecture issue) when it is there
-        s = stats()
-        figures = {"num_waiting": s.num_waiting, "num_running": s.num_running, "kv_usage": s.kv_usage,
-                   "prefix_cache_hit_rate": s.prefix_hit_rate, "pages_total": s.pages_total,
-                   "pages_free": s.pages_free, "pages_cached": s.pages_cached, "page_size": s.page_size}
-    else:
-        pool = engine.pool
-        total, free = pool.num_pages, pool.allocator.num_free
-        figures = {"num_waiting": engine.num_waiting, "num_running": engine.num_running,
-                   "kv_usage": 1 - free / total if total else 0.0, "prefix_cache_hit_rate": hits.rate,
-                   "pages_total": total, "pages_free": free, "pages_cached": engine.cache.num_pages,
-                   "page_size": pool.page_size}
+def engine_figures(engine: Engine) -> dict[str, Any]:
+    """Runs in the engine thread: the live figures from ``Engine.stats()``, taken between steps,
+    plus the pool's integrity check."""
+    s = engine.stats()
     try:
         engine.check_integrity()
         integrity = "ok"
-    except AssertionError as e:
+    except (IntegrityError, AssertionError) as e:
         integrity = f"broken: {e}"
-    figures["kv_pool"] = {"num_pages": figures["pages_total"], "free_pages": figures["pages_free"],
-                          "cached_pages": figures["pages_cached"], "page_size": figures["page_size"],
-                          "integrity": integrity}
-    figures["counters"] = dict(engine.counters)
-    return figures
+    return {"num_waiting": s.num_waiting, "num_running": s.num_running, "kv_usage": s.kv_usage,
+            "prefix_cache_hit_rate": s.prefix_cache_hit_rate, "pages_total": s.pages_total,
+            "pages_free": s.pages_free, "pages_cached": s.pages_cached, "page_size": s.page_size,
+            "kv_pool": {"num_pages": s.pages_total, "free_pages": s.pages_free, "cached_pages": s.pages_cached,
+                        "page_size": s.page_size, "integrity": integrity},
+            "counters": {k: getattr(s, k) for k in COUNTERS},
+            "device_memory": [{"device": d, "free": free, "total": total} for d, free, total in s.device_memory]}
 
 
 def identity(engine: Engine, model_name: str, max_model_len: int, version: str,
@@ -90,14 +61,13 @@ def build_server_info(ident: dict[str, Any], figures: dict[str, Any]) -> dict[st
 def make_router(state) -> APIRouter:
     """The routes for a server's ``ServerState`` (its AsyncEngine, model name and context)."""
     ae = state.engine
-    hits = PrefixHits(ae)
     ident = identity(ae.engine, state.model_name, state.max_model_len,
                      os.environ.get(VERSION_ENV) or DEFAULT_VERSION, ae.max_waiting)
     router = APIRouter()
 
     async def server_info():
         try:
-            figures = await ae.call(lambda engine: engine_figures(engine, hits))
+            figures = await ae.call(engine_figures)
         except Exception as e:
             return to_response(e)
         return build_server_info(ident, figures)
