@@ -229,3 +229,22 @@ def test_serve_dp_size_is_a_router_over_local_replicas(model_factory):
             assert r.status_code == 200 and r.headers["x-polychip-device"] == "cpu:0"
             seen[r.headers["x-polychip-replica"]] += 1
         assert seen == {"dp0": 3, "dp1": 3}
+
+
+def test_replicas_describe_themselves_on_server_info(fleet):
+    by_name = {r["name"]: r for r in fleet.replicas()}
+    for name, device in (("cpu-a", "cpu:0"), ("sim-1", "simxpu:1")):
+        for route in ("/server_info", "/get_server_info"):
+            info = httpx.get(by_name[name]["url"] + route, timeout=30).json()
+            assert (info["model"], info["version"], info["device"], info["tp_size"], info["quantization"]) == \
+                ("tiny", "default", device, 1, None)
+            assert info["plugin"] == info["device_type"] == device.split(":")[0]
+            assert info["device_index"] == int(device.split(":")[1]) and info["dtype"] == "float32"
+            assert "float32" in info["device_dtypes"] and ("float16" in info["device_dtypes"]) == (name == "cpu-a")
+            assert info["pages_total"] >= info["pages_free"] > 0 and 0 <= info["kv_usage"] <= 1
+            assert info["num_waiting"] >= 0 and info["num_running"] >= 0 and info["kv_pool"]["integrity"] == "ok"
+    # the same long prompt twice: the replica reports prefix-cache hits
+    prompt = "shared words " * 40
+    for _ in range(2):
+        httpx.post(by_name["cpu-a"]["url"] + "/v1/completions", json={"prompt": prompt, "max_tokens": 1}, timeout=60)
+    assert httpx.get(by_name["cpu-a"]["url"] + "/server_info").json()["prefix_cache_hit_rate"] > 0
