@@ -172,7 +172,7 @@ class Engine:
         queried = c.get("prompt_tokens_queried", 0)
         return EngineStats(
             num_waiting=self.num_waiting, num_running=self.num_running, page_size=pm.page_size,
-            pages_total=pm.num_pages, pages_free=pm.num_free, pages_cached=pm.cache.num_pages,
+            pages_total=pm.num_pages, kv_pool_bytes=self.pool.num_bytes, pages_free=pm.num_free, pages_cached=pm.cache.num_pages,
             pages_evictable=pm.cache.evictable_pages(), kv_usage=1 - pm.num_free / pm.num_pages,
             prefix_cache_hit_rate=c.get("prompt_tokens_cached", 0) / queried if queried else 0.0,
             **{k: c.get(k, 0) for k in COUNTERS},
