@@ -157,7 +157,7 @@ def test_prefix_aware_keeps_a_prefix_on_one_replica_and_hits_more_than_round_rob
     rates = {}
     for policy in ("round_robin", "prefix_aware"):
         for u in urls:
-            assert httpx.post(u + "/flush_cache", timeout=30).status_code == 200
+            assert httpx.post(u + "/flush_cache", json={}, timeout=30).status_code == 200
         srv, router = start_router(RouterConfig(policy=policy, health=HealthConfig(interval=0.5)), urls)
         try:
             wait_for(lambda: all(r.up for r in router.dispatcher.replicas.values()), 20, "up")
