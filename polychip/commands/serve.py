@@ -27,13 +27,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="polychip serve", description=__doc__)
     add_engine_args(p)
     add_config_args(p, ServerConfig)
+    p.add_argument("--dp-size", type=int, default=None, help="N replicas behind a router (polychip router)")
     return p
 
 
 def bind(host: str, port: int) -> socket.socket:
     """Bind before loading the model, so a busy port fails in a second, not after the load."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)   # proto TCP: asyncio then sets TCP_NODELAY on accepted connections
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
@@ -65,7 +66,11 @@ def progress(label: str):
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a == "--dp-size" or a.startswith("--dp-size=") for a in argv):   # N replicas behind a router
+        from polychip.commands.router import serve_dp
+        return serve_dp(argv)
+    args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
     try:
         engine_config = engine_config_from_args(args)
