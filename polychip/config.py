@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from polychip.errors import ConfigError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("int8",)      # weight-only, per output channel (polychip/quant)
 POLICIES = ("fcfs", "lpm")
 
 
@@ -16,6 +17,7 @@ class EngineConfig:
     model_path: str | None = None          # None: the embedded SmolLM2-135M-Instruct GGUF
     served_model_name: str | None = None
     dtype: str = "auto"
+    quantization: str | None = None        # None: the weights as stored ("int8": quantise at load)
     max_model_len: int | None = None       # None: the model's own context length
     cache_dir: str | None = None           # None: $POLYCHIP_CACHE or ~/.cache/polychip
     # device
@@ -47,6 +49,8 @@ class EngineConfig:
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.quantization not in (None, *QUANTIZATIONS):
+            raise ConfigError(f"quantization must be one of {QUANTIZATIONS} or unset, got {self.quantization!r}")
         if self.schedule_policy not in POLICIES:
             raise ConfigError(f"schedule_policy must be one of {POLICIES}, got {self.schedule_policy!r}")
         for name in ("page_size", "chunked_prefill_size", "max_running_requests", "max_waiting_requests",

@@ -5,7 +5,7 @@ import argparse
 import logging
 import sys
 
-from polychip.config import DTYPES, POLICIES, EngineConfig
+from polychip.config import DTYPES, POLICIES, QUANTIZATIONS, EngineConfig
 from polychip.errors import PolychipError
 
 
@@ -14,6 +14,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model-path", default=None, help="HF folder or .gguf file (default: embedded SmolLM2)")
     g.add_argument("--served-model-name", default=None)
     g.add_argument("--dtype", default="auto", choices=DTYPES)
+    g.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
+                   help="int8: weight-only int8 with per-output-channel scales for every linear layer and "
+                        "the lm_head (a tied one gets an int8 copy; the embedding stays); default: as stored")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--cache-dir", default=None, help="where converted GGUF weights are cached")
     g = p.add_argument_group("device")
@@ -38,6 +41,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace, **extra) -> EngineConfig:
     fields = dict(
         model_path=args.model_path, served_model_name=args.served_model_name, dtype=args.dtype,
+        quantization=args.quantization,
         max_model_len=args.max_model_len, cache_dir=args.cache_dir, device=args.device,
         plugins=tuple(args.plugins), device_config=args.device_config, num_threads=args.num_threads,
         page_size=args.page_size, max_total_tokens=args.max_total_tokens,

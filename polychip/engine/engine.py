@@ -38,7 +38,7 @@ class Engine:
         self.plugin = plugin or open_from_config(config)   # discovered, spec-checked, initialised
         self.plugin.set_seed(config.seed)
         self.loaded = load_model(config.model_path, self.plugin, config.dtype, config.enable_fusion,
-                                 config.cache_dir, config.max_model_len)
+                                 config.cache_dir, config.max_model_len, quantization=config.quantization)
         self.model_config = mc = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = config.max_model_len or mc.max_position_embeddings

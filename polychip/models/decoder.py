@@ -179,5 +179,6 @@ class DecoderModel(nn.Module):
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return self.ops.linear(hidden, w, None).float()
+        if self.lm_head is not None:     # untied, or an int8 copy of a tied embedding
+            return self.lm_head(hidden).float()
+        return self.ops.linear(hidden, self.embed_tokens.weight, None).float()

@@ -20,10 +20,12 @@ from polychip.devices.spec import require_dtypes
 from polychip.errors import ModelLoadError, PolychipError
 from polychip.models.config import ModelConfig
 from polychip.models.decoder import DecoderModel, rope_inv_freq
+from polychip.models.packaged_plan import check_ops, planned_fusions, read_plan
 from polychip.models.tokenizer import Tokenizer
 from polychip.ops import passes
 from polychip.ops.native import register_native
 from polychip.ops.registry import OpRegistry
+from polychip.quant import int8
 
 log = logging.getLogger("polychip.loader")
 
@@ -40,6 +42,8 @@ class LoadedModel:
     fusions: list[str] = field(default_factory=list)
     load_seconds: float = 0.0
     from_cache: bool | None = None
+    quantization: str | None = None
+    plan_warnings: list[str] = field(default_factory=list)    # where the device differs from plan.json
 
 
 def resolve_model_dir(model_path: str | None, cache_dir: str | None = None) -> tuple[str, bool | None]:
@@ -50,8 +54,11 @@ def resolve_model_dir(model_path: str | None, cache_dir: str | None = None) -> t
     if not os.path.exists(model_path):
         raise ModelLoadError(f"model path {model_path!r} does not exist")
     if os.path.isfile(model_path):
+        if model_path.endswith(".pcpkg"):
+            raise ModelLoadError(f"{model_path}: a .pcpkg package is opened (verified and extracted) by "
+                                 "`polychip serve` / `generate` or polychip.package.open_llm, not loaded directly")
         if not model_path.endswith(".gguf"):
-            raise ModelLoadError(f"{model_path}: a model file must be .gguf (or pass a HF folder)")
+            raise ModelLoadError(f"{model_path}: a model file must be .gguf or .pcpkg (or pass a HF folder)")
         return gguf.cached_gguf_dir(model_path, cache_dir)
     ggufs = glob.glob(os.path.join(model_path, "*.gguf"))
     if not os.path.exists(os.path.join(model_path, "config.json")) and len(ggufs) == 1:
@@ -86,17 +93,39 @@ def _weight_files(model_dir: str) -> list[str]:
     return files
 
 
-def read_state_dict(model_dir: str, cfg: ModelConfig, dtype: torch.dtype, plugin) -> dict:
+def stored_keys(files: list[str]) -> dict[str, str]:
+    """{tensor name: safetensors dtype} from the files' headers, reading no tensor data."""
+    keys = {}
+    for path in files:
+        try:
+            with safe_open(path, framework="pt") as f:
+                keys.update((name, f.get_slice(name).get_dtype()) for name in f.keys())
+        except Exception as e:  # safetensors raises its own error types for corrupt files
+            raise ModelLoadError(f"{path}: cannot read safetensors ({e})") from None
+    return keys
+
+
+def read_state_dict(model_dir: str, cfg: ModelConfig, dtype: torch.dtype, plugin,
+                    quantize: str | None = None) -> dict:
+    """The weights on the device (floating ones in ``dtype``). ``quantize="int8"`` quantises
+    each linear weight on the host as it is read (and adds an int8 lm_head for a tied one);
+    weights stored quantised are kept as they are."""
     state = {}
-    for path in _weight_files(model_dir):
+    files = _weight_files(model_dir)
+    packed_head = int8.scale_key(int8.LM_HEAD_KEY) in {k.removeprefix("model.") for k in stored_keys(files)}
+    for path in files:
         try:
             with safe_open(path, framework="pt") as f:
                 for name in f.keys():
                     key = name.removeprefix("model.")
-                    if key == "lm_head.weight" and cfg.tie_word_embeddings:
+                    if key == "lm_head.weight" and cfg.tie_word_embeddings and not packed_head:
                         continue
                     t = f.get_tensor(name)
-                    state[key] = plugin.place_weight(t, dtype if t.is_floating_point() else t.dtype)
+                    entries = int8.quantized_entries(key, t) if quantize else [(key, t)]
+                    if quantize and key == int8.EMBEDDING_KEY and cfg.tie_word_embeddings:
+                        entries += int8.quantized_entries(int8.LM_HEAD_KEY, t)
+                    for k, v in entries:
+                        state[k] = plugin.place_weight(v, dtype if v.is_floating_point() else v.dtype)
         except PolychipError:   # e.g. the plugin's out-of-memory, with its own layer
             raise
         except Exception as e:  # safetensors raises its own error types for corrupt files
@@ -104,10 +133,16 @@ def read_state_dict(model_dir: str, cfg: ModelConfig, dtype: torch.dtype, plugin
     return state
 
 
+def stored_quantization(model_dir: str) -> str | None:
+    """"int8" when the folder's weights are stored int8-quantised (an int8 package), else None."""
+    return "int8" if int8.is_int8_state(stored_keys(_weight_files(model_dir))) else None
+
+
 def build_model(cfg: ModelConfig, state: dict, device: torch.device, dtype: torch.dtype,
                 ops: SimpleNamespace, max_positions: int) -> DecoderModel:
     with torch.device("meta"):
         model = DecoderModel(cfg, ops)
+    int8.apply_int8(model, state)        # modules whose weights arrive quantised become Int8Linear
     expected = set(model.state_dict())
     missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
     if missing or unexpected:
@@ -125,16 +160,26 @@ def build_model(cfg: ModelConfig, state: dict, device: torch.device, dtype: torc
 
 def load_model(model_path: str | None, plugin, dtype: str = "auto", enable_fusion: bool = True,
                cache_dir: str | None = None, max_model_len: int | None = None,
-               registry: OpRegistry | None = None) -> LoadedModel:
+               registry: OpRegistry | None = None, quantization: str | None = None) -> LoadedModel:
+    """``quantization="int8"`` quantises floating weights while loading; weights stored quantised
+    load as they are with or without it. A folder with a ``plan.json`` (an opened package) gets
+    the plan's fusions and a warning per op this device resolves differently."""
     t0 = time.perf_counter()
+    if quantization not in (None, *int8.QUANTIZATIONS):
+        raise ModelLoadError(f"quantization must be one of {list(int8.QUANTIZATIONS)} or unset, got {quantization!r}")
     model_dir, from_cache = resolve_model_dir(model_path, cache_dir)
     cfg = read_config(model_dir)
+    plan = read_plan(model_dir)
     tokenizer = Tokenizer.from_dir(model_dir, cfg.eos_token_ids)
     if tokenizer.vocab_size > cfg.vocab_size:
         raise ModelLoadError(f"tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is "
                              f"{cfg.vocab_size}: tokenizer and weights do not match")
     dname = plugin.default_dtype(cfg.torch_dtype) if dtype == "auto" else dtype
     require_dtypes(plugin, [dname], "model dtype")
+    stored = stored_quantization(model_dir)
+    quant = stored or quantization
+    if quant:   # before a single weight is read
+        require_dtypes(plugin, ["int8"], f"{quant} weight dtype" + ("" if stored else " (--quantization int8)"))
     torch_dtype = getattr(torch, dname)
     device = plugin.device_handle()
     if registry is None:
@@ -142,14 +187,22 @@ def load_model(model_path: str | None, plugin, dtype: str = "auto", enable_fusio
         register_native(registry)
         plugin.register_ops(registry)
     ops = SimpleNamespace(fuse_add_norm=False)
-    state = read_state_dict(model_dir, cfg, torch_dtype, plugin)
+    state = read_state_dict(model_dir, cfg, torch_dtype, plugin, quantize=None if stored else quantization)
     quantised = [str(t.dtype).removeprefix("torch.") for t in state.values() if not t.is_floating_point()]
     require_dtypes(plugin, quantised, "quantised weight dtype")
     max_len = max_model_len or cfg.max_position_embeddings
     model = build_model(cfg, state, device, torch_dtype, ops, max_len)
     resolutions = passes.replace(passes.expand(model), registry, torch_dtype, ops)
-    fusions = passes.fuse(model, plugin.fusions() if enable_fusion else (), ops, plugin)
+    patterns, warnings = plugin.fusions(), []
+    if plan is not None:
+        patterns, warnings = planned_fusions(plan, patterns)
+    fusions = passes.fuse(model, patterns if enable_fusion else (), ops, plugin)
+    if plan is not None:
+        warnings += check_ops(plan, resolutions)
+    for w in warnings:
+        log.warning("plan: %s", w)
     lm = LoadedModel(model, cfg, tokenizer, torch_dtype, model_dir, registry, resolutions, fusions,
-                     time.perf_counter() - t0, from_cache)
-    log.info("loaded %s (%s, %s) in %.2fs", model_dir, cfg.architecture, dname, lm.load_seconds)
+                     time.perf_counter() - t0, from_cache, quant, warnings)
+    log.info("loaded %s (%s, %s%s) in %.2fs", model_dir, cfg.architecture, dname,
+             f", {quant} weights" if quant else "", lm.load_seconds)
     return lm
