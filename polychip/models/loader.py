@@ -143,13 +143,13 @@ def build_model(cfg: ModelConfig, state: dict, device: torch.device, dtype: torc
     with torch.device("meta"):
         model = DecoderModel(cfg, ops)
     int8.apply_int8(model, state)        # modules whose weights arrive quantised become Int8Linear
-    expected = set(model.state_dict())
-    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+    shapes = {k: t.shape for k, t in model.state_dict().items()}      # once: it walks the whole tree
+    missing, unexpected = sorted(shapes.keys() - set(state)), sorted(set(state) - shapes.keys())
     if missing or unexpected:
         raise ModelLoadError(f"weights do not match {cfg.architecture}: missing {missing[:5]}, "
                              f"unexpected {unexpected[:5]}")
     for key, t in state.items():
-        want = model.state_dict()[key].shape
+        want = shapes[key]
         if t.shape != want:
             raise ModelLoadError(f"weight {key} has shape {tuple(t.shape)}, config expects {tuple(want)}")
     model.load_state_dict(state, assign=True, strict=True)

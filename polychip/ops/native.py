@@ -21,7 +21,10 @@ def linear_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     and float16 input only; a plugin may register a faster float32 one."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    if _has_kernel("aten::_weight_int8pack_mm", x.device.type):
+    # torch 2.13's CPU kernel reads past each row for bfloat16 input unless K is a multiple of 16
+    # (garbage or a segfault, measured for K = 1..128); float32 and float16 are right for every K
+    fits = x.dtype != torch.bfloat16 or x.shape[-1] % 16 == 0
+    if fits and _has_kernel("aten::_weight_int8pack_mm", x.device.type):
         out = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), qweight, scales.to(x.dtype))
     else:
         out = F.linear(x2, qweight.to(x.dtype)) * scales.to(x.dtype)

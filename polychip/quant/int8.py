@@ -33,7 +33,7 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     w = weight.float()
     absmax = w.abs().amax(dim=1)
     scale = torch.where(absmax > 0, absmax / QMAX, torch.ones_like(absmax))
-    q = torch.round(w / scale[:, None]).clamp_(-QMAX, QMAX).to(torch.int8)
+    q = torch.div(w, scale[:, None]).round_().clamp_(-QMAX, QMAX).to(torch.int8)
     return q, scale
 
 
