@@ -12,6 +12,8 @@ from typing import Any, Callable
 import torch
 
 API_VERSION = 1
+#: the version-matrix entries ``versions()`` reports where they apply; a plugin may add others
+VERSION_KEYS = ("driver", "runtime", "collective", "firmware")
 
 
 @dataclass
@@ -148,6 +150,12 @@ class DevicePlugin(abc.ABC):
     def compile(self, fn: Callable) -> Callable:
         """Optionally wrap a step function (graph capture, torch.compile). Default: as is."""
         return fn
+
+    def versions(self) -> dict[str, str]:
+        """Optional: the software and firmware this device runs on, as the plugin knows them:
+        ``{"driver": ..., "runtime": ..., "collective": ..., "firmware": ...}`` (any subset, plus
+        other names). Packages record it when built and compare it at load. Call after ``init``."""
+        return {}
 
     def fusions(self) -> tuple[str, ...]:
         """Fusion patterns this plugin wants the rewrite pass to apply."""
