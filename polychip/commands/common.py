@@ -11,7 +11,7 @@ from polychip.errors import PolychipError
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
-    g.add_argument("--model-path", default=None, help="HF folder or .gguf file (default: embedded SmolLM2)")
+    g.add_argument("--model-path", default=None, help="HF folder, .gguf file or .pcpkg package (default: embedded SmolLM2)")
     g.add_argument("--served-model-name", default=None)
     g.add_argument("--dtype", default="auto", choices=DTYPES)
     g.add_argument("--quantization", default=None, choices=QUANTIZATIONS,

@@ -55,19 +55,23 @@ def coverage_rows(model_path, device, plugins=(), device_config=None, dtype="aut
         plugin.register_ops(registry)
         lm = load_model(model_path, plugin, dtype, enable_fusion, registry=registry)
         one_forward(lm, plugin)
-        exact = set(registry.plugin_ops())
-
-        def why(r):
-            if r.is_fallback:
-                return r.reason
-            return f"registered for {r.dtype}" if (r.name, r.version, r.dtype) in exact else \
-                "registered for any dtype ('*')"
-
-        rows = [{"op": r.name, "version": r.version, "dtype": r.dtype, "calls": calls,
-                 "implementation": r.source, "reason": why(r)} for r, calls in registry.used()]
-        return rows, lm, plugin
+        return op_rows(registry), lm, plugin
     finally:
         plugin.destroy()
+
+
+def op_rows(registry) -> list[dict]:
+    """One row per op a recorded forward called: implementation, calls and why (also plan.json's)."""
+    exact = set(registry.plugin_ops())
+
+    def why(r):
+        if r.is_fallback:
+            return r.reason
+        return f"registered for {r.dtype}" if (r.name, r.version, r.dtype) in exact else \
+            "registered for any dtype ('*')"
+
+    return [{"op": r.name, "version": r.version, "dtype": r.dtype, "calls": calls,
+             "implementation": r.source, "reason": why(r)} for r, calls in registry.used()]
 
 
 def format_table(rows: list[dict]) -> str:

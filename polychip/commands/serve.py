@@ -22,8 +22,10 @@ log = logging.getLogger("polychip.serve")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from polychip.package.opening import add_package_args
     p = argparse.ArgumentParser(prog="polychip serve", description=__doc__)
     add_engine_args(p)
+    add_package_args(p)
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=30000)
@@ -88,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     except PolychipError as e:
         return fail(e)
     try:
+        from polychip.package.opening import engine_config_for, options_from_args
+        config = engine_config_for(config, options_from_args(args))   # a .pcpkg: verified before loading
         return _serve(config, sock, args.graceful_shutdown_timeout)
     except PolychipError as e:
         return fail(e)

@@ -77,7 +77,7 @@ def read_config(model_dir: str) -> ModelConfig:
         raise ModelLoadError(f"{path}: invalid JSON ({e})") from None
 
 
-def _weight_files(model_dir: str) -> list[str]:
+def weight_files(model_dir: str) -> list[str]:
     index = os.path.join(model_dir, "model.safetensors.index.json")
     if os.path.exists(index):
         with open(index, encoding="utf-8") as f:
@@ -111,7 +111,7 @@ def read_state_dict(model_dir: str, cfg: ModelConfig, dtype: torch.dtype, plugin
     each linear weight on the host as it is read (and adds an int8 lm_head for a tied one);
     weights stored quantised are kept as they are."""
     state = {}
-    files = _weight_files(model_dir)
+    files = weight_files(model_dir)
     packed_head = int8.scale_key(int8.LM_HEAD_KEY) in {k.removeprefix("model.") for k in stored_keys(files)}
     for path in files:
         try:
@@ -135,7 +135,7 @@ def read_state_dict(model_dir: str, cfg: ModelConfig, dtype: torch.dtype, plugin
 
 def stored_quantization(model_dir: str) -> str | None:
     """"int8" when the folder's weights are stored int8-quantised (an int8 package), else None."""
-    return "int8" if int8.is_int8_state(stored_keys(_weight_files(model_dir))) else None
+    return "int8" if int8.is_int8_state(stored_keys(weight_files(model_dir))) else None
 
 
 def build_model(cfg: ModelConfig, state: dict, device: torch.device, dtype: torch.dtype,
