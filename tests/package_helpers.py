@@ -13,13 +13,15 @@ FILES = {"config.json": b'{"a": 1}\n', "plan.json": b'{"fusions": [], "ops": []}
          "model.safetensors": os.urandom(3 * 2**20 + 17)}      # more than one 1 MiB hashing chunk
 
 
-def fields(device_types=("cpu",), plugin_api=1, device_versions=None) -> dict:
-    from polychip.package.compat import current_versions
+def fields(device_types=("cpu",), plugin_api=1, device_versions=None, versions=None) -> dict:
+    """Manifest fields for a package built on this machine's CPU (or with ``versions``)."""
     from polychip.devices.discovery import open_device
-    plugin = open_device("cpu")
-    versions = current_versions(plugin)
-    plugin.destroy()
-    versions["plugin_api"] = plugin_api
+    from polychip.package.compat import current_versions
+    if versions is None:
+        plugin = open_device("cpu")
+        versions = current_versions(plugin)
+        plugin.destroy()
+    versions = dict(versions, plugin_api=plugin_api)
     if device_versions is not None:
         versions["device"] = device_versions
     return {"model": {"source": "synthetic"}, "target": {"device_types": list(device_types)}, "versions": versions}
