@@ -1,83 +1,129 @@
-"""EngineConfig: the one validated settings object. CLI flags map onto its fields."""
+"""The validated settings objects: ``EngineConfig`` (model, device, KV pool, scheduler) and
+``ServerConfig`` (HTTP). Each field carries its CLI help in its metadata, so the flags, defaults,
+help and choices come from here alone (``polychip/commands/options.py`` builds them).
+"""
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from polychip.dtypes import MODEL_DTYPES
 from polychip.errors import ConfigError
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+# Names owned here; the scheduler and the reasoning-parser table are keyed by them (tests/test_config.py).
+SCHEDULE_POLICIES = ("fcfs", "lpm")
+REASONING_PARSERS = ("qwen3",)
+LOG_LEVELS = ("debug", "info", "warning", "error")
 QUANTIZATIONS = ("int8",)      # weight-only, per output channel (polychip/quant)
-POLICIES = ("fcfs", "lpm")
+
+
+def option(default, help: str, *, group: str, flag: str | None = None, choices: tuple | None = None):
+    """A config field with its command-line face. A bool that defaults to True needs a ``--disable-*``
+    flag; a tuple field is a repeatable flag."""
+    return field(default=default, metadata={"help": help, "group": group, "flag": flag, "choices": choices})
+
+
+def _check_min(obj, names: tuple[str, ...], low: float) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value is not None and value < low:
+            raise ConfigError(f"{name} must be >= {low}, got {value}")
+
+
+def _check_choice(name: str, value, choices: tuple) -> None:
+    if value not in choices:
+        raise ConfigError(f"{name} must be one of {list(choices)}, got {value!r}")
+
+
+class _FromKwargs:
+    @classmethod
+    def from_kwargs(cls, **kwargs):
+        """Build from keyword args, rejecting unknown names with the list of known ones; None means
+        the default (except for model_path, where None is the embedded model)."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ConfigError(f"unknown {cls.__name__} argument(s) {unknown}; known: {sorted(known)}")
+        if kwargs.get("plugins") is not None:
+            kwargs["plugins"] = tuple(kwargs["plugins"])
+        return cls(**{k: v for k, v in kwargs.items() if v is not None or k == "model_path"})
 
 
 @dataclass(frozen=True)
-class EngineConfig:
+class EngineConfig(_FromKwargs):
     # model
-    model_path: str | None = None          # None: the embedded SmolLM2-135M-Instruct GGUF
-    served_model_name: str | None = None
-    dtype: str = "auto"
-    quantization: str | None = None        # None: the weights as stored ("int8": quantise at load)
-    max_model_len: int | None = None       # None: the model's own context length
-    cache_dir: str | None = None           # None: $POLYCHIP_CACHE or ~/.cache/polychip
+    model_path: str | None = option(None, "HF folder, .gguf file or .pcpkg package (default: the embedded "
+                                          "SmolLM2)", group="model")
+    served_model_name: str | None = option(None, "model name the API reports (default: the model path)",
+                                           group="model")
+    dtype: str = option("auto", "compute dtype (auto: the device's choice for the model)", group="model",
+                        choices=MODEL_DTYPES)
+    quantization: str | None = option(None, "int8: weight-only int8 with per-output-channel scales for every "
+                                            "linear layer and the lm_head (a tied one gets an int8 copy; the "
+                                            "embedding stays); default: the weights as stored", group="model",
+                                      choices=QUANTIZATIONS)
+    max_model_len: int | None = option(None, "context length (default: the model's own)", group="model")
+    cache_dir: str | None = option(None, "where converted GGUF weights are cached "
+                                         "(default: $POLYCHIP_CACHE or ~/.cache/polychip)", group="model")
     # device
-    device: str = "auto"
-    plugins: tuple[str, ...] = ()
-    device_config: str | None = None
-    num_threads: int | None = None
+    device: str = option("auto", "auto | cpu | cuda | <plugin>[:index]", group="device")
+    plugins: tuple[str, ...] = option((), "extra device plugin: module.path or path/to/plugin.py (repeatable)",
+                                      group="device", flag="--plugin")
+    device_config: str | None = option(None, "device spec YAML file", group="device")
+    num_threads: int | None = option(None, "CPU threads for compute (default: the plugin's choice)",
+                                     group="device")
     # KV pool
-    page_size: int = 16
-    max_total_tokens: int | None = None
-    mem_fraction_static: float | None = None  # None: the plugin's default fraction
+    page_size: int = option(16, "tokens per KV page", group="KV pool and scheduler")
+    max_total_tokens: int | None = option(None, "KV pool size in tokens (default: from free memory)",
+                                          group="KV pool and scheduler")
+    mem_fraction_static: float | None = option(None, "share of free device memory for the KV pool "
+                                                     "(default: the plugin's)", group="KV pool and scheduler")
     # scheduler
-    chunked_prefill_size: int = 512
-    max_running_requests: int = 64
-    schedule_policy: str = "fcfs"
-    disable_radix_cache: bool = False
-    enable_fusion: bool = True
-    seed: int = 0
-    # server
-    host: str = "127.0.0.1"
-    port: int = 30000
-    api_key: str | None = None
-    enable_metrics: bool = False
-    reasoning_parser: str | None = None
-    max_waiting_requests: int = 1024
-    max_request_body_bytes: int = 8 * 1024 * 1024
-    log_level: str = "info"
+    chunked_prefill_size: int = option(512, "token budget of one step", group="KV pool and scheduler")
+    max_running_requests: int = option(64, "requests decoded together at most", group="KV pool and scheduler")
+    schedule_policy: str = option("fcfs", "waiting-queue order: fcfs, or lpm (longest cached prefix first)",
+                                  group="KV pool and scheduler", choices=SCHEDULE_POLICIES)
+    disable_radix_cache: bool = option(False, "no prefix cache", group="KV pool and scheduler")
+    enable_fusion: bool = option(True, "no fused qkv / gate-up / add+norm ops", group="KV pool and scheduler",
+                                 flag="--disable-fusion")
+    seed: int = option(0, "seed of the sampler's default generator", group="KV pool and scheduler")
 
     def __post_init__(self):
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.quantization not in (None, *QUANTIZATIONS):
-            raise ConfigError(f"quantization must be one of {QUANTIZATIONS} or unset, got {self.quantization!r}")
-        if self.schedule_policy not in POLICIES:
-            raise ConfigError(f"schedule_policy must be one of {POLICIES}, got {self.schedule_policy!r}")
-        for name in ("page_size", "chunked_prefill_size", "max_running_requests", "max_waiting_requests",
-                     "max_request_body_bytes"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        _check_choice("dtype", self.dtype, MODEL_DTYPES)
+        _check_choice("schedule_policy", self.schedule_policy, SCHEDULE_POLICIES)
+        if self.quantization is not None:
+            _check_choice("quantization", self.quantization, QUANTIZATIONS)
+        _check_min(self, ("page_size", "chunked_prefill_size", "max_running_requests", "max_model_len",
+                          "num_threads"), 1)
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
             raise ConfigError(f"max_total_tokens ({self.max_total_tokens}) must hold at least one page "
                               f"of {self.page_size} tokens")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
             raise ConfigError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
-        if not 0 < self.port < 65536:
-            raise ConfigError(f"port must be in 1..65535, got {self.port}")
-        if self.reasoning_parser not in (None, "qwen3"):
-            raise ConfigError(f"reasoning_parser must be 'qwen3' or unset, got {self.reasoning_parser!r}")
         if not isinstance(self.plugins, tuple):
             raise ConfigError("plugins must be a tuple of module paths or files")
 
-    @classmethod
-    def from_kwargs(cls, **kwargs) -> "EngineConfig":
-        """Build from keyword args, rejecting unknown names with the list of known ones."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(kwargs) - known)
-        if unknown:
-            raise ConfigError(f"unknown engine argument(s) {unknown}; known: {sorted(known)}")
-        if "plugins" in kwargs and kwargs["plugins"] is not None:
-            kwargs["plugins"] = tuple(kwargs["plugins"])
-        return cls(**{k: v for k, v in kwargs.items() if v is not None or k in ("model_path",)})
+
+@dataclass(frozen=True)
+class ServerConfig(_FromKwargs):
+    host: str = option("127.0.0.1", "address to listen on", group="server")
+    port: int = option(30000, "port to listen on", group="server")
+    api_key: str | None = option(None, "require 'Authorization: Bearer <key>' on the API", group="server")
+    enable_metrics: bool = option(False, "serve Prometheus metrics at /metrics", group="server")
+    reasoning_parser: str | None = option(None, "return <think>...</think> text as reasoning_content",
+                                          group="server", choices=REASONING_PARSERS)
+    max_waiting_requests: int = option(1024, "waiting-queue limit; beyond it requests get 503 with Retry-After",
+                                       group="server")
+    max_request_body_bytes: int = option(8 * 1024 * 1024, "larger request bodies get 413", group="server")
+    graceful_shutdown_timeout: float = option(10.0, "seconds in-flight requests get to finish after "
+                                                    "SIGINT/SIGTERM before they are aborted", group="server")
+    log_level: str = option("info", "log level", group="server", choices=LOG_LEVELS)
+
+    def __post_init__(self):
+        if not 0 < self.port < 65536:
+            raise ConfigError(f"port must be in 1..65535, got {self.port}")
+        if self.reasoning_parser is not None:
+            _check_choice("reasoning_parser", self.reasoning_parser, REASONING_PARSERS)
+        _check_choice("log_level", self.log_level, LOG_LEVELS)
+        _check_min(self, ("max_waiting_requests", "max_request_body_bytes"), 1)
+        _check_min(self, ("graceful_shutdown_timeout",), 0)

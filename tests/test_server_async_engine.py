@@ -17,7 +17,7 @@ class FakeEngine:
     """Each request yields ``max_tokens`` tokens, one per step; at most ``running`` at a time."""
 
     def __init__(self, max_waiting=8, running=2, crash_at_step=None):
-        self.config = SimpleNamespace(max_waiting_requests=max_waiting)
+        self.max_waiting = max_waiting
         self.reqs: dict[str, list] = {}          # id -> [tokens left, tokens made]
         self.running_cap, self.crash_at_step = running, crash_at_step
         self.pool = SimpleNamespace(num_pages=16, allocator=SimpleNamespace(num_free=16))
@@ -70,7 +70,7 @@ def sub(rid, n_tokens=3, prompt=(1, 2)):
 
 def run(coro_fn, engine):
     async def main():
-        ae = AsyncEngine(engine)
+        ae = AsyncEngine(engine, max_waiting=engine.max_waiting)
         ae.start()
         try:
             return await coro_fn(ae)

@@ -5,7 +5,7 @@ import argparse
 import sys
 import time
 
-from polychip.commands.common import add_engine_args, config_from_args, fail, setup_logging
+from polychip.commands.common import add_engine_args, add_log_level_arg, engine_config_from_args, fail, setup_logging
 from polychip.errors import PolychipError
 
 
@@ -21,8 +21,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--enable-thinking", choices=["true", "false"], default=None,
                    help="Qwen3 thinking switch, passed to the chat template")
     add_engine_args(p)
-    from polychip.package.opening import add_package_args, engine_config_for, options_from_args
-    add_package_args(p)
+    from polychip.commands.options import add_config_args, config_from_args
+    from polychip.package.opening import PackageOptions, engine_config_for
+    add_config_args(p, PackageOptions)
+    add_log_level_arg(p)
     args = p.parse_args(argv)
     setup_logging(args.log_level)
     from polychip.engine.llm import LLM
@@ -31,7 +33,8 @@ def main(argv: list[str]) -> int:
         sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k)
         t0 = time.perf_counter()
-        llm = LLM.from_config(engine_config_for(config_from_args(args), options_from_args(args)))
+        config = engine_config_for(engine_config_from_args(args), config_from_args(args, PackageOptions))
+        llm = LLM.from_config(config)
         print(f"[model loaded in {time.perf_counter() - t0:.1f}s]", file=sys.stderr)
         if args.chat:
             msgs = ([{"role": "system", "content": args.system}] if args.system else [])

@@ -8,7 +8,8 @@ import resource
 import sys
 
 from polychip.commands.common import fail, setup_logging
-from polychip.config import DTYPES, QUANTIZATIONS
+from polychip.config import QUANTIZATIONS
+from polychip.dtypes import MODEL_DTYPES
 from polychip.errors import PolychipError
 
 
@@ -23,7 +24,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--plugin", action="append", default=[], dest="plugins",
                    help="extra device plugin: module.path or path/to/plugin.py (repeatable)")
     p.add_argument("--sign-key", default=None, help="Ed25519 private key (polychip keygen) to sign the manifest")
-    p.add_argument("--dtype", default="auto", choices=DTYPES)
+    p.add_argument("--dtype", default="auto", choices=MODEL_DTYPES)
     p.add_argument("--cache-dir", default=None)
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     args = p.parse_args(argv)

@@ -15,30 +15,20 @@ import uvicorn
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from polychip.commands.common import add_engine_args, config_from_args, fail, setup_logging
+from polychip.commands.common import add_engine_args, engine_config_from_args, fail, setup_logging
+from polychip.commands.options import add_config_args, config_from_args
+from polychip.config import EngineConfig, ServerConfig
 from polychip.errors import ConfigError, PolychipError
 
 log = logging.getLogger("polychip.serve")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from polychip.package.opening import add_package_args
     p = argparse.ArgumentParser(prog="polychip serve", description=__doc__)
     add_engine_args(p)
-    add_package_args(p)
-    g = p.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=30000)
-    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on the API")
-    g.add_argument("--enable-metrics", action="store_true", help="serve Prometheus metrics at /metrics")
-    g.add_argument("--reasoning-parser", default=None, choices=["qwen3"],
-                   help="return <think>...</think> text as reasoning_content")
-    g.add_argument("--max-waiting-requests", type=int, default=1024,
-                   help="waiting-queue limit; beyond it requests get 503 with Retry-After")
-    g.add_argument("--max-request-body-bytes", type=int, default=8 * 1024 * 1024,
-                   help="larger request bodies get 413")
-    g.add_argument("--graceful-shutdown-timeout", type=float, default=10.0,
-                   help="seconds in-flight requests get to finish after SIGINT/SIGTERM before they are aborted")
+    add_config_args(p, ServerConfig)
+    from polychip.package.opening import PackageOptions
+    add_config_args(p, PackageOptions)
     return p
 
 
@@ -79,33 +69,31 @@ def progress(label: str):
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     setup_logging(args.log_level)
-    if args.graceful_shutdown_timeout < 0:
-        return fail(ConfigError("--graceful-shutdown-timeout must be >= 0"))
     try:
-        config = config_from_args(args, host=args.host, port=args.port, api_key=args.api_key,
-                                  enable_metrics=args.enable_metrics, reasoning_parser=args.reasoning_parser,
-                                  max_waiting_requests=args.max_waiting_requests,
-                                  max_request_body_bytes=args.max_request_body_bytes)
-        sock = bind(config.host, config.port)
+        engine_config = engine_config_from_args(args)
+        server_config = config_from_args(args, ServerConfig)
+        sock = bind(server_config.host, server_config.port)
     except PolychipError as e:
         return fail(e)
     try:
-        from polychip.package.opening import engine_config_for, options_from_args
-        config = engine_config_for(config, options_from_args(args))   # a .pcpkg: verified before loading
-        return _serve(config, sock, args.graceful_shutdown_timeout)
+        from polychip.package.opening import PackageOptions, engine_config_for
+        # a .pcpkg is verified and extracted before anything of it is loaded
+        engine_config = engine_config_for(engine_config, config_from_args(args, PackageOptions))
+        return _serve(engine_config, server_config, sock)
     except PolychipError as e:
         return fail(e)
     finally:
         sock.close()
 
 
-def _serve(config, sock: socket.socket, grace: float) -> int:
+def _serve(engine_config: EngineConfig, config: ServerConfig, sock: socket.socket) -> int:
     from polychip.engine.engine import Engine
     from polychip.server.openai_api import build_app
 
-    with progress(f"loading {config.model_path or 'the default model (SmolLM2-135M-Instruct)'}"):
-        engine = Engine(config)
-    app, state = build_app(engine, shutdown_timeout=grace)
+    grace = config.graceful_shutdown_timeout
+    with progress(f"loading {engine_config.model_path or 'the default model (SmolLM2-135M-Instruct)'}"):
+        engine = Engine(engine_config)
+    app, state = build_app(engine, config)
     # uvicorn's own timeout is only a backstop: ReadyServer ends streams cleanly after `grace`
     uv_config = uvicorn.Config(app, log_config=None, log_level=config.log_level, access_log=False,
                                timeout_graceful_shutdown=grace + 5, lifespan="on")

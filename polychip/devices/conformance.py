@@ -28,7 +28,8 @@ import torch
 from polychip.devices.discovery import open_device
 from polychip.devices.plugin import API_VERSION, Availability, DeviceInfo, DevicePlugin, Event, Stream
 from polychip.devices.probe import StepFailed, check_alloc_free, check_copy, check_ops, check_stream_event
-from polychip.devices.spec import KNOWN_DTYPES, supported_dtypes
+from polychip.devices.spec import supported_dtypes
+from polychip.dtypes import KNOWN_DTYPES
 
 
 class ConformanceError(AssertionError):

@@ -12,11 +12,9 @@ import yaml
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, NonNegativeInt, PositiveFloat,
                       ValidationError, field_validator, model_validator)
 
+from polychip.dtypes import DTYPE_ALIASES, KNOWN_DTYPES
 from polychip.errors import DeviceSpecError
 
-KNOWN_DTYPES = ("float32", "bfloat16", "float16", "int8", "int4", "float8_e4m3fn", "float8_e5m2")
-DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16",
-                 "float": "float32", "fp8": "float8_e4m3fn"}
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 

@@ -84,10 +84,11 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, on_finish: Callable[[RequestOutput], None] | None = None):
+    def __init__(self, engine: Engine, on_finish: Callable[[RequestOutput], None] | None = None,
+                 max_waiting: int = 1024):
         self.engine = engine
         self.on_finish = on_finish          # called in the engine thread for each finished output
-        self.max_waiting = engine.config.max_waiting_requests
+        self.max_waiting = max_waiting
         self.stats = EngineStats()
         self.error: BaseException | None = None
         self._cond = threading.Condition()

@@ -10,7 +10,7 @@ import logging
 from dataclasses import dataclass
 from typing import Callable
 
-from polychip.devices.spec import KNOWN_DTYPES as DTYPES
+from polychip.dtypes import KNOWN_DTYPES as DTYPES
 from polychip.errors import PluginError
 
 log = logging.getLogger("polychip.ops")

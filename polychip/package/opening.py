@@ -7,7 +7,6 @@ uses :func:`open_llm`.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import logging
 import os
@@ -17,7 +16,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-from polychip.config import EngineConfig
+from polychip.config import EngineConfig, option
 from polychip.errors import ConfigError
 from polychip.package import signing
 from polychip.package.compat import check_target
@@ -26,38 +25,27 @@ from polychip.package.manifest import SUFFIX, PackageError
 from polychip.package.reader import scan
 
 log = logging.getLogger("polychip.package")
+GROUP = "packages (--model-path x.pcpkg)"
 
 
 @dataclass(frozen=True)
 class PackageOptions:
-    """How a package is trusted. Trusted keys (or ``require_signature``) make a valid signature
-    by one of them a condition of loading; hashes are always checked."""
+    """How a package (``--model-path x.pcpkg``) is trusted; the flags come from these fields.
+    Trusted keys (or ``require_signature``) make a valid signature by one of them a condition of
+    loading; hashes are always checked."""
 
-    trusted_keys: tuple[str, ...] = ()
-    require_signature: bool = False
-    strict_versions: bool = False
+    trusted_keys: tuple[str, ...] = option(
+        (), "Ed25519 public key (polychip keygen) a package must be signed by (repeatable); the recommended "
+            "way to load packages", group=GROUP, flag="--trusted-key")
+    require_signature: bool = option(False, "refuse a package that is not signed by a --trusted-key", group=GROUP)
+    strict_versions: bool = option(False, "refuse a package built for other plugin/driver/runtime/collective/"
+                                          "firmware versions (default: warn naming each)", group=GROUP)
 
     def __post_init__(self):
         if not isinstance(self.trusted_keys, tuple):
             raise ConfigError("trusted_keys must be a tuple of public key files")
         if self.require_signature and not self.trusted_keys:
             raise ConfigError("--require-signature needs at least one --trusted-key to check the signature with")
-
-
-def add_package_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("packages (--model-path x.pcpkg)")
-    g.add_argument("--trusted-key", action="append", default=[], dest="trusted_keys",
-                   help="Ed25519 public key (polychip keygen) a package must be signed by (repeatable); "
-                        "the recommended way to load packages")
-    g.add_argument("--require-signature", action="store_true",
-                   help="refuse a package that is not signed by a --trusted-key")
-    g.add_argument("--strict-versions", action="store_true",
-                   help="refuse a package built for other driver/runtime/collective/plugin versions "
-                        "(default: warn naming each)")
-
-
-def options_from_args(args: argparse.Namespace) -> PackageOptions:
-    return PackageOptions(tuple(args.trusted_keys), args.require_signature, args.strict_versions)
 
 
 def is_package(model_path: str | None) -> bool:

@@ -45,7 +45,8 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log}")
             try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                # healthy, and the ready line (logged right after uvicorn starts) read from the pipe
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200 and "polychip ready" in self.log:
                     return self
             except httpx.HTTPError:
                 pass

@@ -10,6 +10,7 @@ import os
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from polychip.config import ServerConfig
 from polychip.engine.async_engine import AsyncEngine
 from polychip.engine.engine import Engine
 from polychip.server import chat, completions
@@ -55,11 +56,11 @@ def flush_cache(engine: Engine) -> dict:
     return {"released_pages": released, **pool_info(engine)}
 
 
-def build_app(engine: Engine, *, shutdown_timeout: float = 10.0) -> tuple[Gate, ServerState]:
+def build_app(engine: Engine, cfg: ServerConfig | None = None) -> tuple[Gate, ServerState]:
     """(ASGI app, ServerState) serving ``engine``: the FastAPI app behind the Gate middleware."""
-    cfg = engine.config
+    cfg = cfg or ServerConfig()
     name = default_model_name(engine)
-    ae = AsyncEngine(engine)
+    ae = AsyncEngine(engine, max_waiting=cfg.max_waiting_requests)
     metrics = ServerMetrics(ae, name) if cfg.enable_metrics else None
     if metrics is not None:
         ae.on_finish = metrics.observe_finished
@@ -71,7 +72,7 @@ def build_app(engine: Engine, *, shutdown_timeout: float = 10.0) -> tuple[Gate, 
         yield
         left = ae.stats.num_running + ae.stats.num_waiting
         log.info("stopping the engine%s", f" (aborting {left} request(s))" if left else "")
-        await asyncio.to_thread(ae.shutdown, shutdown_timeout)
+        await asyncio.to_thread(ae.shutdown, cfg.graceful_shutdown_timeout)
 
     app = FastAPI(title="polychip", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.polychip = state

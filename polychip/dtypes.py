@@ -1,0 +1,12 @@
+"""The dtype vocabulary: every dtype name polychip knows, in one leaf module (imports nothing).
+
+Names are torch's attribute names (``getattr(torch, name)``), except ``int4``, which torch has no
+dtype for and which a device spec may still declare.
+"""
+from __future__ import annotations
+
+FLOAT_DTYPES = ("float32", "bfloat16", "float16")            # compute dtypes a model may run in
+MODEL_DTYPES = ("auto",) + FLOAT_DTYPES                       # what --dtype accepts
+KNOWN_DTYPES = FLOAT_DTYPES + ("int8", "int4", "float8_e4m3fn", "float8_e5m2")   # what a spec may declare
+DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16",
+                 "float": "float32", "fp8": "float8_e4m3fn"}
