@@ -73,6 +73,7 @@ class _Scan:
                  keep_going: bool, out_dir: str | None):
         self.res = ScanResult(path)
         self.until: str | None = None          # stop after this member (inspect reads up to plan.json)
+        self.refused = 0                       # members refused (unsafe, unlisted, repeated)
         self.trusted, self.require, self.keep_going, self.out_dir = trusted, require_signature, keep_going, out_dir
 
     def check(self, status: str, what: str, detail: str) -> None:
@@ -120,7 +121,10 @@ class _Scan:
 
     def signature(self, manifest: bytes, sig: bytes | None) -> None:
         if sig is not None:
-            self.res.signature_key_id = signing.signature_key_id(sig, self.res.path)[0]
+            try:
+                self.res.signature_key_id = signing.signature_key_id(sig)[0]
+            except PackageError as e:
+                self.fatal(SIGNATURE, e.args[0])
         if not self.trusted and not self.require:
             self.check("skip", "signature", "unsigned package" if sig is None else
                        f"signed by key {self.res.signature_key_id[:16]}; not checked (no --trusted-key)")
@@ -130,9 +134,9 @@ class _Scan:
         if not self.trusted:
             self.fatal("signature", "a signature is required but no --trusted-key was given to check it with")
         try:
-            self.res.signer = signing.verify(manifest, sig, self.trusted, self.res.path)
+            self.res.signer = signing.verify(manifest, sig, self.trusted)
         except PackageError as e:
-            self.fatal("signature", str(e).removeprefix(f"[framework] {self.res.path}: {SIGNATURE}: "))
+            self.fatal("signature", e.args[0])
         self.check("ok", "signature", f"{signing.ALGORITHM} by trusted key {self.res.signer.label()}")
 
     def body(self, tar: tarfile.TarFile, m: tarfile.TarInfo | None, members) -> None:
@@ -146,21 +150,21 @@ class _Scan:
         missing = sorted(set(listed) - seen)
         for name in missing:
             self.check("FAIL", name, "missing: listed in the manifest but not in the package")
-        extra = sum(c.detail.startswith("extra file") for c in self.res.checks)
-        if not missing and not extra:
+        if not missing and not self.refused:
             self.check("ok", "files", f"all {len(listed)} listed files present, no extra member")
 
     def member(self, tar, m, listed: dict, seen: set) -> None:
         why = member_problem(m)
+        if not why and m.name in (MANIFEST, SIGNATURE):
+            why = f"a second {m.name}; it must come once, at the start"
+        elif not why and m.name not in listed:
+            why = "extra file: not listed in the manifest"
+        elif not why and m.name in seen:
+            why = "appears twice in the archive"
         if why:
+            self.refused += 1
             return self.check("FAIL", m.name, why)
-        if m.name in (MANIFEST, SIGNATURE):
-            return self.check("FAIL", m.name, f"a second {m.name}; it must come once, at the start")
-        entry = listed.get(m.name)
-        if entry is None:
-            return self.check("FAIL", m.name, "extra file: not listed in the manifest")
-        if m.name in seen:
-            return self.check("FAIL", m.name, "appears twice in the archive")
+        entry = listed[m.name]
         seen.add(m.name)
         if m.size != entry["size"]:
             return self.check("FAIL", m.name, f"size mismatch: {m.size} bytes, the manifest says {entry['size']}")

@@ -16,7 +16,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from polychip.package.manifest import MANIFEST, SIGNATURE, PackageError
+from polychip.package.manifest import MANIFEST, PackageError
 
 ALGORITHM = "ed25519"
 
@@ -92,35 +92,31 @@ def sign(manifest: bytes, private: Ed25519PrivateKey) -> bytes:
     return (json.dumps(doc, indent=2) + "\n").encode("utf-8")
 
 
-def signature_key_id(sig: bytes, source: str) -> tuple[str, bytes]:
-    """(key id, raw signature) from ``manifest.sig``'s bytes."""
-    where = f"{source}: {SIGNATURE}"
+def signature_key_id(sig: bytes) -> tuple[str, bytes]:
+    """(key id, raw signature) from ``manifest.sig``'s bytes; PackageError(reason) if malformed."""
     try:
         doc = json.loads(sig.decode("utf-8"))
-        if doc["algorithm"] != ALGORITHM:
-            raise PackageError(f"{where}: algorithm {doc['algorithm']!r}; only {ALGORITHM} is accepted")
+        algorithm, kid = doc["algorithm"], doc["key_id"]
         raw = base64.b64decode(doc["signature"], validate=True)
-        kid = doc["key_id"]
-    except PackageError:
-        raise
     except (UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
-        raise PackageError(f"{where}: bad signature file ({type(e).__name__}: {e})") from None
+        raise PackageError(f"bad signature file ({type(e).__name__}: {e})") from None
+    if algorithm != ALGORITHM:
+        raise PackageError(f"algorithm {algorithm!r}; only {ALGORITHM} is accepted")
     if not isinstance(kid, str):
-        raise PackageError(f"{where}: bad signature file (key_id is not a string)")
+        raise PackageError("bad signature file (key_id is not a string)")
     return kid, raw
 
 
-def verify(manifest: bytes, sig: bytes, trusted: list[TrustedKey], source: str) -> TrustedKey:
-    """The trusted key that signed ``manifest``; else a PackageError saying whose key or why not."""
-    kid, raw = signature_key_id(sig, source)
+def verify(manifest: bytes, sig: bytes, trusted: list[TrustedKey]) -> TrustedKey:
+    """The trusted key that signed ``manifest``; else PackageError(reason): whose key, or why not."""
+    kid, raw = signature_key_id(sig)
     match = [t for t in trusted if t.key_id == kid]
     if not match:
         known = ", ".join(t.label() for t in trusted)
-        raise PackageError(f"{source}: {SIGNATURE}: signed by key {kid[:16]}, which is not a trusted key "
-                           f"(trusted: {known})")
+        raise PackageError(f"signed by key {kid[:16]}, which is not a trusted key (trusted: {known})")
     try:
         match[0].key.verify(raw, manifest)
     except InvalidSignature:
-        raise PackageError(f"{source}: {SIGNATURE}: bad signature: {MANIFEST} does not match the signature "
-                           f"of trusted key {match[0].label()}") from None
+        raise PackageError(f"bad signature: {MANIFEST} does not match the signature of trusted key "
+                           f"{match[0].label()}") from None
     return match[0]
