@@ -203,3 +203,15 @@ def test_serve_refuses_an_untrusted_package_before_loading(pkg, tmp_path):
 def test_package_flags_refuse_a_model_that_is_not_a_package(source, keys):
     from polychip.commands import generate
     assert generate.main(["--model-path", source, "--trusted-key", keys[1], "--prompt", "x"]) == 1
+
+
+def test_the_plans_dtype_is_the_default(source, tmp_path):
+    from polychip.models.loader import load_model
+    out = str(tmp_path / "bf16.pcpkg")
+    pack(PackOptions(out, source, "int8", dtype="bfloat16"))
+    folder = open_package(out, PackageOptions(), str(tmp_path)).model_dir
+    lm = load_model(folder, open_device("cpu"))                  # --dtype auto
+    assert str(lm.dtype) == "torch.bfloat16" and lm.plan_warnings == []
+    assert lm.resolutions["linear_int8"].source == "native"      # torch's bf16 int8 kernel
+    llm = open_llm(out, cache_dir=str(tmp_path), device="cpu", max_total_tokens=512)
+    assert len(llm.generate([PROMPTS[0]], GREEDY)[0].token_ids) == 8

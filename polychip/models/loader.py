@@ -174,6 +174,8 @@ def load_model(model_path: str | None, plugin, dtype: str = "auto", enable_fusio
     if tokenizer.vocab_size > cfg.vocab_size:
         raise ModelLoadError(f"tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is "
                              f"{cfg.vocab_size}: tokenizer and weights do not match")
+    if dtype == "auto" and plan is not None and plan.get("dtype"):
+        dtype = plan["dtype"]            # the dtype the package was planned (and checked) in
     dname = plugin.default_dtype(cfg.torch_dtype) if dtype == "auto" else dtype
     require_dtypes(plugin, [dname], "model dtype")
     stored = stored_quantization(model_dir)
