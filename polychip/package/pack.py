@@ -1,6 +1,6 @@
-"""``polychip pack``: load the model on the target device to record the plan, write the weights
-(quantised when asked) as safetensors shards, copy config and tokenizer, hash every file while
-streaming, write and sign the manifest, and put it all in one tar."""
+"""``polychip pack``: write the weights (quantised when asked) as safetensors shards and copy the
+config and tokenizer into a staging folder, load that folder on the target device to record the
+plan, hash every file while streaming, write and sign the manifest, and put it all in one tar."""
 from __future__ import annotations
 
 import json
@@ -167,23 +167,26 @@ def assemble(staging: str, names: list[str], output: str, fields: dict, private=
 
 
 def pack(opts: PackOptions) -> PackResult:
+    """Write the package. The plan is made by loading the staged files themselves on the target,
+    so it describes exactly what is packed (and an int8 model is quantised once)."""
     t0 = time.perf_counter()
     private = signing.load_private_key(opts.sign_key) if opts.sign_key else None   # fail before the work
+    model_dir, _ = resolve_model_dir(opts.model_path, opts.cache_dir)
+    cfg = read_config(model_dir)
     plugin = open_device(opts.target_device, opts.plugins, opts.device_config)
-    try:
-        plan, lm = build_plan(opts.model_path, plugin, opts.dtype, opts.quantization, cache_dir=opts.cache_dir)
-        versions = current_versions(plugin)
-        model_dir, cfg = lm.model_dir, lm.config
-        del lm
-    finally:
-        plugin.destroy()
     staging = tempfile.mkdtemp(prefix=".pcpkg-staging-", dir=os.path.dirname(os.path.abspath(opts.output)))
     try:
+        try:
+            names = copy_model_files(model_dir, staging)
+            names += write_weights(model_dir, staging, cfg.tie_word_embeddings, opts.quantization, opts.shard_bytes)
+            plan, lm = build_plan(staging, plugin, opts.dtype)
+            versions = current_versions(plugin)
+            del lm
+        finally:
+            plugin.destroy()
         with open(os.path.join(staging, PLAN), "wb") as f:
             f.write(dump_plan(plan))
-        names = [PLAN] + copy_model_files(model_dir, staging)
-        names += write_weights(model_dir, staging, cfg.tie_word_embeddings, opts.quantization, opts.shard_bytes)
-        raw = assemble(staging, names, opts.output, {
+        raw = assemble(staging, [PLAN] + names, opts.output, {
             "model": {"source": source_name(opts.model_path), "architecture": cfg.architecture,
                       "dtype": plan["dtype"], "quantization": plan["quantization"]},
             "target": {"device_types": [plan["target"]["device_type"]], "device_name": plan["target"]["device_name"],
@@ -197,4 +200,3 @@ def pack(opts: PackOptions) -> PackResult:
     log.info("packed %s (%d files, manifest %s) in %.1fs", opts.output, len(files), result.manifest_sha256[:16],
              result.seconds)
     return result
-
