@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from polychip.devices import cpu_kernels
+from polychip.devices.cpu import kernels as cpu_kernels
 from polychip.quant.int8 import quantize_int8
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]   # N out x K in

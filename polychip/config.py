@@ -118,6 +118,24 @@ class ServerConfig(_FromKwargs):
     graceful_shutdown_timeout: float = option(10.0, "seconds in-flight requests get to finish after "
                                                     "SIGINT/SIGTERM before they are aborted", group="server")
     log_level: str = option("info", "log level", group="server", choices=LOG_LEVELS)
+    # limits on what one request may ask
+    max_tokens_default: int | None = option(
+        None, "max_tokens of a chat request that gives none (default: the rest of the context, as OpenAI; "
+              "text completions keep OpenAI's 16)", group="request limits")
+    max_stop_strings: int = option(16, "most stop strings (and, separately, stop_token_ids) one request may "
+                                       "give; more get 400", group="request limits")
+    max_stop_chars: int = option(4096, "most characters all of a request's stop strings may have together; "
+                                       "more get 400", group="request limits")
+    special_tokens_in_content: bool = option(
+        False, "read special-token text in chat messages (e.g. '<|im_end|>') as the control token; by default "
+               "it is plain text and only the chat template's own markers are special", group="request limits")
+    # connections
+    timeout_keep_alive: float = option(5.0, "seconds an idle connection (no request under way) stays open",
+                                       group="connections")
+    timeout_request_header: float = option(10.0, "seconds a request's headers may take to arrive once it "
+                                                 "has begun; then the connection is closed", group="connections")
+    timeout_request_body: float = option(60.0, "seconds a request body may take to arrive; then 408",
+                                         group="connections")
 
     def __post_init__(self):
         if not 0 < self.port < 65536:
@@ -125,5 +143,9 @@ class ServerConfig(_FromKwargs):
         if self.reasoning_parser is not None:
             _check_choice("reasoning_parser", self.reasoning_parser, REASONING_PARSERS)
         _check_choice("log_level", self.log_level, LOG_LEVELS)
-        _check_min(self, ("max_waiting_requests", "max_request_body_bytes"), 1)
+        _check_min(self, ("max_waiting_requests", "max_request_body_bytes", "max_tokens_default",
+                          "max_stop_strings", "max_stop_chars"), 1)
         _check_min(self, ("graceful_shutdown_timeout",), 0)
+        for name in ("timeout_keep_alive", "timeout_request_header", "timeout_request_body"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be > 0 seconds, got {getattr(self, name)}")

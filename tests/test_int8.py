@@ -54,7 +54,7 @@ def test_native_linear_int8_equals_the_dequantised_matmul(dtype, tol):
 @pytest.mark.parametrize("m", [1, 3, 7, 16, 64, 65, 300])
 @pytest.mark.parametrize("n,k", [(37, 29), (200, 96), (576, 1536)])
 def test_cpu_plugin_linear_int8_matches_native(m, n, k):
-    from polychip.devices import cpu_kernels
+    from polychip.devices.cpu import kernels as cpu_kernels
     from polychip.ops.native import register_native
     from polychip.ops.registry import OpRegistry
     if cpu_kernels.load() is None:

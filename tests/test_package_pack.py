@@ -112,7 +112,7 @@ def test_second_start_does_not_extract_again_and_a_tampered_cache_is_replaced(pk
 
 
 def test_the_plan_is_applied_and_checked(pkg, tmp_path, monkeypatch, caplog):
-    from polychip.devices import cpu_kernels
+    from polychip.devices.cpu import kernels as cpu_kernels
     from polychip.devices.cpu import CpuPlugin
     from polychip.models.loader import load_model
     folder = open_package(pkg, PackageOptions(), str(tmp_path)).model_dir

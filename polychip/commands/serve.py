@@ -88,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _serve(engine_config: EngineConfig, config: ServerConfig, sock: socket.socket) -> int:
     from polychip.engine.engine import Engine
+    from polychip.server.http_timeouts import uvicorn_options
     from polychip.server.openai_api import build_app
 
     grace = config.graceful_shutdown_timeout
@@ -96,7 +97,7 @@ def _serve(engine_config: EngineConfig, config: ServerConfig, sock: socket.socke
     app, state = build_app(engine, config)
     # uvicorn's own timeout is only a backstop: ReadyServer ends streams cleanly after `grace`
     uv_config = uvicorn.Config(app, log_config=None, log_level=config.log_level, access_log=False,
-                               timeout_graceful_shutdown=grace + 5, lifespan="on")
+                               timeout_graceful_shutdown=grace + 5, lifespan="on", **uvicorn_options(config))
     server = ReadyServer(uv_config, f"http://{_url_host(config.host)}:{sock.getsockname()[1]}", state.engine,
                          grace)
     # our own no-op handlers: uvicorn re-raises the signal after a graceful stop

@@ -1,6 +1,7 @@
 """SamplingParams: what a request asks of the sampler and the stop checker."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -72,6 +73,14 @@ class SamplingParams:
             self._bad("min_tokens", f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             self._bad("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+
+    def choices(self) -> list["SamplingParams"]:
+        """The ``n`` choices as ``n`` one-choice params (the engine runs one sequence each);
+        choice ``j`` samples with ``seed + j``, so each choice is reproducible on its own."""
+        if self.n == 1:
+            return [self]
+        return [dataclasses.replace(self, n=1, seed=None if self.seed is None else self.seed + j)
+                for j in range(self.n)]
 
     @property
     def greedy(self) -> bool:

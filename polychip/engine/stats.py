@@ -34,6 +34,7 @@ class EngineStats:
     num_running: int
     page_size: int                    # tokens per KV page
     pages_total: int
+    kv_pool_bytes: int                # bytes allocated for the pool
     pages_free: int
     pages_cached: int                 # held by the prefix cache
     pages_evictable: int              # cached and held by no running request

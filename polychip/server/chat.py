@@ -7,15 +7,19 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from polychip.errors import InvalidRequestError
+from polychip.server.chat_template import render_and_encode
 from polychip.server.protocol import ChatCompletionRequest, usage
 from polychip.server.reasoning import PARSERS
-from polychip.server.serving import (ServerState, chat_logprobs, check_stop_token_ids, collect, finish_reason,
-                                     resolve_max_tokens, sse, sse_guard, sub_requests, submit)
+from polychip.server.serving import (ServerState, chat_logprobs, collect, engine_requests, finish_reason,
+                                     request_params, submit, with_max_tokens)
+from polychip.server.streaming import ChunkBuilder, sse, sse_guard
 
 RESERVED_TEMPLATE_ARGS = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token"})
 
 
-def render_prompt(state: ServerState, req: ChatCompletionRequest) -> tuple[str, list[int]]:
+async def render_prompt(state: ServerState, req: ChatCompletionRequest) -> tuple[str, list[int]]:
+    """(prompt text, ids), rendered, size-checked and tokenised in the engine's tokenizer threads,
+    off the event loop."""
     if not req.messages:
         raise InvalidRequestError("messages must not be empty")
     msgs = [m.for_template() for m in req.messages]
@@ -25,25 +29,19 @@ def render_prompt(state: ServerState, req: ChatCompletionRequest) -> tuple[str, 
         raise InvalidRequestError(f"chat_template_kwargs cannot set {clash}")
     if req.tools:
         kwargs["tools"] = req.tools
-    tok = state.tokenizer
-    try:
-        text = tok.apply_chat_template(msgs, add_generation_prompt=req.add_generation_prompt, **kwargs)
-    except InvalidRequestError:
-        raise
-    except Exception as e:   # a template may fail in any way on odd input; that is the request's fault
-        raise InvalidRequestError(f"messages: the chat template failed: {type(e).__name__}: {e}") from None
-    return text, tok.encode(text, add_special_tokens=False)
+    size_check = lambda text: state.engine.check_prompt_size(text, "messages")   # noqa: E731
+    return await state.engine.run_tokenizer(render_and_encode, state.tokenizer, msgs, req.add_generation_prompt,
+                                            kwargs, not state.config.special_tokens_in_content, size_check)
 
 
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, request: Request) -> Response:
     state.check_model(req.model)
-    check_stop_token_ids(state, req.stop_token_ids)
-    prompt_text, ids = render_prompt(state, req)
-    max_tokens = resolve_max_tokens(state, len(ids), req.requested_max_tokens, "messages")
-    params = req.sampling_params(max_tokens, req.num_logprobs())
+    params = request_params(state, req, req.requested_max_tokens, req.num_logprobs())
+    prompt_text, ids = await render_prompt(state, req)
+    params = with_max_tokens(state, params, [ids], req.requested_max_tokens)
     rid = request.state.request_id
-    stream = await submit(state, sub_requests(rid, [ids], params, req.priority))
-    parser_cls = PARSERS.get(state.reasoning_parser) if req.separate_reasoning else None
+    stream = await submit(state, engine_requests(rid, [ids], params, req.priority))
+    parser_cls = PARSERS.get(state.config.reasoning_parser) if req.separate_reasoning else None
     meta = {"id": f"chatcmpl-{rid}", "created": int(time.time()), "model": state.model_name}
     if req.stream:
         events = _stream_events(state, req, stream, meta, prompt_text, len(ids), parser_cls)
@@ -74,20 +72,9 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
 async def _stream_events(state, req, stream, meta, prompt_text, prompt_len, parser_cls):
     n = req.n
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    want_logprobs = req.logprobs
-    base = {**meta, "object": "chat.completion.chunk"}
-
-    def chunk(i, delta, finish=None, logprobs=None, stop_reason=None):
-        c = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-        if finish is not None:
-            c["stop_reason"] = stop_reason
-        body = {**base, "choices": [c]}
-        if include_usage:
-            body["usage"] = None
-        return sse(body)
-
+    chunks = ChunkBuilder(meta, "chat.completion.chunk", "delta", include_usage)
     for i in range(n):
-        yield chunk(i, {"role": "assistant", "content": ""})
+        yield chunks.choice(i, {"role": "assistant", "content": ""})
     parsers = [parser_cls(prompt_text) if parser_cls else None for _ in range(n)]
     seen = [0] * n
     completion_tokens, cached = 0, 0
@@ -105,15 +92,15 @@ async def _stream_events(state, req, stream, meta, prompt_text, prompt_len, pars
         if content:
             delta["content"] = content
         lp = None
-        if want_logprobs and len(o.token_ids) > seen[i]:
+        if req.logprobs and len(o.token_ids) > seen[i]:
             lp = {"content": chat_logprobs(state.tokenizer, (o.logprobs or [])[seen[i]:])}
         seen[i] = len(o.token_ids)
         if delta or lp:
-            yield chunk(i, delta, logprobs=lp)
+            yield chunks.choice(i, delta, logprobs=lp)
         if out.finished:
             completion_tokens += len(o.token_ids)
             cached = out.num_cached_tokens if i == 0 else cached
-            yield chunk(i, {}, finish=o.finish_reason, stop_reason=o.stop_reason)
+            yield chunks.choice(i, {}, o.finish_reason, stop_reason=o.stop_reason)
     if include_usage:
-        yield sse({**base, "choices": [], "usage": usage(prompt_len, completion_tokens, cached)})
+        yield chunks.usage(usage(prompt_len, completion_tokens, cached))
     yield sse("[DONE]")

@@ -6,7 +6,7 @@
 // linear_int8_tiles / linear_int8_blocks: the same with int8 weights and one float32 scale per
 //   weight row (y = (x q^T) * scale (+ b)): the tiles widen int8 to float32 in registers (decode
 //   reads a quarter of the bytes); the blocks dequantise each block of rows, then one BLAS call.
-#include "cpu_common.h"
+#include "common.h"
 
 using namespace polychip_cpu;
 
