@@ -1,7 +1,7 @@
 """int8 weight-only linear on SmolLM2-135M's shapes: the CPU plugin's kernels against torch's
 (the native ``linear_int8``) and against the float32 linear they replace.
 
-    PYTHONPATH=. .venv/bin/python bench/linear_int8_kernels.py    # run under flock /tmp/polychip-cpu.lock
+    PYTHONPATH=. .venv/bin/python bench/linear_int8_kernels.py [--num-threads N]   # under flock /tmp/polychip-cpu.lock
 
 Per shape and M (rows of x, float32): the plugin's ``linear_int8_tiles`` (M <= 64) or
 ``linear_int8_blocks``, torch's ``_weight_int8pack_mm`` on float32 x (the native op) and on
@@ -9,6 +9,7 @@ bfloat16 x, and the plugin's float32 ``linear_tiles`` / ``linear_blocks`` on the
 weights. Weights rotate through copies of >= 64 MiB, so each call reads them from memory as a
 decode step does. Best of 5 rounds, microseconds per call.
 """
+import argparse
 import time
 
 import torch
@@ -33,7 +34,9 @@ def best_us(fn, weights, rounds=5):
 
 
 def main():
-    torch.set_num_threads(2)
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--num-threads", type=int, default=2, help="1 on a loaded machine: no thread stalls")
+    torch.set_num_threads(ap.parse_args().num_threads)
     k = cpu_kernels.load()
     print(f"{'N x K':>11} {'M':>3} {'plugin int8':>12} {'torch int8 f32':>15} {'torch int8 bf16':>16} "
           f"{'plugin f32':>11} {'f32/int8':>9}")
