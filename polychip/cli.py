@@ -7,6 +7,7 @@ import sys
 
 COMMANDS = {
     "serve": "start the OpenAI-compatible server",
+    "router": "one OpenAI endpoint over many replicas (health, failover, canary)",
     "generate": "generate text offline from a prompt",
     "devices": "list device plugins and their devices",
     "probe": "check a device spec step by step before serving",

@@ -181,3 +181,5 @@ def test_quantization_flag_is_validated():
     from polychip.errors import ConfigError
     with pytest.raises(ConfigError, match="quantization must be one of"):
         EngineConfig(quantization="int4")
+    with pytest.raises(ConfigError, match="quantization 'int8' cannot be sharded yet: tensor parallelism"):
+        EngineConfig(quantization="int8", tp_size=2)

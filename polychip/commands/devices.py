@@ -45,7 +45,7 @@ def describe(rec: PluginRecord, spec: DeviceSpec | None) -> dict:
         return out
     spec = spec if spec is not None and spec.device_type == rec.name else None
     try:
-        infos = p.discover()
+        infos = p.discover_for(spec)
         if spec is not None:
             out["spec"] = spec.source
             check_against_devices(spec, rec.name, infos)
@@ -89,16 +89,43 @@ def version_matrix(entries: list[dict]) -> list[str]:
     return ["", "Version matrix:", fmt(cols)] + [fmt(r) for r in cells]
 
 
+def rank_rows(args) -> list[dict]:
+    """Each tensor-parallel rank of this node with the device it would open, and that device's memory."""
+    from polychip.config import EngineConfig
+    from polychip.devices.discovery import open_device
+    from polychip.distributed.world import World, local_devices
+    config = EngineConfig(device=args.device, plugins=tuple(args.plugins), device_config=args.device_config,
+                          tp_size=args.tp_size, nnodes=args.nnodes, node_rank=args.node_rank,
+                          dist_init_addr="127.0.0.1:1" if args.nnodes > 1 else None)
+    world = World.from_config(config)
+    rows = []
+    for rank, device in zip(world.local_ranks, local_devices(config, world)):
+        plugin = open_device(device, tuple(args.plugins), args.device_config)
+        try:
+            free, total = plugin.mem_info()
+        finally:
+            plugin.destroy()
+        rows.append({"rank": rank, "node": world.node_rank, "device": device, "backend": plugin.communicator_backend(),
+                     "free_memory": free, "total_memory": total})
+    return rows
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="polychip devices", description=__doc__)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--device-config", default=None, help="device spec YAML applied to the plugin it names")
     p.add_argument("--plugin", action="append", default=[], dest="plugins",
                    help="extra device plugin: module.path or path/to/plugin.py (repeatable)")
+    g = p.add_argument_group("tensor parallelism: also show the device and memory of each rank on this node")
+    g.add_argument("--tp-size", type=int, default=None)
+    g.add_argument("--nnodes", type=int, default=1)
+    g.add_argument("--node-rank", type=int, default=0)
+    g.add_argument("--device", default="auto", help="the plugin the ranks use (as for serve)")
     args = p.parse_args(argv)
     from polychip.commands.common import fail
     try:
         spec = load_spec(args.device_config) if args.device_config else None
+        ranks = rank_rows(args) if args.tp_size else None
     except PolychipError as e:
         return fail(e)
     entries = [describe(rec, spec) for rec in discover_plugins(tuple(args.plugins))]
@@ -106,9 +133,14 @@ def main(argv: list[str]) -> int:
         return fail(PolychipError(f"{spec.source}: device_type: no plugin named {spec.device_type!r}; "
                                   f"found {[e['name'] for e in entries]}"))
     if args.json:
-        print(json.dumps(entries, indent=2))
-    else:
-        for e in entries:
-            print("\n".join(_text(e)))
-        print("\n".join(version_matrix(entries)))
+        print(json.dumps(entries if ranks is None else {"plugins": entries, "ranks": ranks}, indent=2))
+        return 0
+    for e in entries:
+        print("\n".join(_text(e)))
+    print("\n".join(version_matrix(entries)))
+    if ranks is not None:
+        print(f"tensor parallel --tp-size {args.tp_size} over {args.nnodes} node(s); node {args.node_rank} runs:")
+        for r in ranks:
+            print(f"  rank {r['rank']}: {r['device']} ({r['backend']})  memory {fmt_bytes(r['free_memory'])} free / "
+                  f"{fmt_bytes(r['total_memory'])}")
     return 0

@@ -96,6 +96,11 @@ class DevicePlugin(abc.ABC):
     @abc.abstractmethod
     def discover(self) -> list[DeviceInfo]: ...
 
+    def discover_for(self, spec: Any) -> list[DeviceInfo]:
+        """The devices as a spec will see them, before ``init``. The same as ``discover()`` unless
+        the plugin's devices are shares of one host that a spec declares (the cpu plugin)."""
+        return self.discover()
+
     # lifecycle
     def init(self, spec: Any = None, index: int = 0) -> None:
         """Prepare device ``index``; ``spec`` is the validated device spec, if any.
@@ -149,7 +154,11 @@ class DevicePlugin(abc.ABC):
         """Add op implementations to ``registry`` keyed by (name, version, dtype)."""
 
     def communicator_backend(self) -> str:
-        """Name of the ``torch.distributed`` backend for collectives."""
+        """Name of the ``torch.distributed`` backend for collectives: "gloo" (host memory), "nccl"
+        (CUDA), or a vendor's. A vendor library that brings its own registers it first with
+        ``torch.distributed.Backend.register_backend(name, create_fn, devices=[...])`` (at import
+        of the plugin module, so every worker process has it) and returns ``name`` here; a name
+        torch does not know fails tensor parallelism with an error naming plugin and backend."""
         return "gloo"
 
     def compile(self, fn: Callable) -> Callable:

@@ -180,6 +180,7 @@ class DecoderModel(nn.Module):
         self.register_buffer("inv_freq", torch.empty(cfg.head_dim // 2), persistent=False)
         self.rope_cos: torch.Tensor | None = None
         self.rope_sin: torch.Tensor | None = None
+        self.logits_gather = None     # set by the tensor-parallel shard pass: this rank's vocab -> all
 
     def build_rope_cache(self, max_positions: int, dtype: torch.dtype) -> None:
         pos = torch.arange(max_positions, device=self.inv_freq.device, dtype=torch.float32)
@@ -198,5 +199,9 @@ class DecoderModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is not None:     # untied, or an int8 copy of a tied embedding
-            return self.lm_head(hidden).float()
-        return self.ops.linear(hidden, self.embed_tokens.weight, None).float()
+            logits = self.lm_head(hidden)
+        else:
+            logits = self.ops.linear(hidden, self.embed_tokens.weight, None)
+        if self.logits_gather is not None:
+            logits = self.logits_gather(logits)
+        return logits.float()

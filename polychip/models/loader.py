@@ -17,12 +17,12 @@ import torch
 from safetensors import safe_open
 
 from polychip.devices.spec import require_dtypes
-from polychip.errors import ModelLoadError, PolychipError
+from polychip.errors import ConfigError, ModelLoadError, PolychipError
 from polychip.models.config import ModelConfig
 from polychip.models.decoder import DecoderModel, rope_inv_freq
 from polychip.models.packaged_plan import check_ops, planned_fusions, read_plan
 from polychip.models.tokenizer import Tokenizer
-from polychip.ops import passes
+from polychip.ops import passes, tp_shard
 from polychip.ops.native import register_native
 from polychip.ops.registry import OpRegistry
 from polychip.quant import int8
@@ -44,6 +44,12 @@ class LoadedModel:
     from_cache: bool | None = None
     quantization: str | None = None
     plan_warnings: list[str] = field(default_factory=list)    # where the device differs from plan.json
+    shard: tp_shard.ShardLayout | None = None     # this rank's part under tensor parallelism
+
+    @property
+    def kv_heads(self) -> int:
+        """KV heads this process holds (its KV pool's width)."""
+        return self.shard.kv_heads if self.shard is not None else self.config.num_kv_heads
 
 
 def resolve_model_dir(model_path: str | None, cache_dir: str | None = None) -> tuple[str, bool | None]:
@@ -106,10 +112,10 @@ def stored_keys(files: list[str]) -> dict[str, str]:
 
 
 def read_state_dict(model_dir: str, cfg: ModelConfig, dtype: torch.dtype, plugin,
-                    quantize: str | None = None) -> dict:
-    """The weights on the device (floating ones in ``dtype``). ``quantize="int8"`` quantises
-    each linear weight on the host as it is read (and adds an int8 lm_head for a tied one);
-    weights stored quantised are kept as they are."""
+                    shard: tp_shard.ShardLayout | None = None, quantize: str | None = None) -> dict:
+    """The weights on the device (floating ones in ``dtype``); with ``shard``, only this rank's part
+    of each is read. ``quantize="int8"`` quantises each linear weight on the host as it is read
+    (and adds an int8 lm_head for a tied one); weights stored quantised are kept as they are."""
     state = {}
     files = weight_files(model_dir)
     packed_head = int8.scale_key(int8.LM_HEAD_KEY) in {k.removeprefix("model.") for k in stored_keys(files)}
@@ -120,7 +126,7 @@ def read_state_dict(model_dir: str, cfg: ModelConfig, dtype: torch.dtype, plugin
                     key = name.removeprefix("model.")
                     if key == "lm_head.weight" and cfg.tie_word_embeddings and not packed_head:
                         continue
-                    t = f.get_tensor(name)
+                    t = f.get_tensor(name) if shard is None else tp_shard.slice_weight(shard, key, f.get_slice(name))
                     entries = int8.quantized_entries(key, t) if quantize else [(key, t)]
                     if quantize and key == int8.EMBEDDING_KEY and cfg.tie_word_embeddings:
                         entries += int8.quantized_entries(int8.LM_HEAD_KEY, t)
@@ -139,9 +145,12 @@ def stored_quantization(model_dir: str) -> str | None:
 
 
 def build_model(cfg: ModelConfig, state: dict, device: torch.device, dtype: torch.dtype,
-                ops: SimpleNamespace, max_positions: int) -> DecoderModel:
+                ops: SimpleNamespace, max_positions: int, shard: tp_shard.ShardLayout | None = None,
+                comm=None) -> DecoderModel:
     with torch.device("meta"):
         model = DecoderModel(cfg, ops)
+    if shard is not None:
+        tp_shard.shard_modules(model, shard, comm)
     int8.apply_int8(model, state)        # modules whose weights arrive quantised become Int8Linear
     shapes = {k: t.shape for k, t in model.state_dict().items()}      # once: it walks the whole tree
     missing, unexpected = sorted(shapes.keys() - set(state)), sorted(set(state) - shapes.keys())
@@ -160,15 +169,19 @@ def build_model(cfg: ModelConfig, state: dict, device: torch.device, dtype: torc
 
 def load_model(model_path: str | None, plugin, dtype: str = "auto", enable_fusion: bool = True,
                cache_dir: str | None = None, max_model_len: int | None = None,
-               registry: OpRegistry | None = None, quantization: str | None = None) -> LoadedModel:
+               registry: OpRegistry | None = None, quantization: str | None = None, comm=None) -> LoadedModel:
     """``quantization="int8"`` quantises floating weights while loading; weights stored quantised
     load as they are with or without it. A folder with a ``plan.json`` (an opened package) gets
-    the plan's fusions and a warning per op this device resolves differently."""
+    the plan's fusions and a warning per op this device resolves differently. ``comm``: a
+    distributed Communicator; with more than one rank, this rank's shard is loaded."""
     t0 = time.perf_counter()
     if quantization not in (None, *int8.QUANTIZATIONS):
         raise ModelLoadError(f"quantization must be one of {list(int8.QUANTIZATIONS)} or unset, got {quantization!r}")
     model_dir, from_cache = resolve_model_dir(model_path, cache_dir)
     cfg = read_config(model_dir)
+    shard = None
+    if comm is not None and comm.world_size > 1:
+        shard = tp_shard.ShardLayout.plan(cfg, comm.rank, comm.world_size)
     plan = read_plan(model_dir)
     tokenizer = Tokenizer.from_dir(model_dir, cfg.eos_token_ids)
     if tokenizer.vocab_size > cfg.vocab_size:
@@ -182,6 +195,9 @@ def load_model(model_path: str | None, plugin, dtype: str = "auto", enable_fusio
     quant = stored or quantization
     if quant:   # before a single weight is read
         require_dtypes(plugin, ["int8"], f"{quant} weight dtype" + ("" if stored else " (--quantization int8)"))
+        if shard is not None:
+            raise ConfigError(f"{quant} weights cannot be sharded yet: tensor parallelism (tp size "
+                              f"{shard.size}) runs float weights only")
     torch_dtype = getattr(torch, dname)
     device = plugin.device_handle()
     if registry is None:
@@ -189,11 +205,11 @@ def load_model(model_path: str | None, plugin, dtype: str = "auto", enable_fusio
         register_native(registry)
         plugin.register_ops(registry)
     ops = SimpleNamespace()
-    state = read_state_dict(model_dir, cfg, torch_dtype, plugin, quantize=None if stored else quantization)
+    state = read_state_dict(model_dir, cfg, torch_dtype, plugin, shard, quantize=None if stored else quantization)
     quantised = [str(t.dtype).removeprefix("torch.") for t in state.values() if not t.is_floating_point()]
     require_dtypes(plugin, quantised, "quantised weight dtype")
     max_len = max_model_len or cfg.max_position_embeddings
-    model = build_model(cfg, state, device, torch_dtype, ops, max_len)
+    model = build_model(cfg, state, device, torch_dtype, ops, max_len, shard, comm)
     resolutions = passes.replace(passes.expand(model), registry, torch_dtype, ops)
     patterns, warnings = plugin.fusions(), []
     if plan is not None:
@@ -204,7 +220,7 @@ def load_model(model_path: str | None, plugin, dtype: str = "auto", enable_fusio
     for w in warnings:
         log.warning("plan: %s", w)
     lm = LoadedModel(model, cfg, tokenizer, torch_dtype, model_dir, registry, resolutions, fusions,
-                     time.perf_counter() - t0, from_cache, quant, warnings)
+                     time.perf_counter() - t0, from_cache, quant, warnings, shard)
     log.info("loaded %s (%s, %s%s) in %.2fs", model_dir, cfg.architecture, dname,
              f", {quant} weights" if quant else "", lm.load_seconds)
     return lm
