@@ -13,6 +13,10 @@ COMMANDS = {
     "probe": "check a device spec step by step before serving",
     "coverage": "show which op implementation a model uses on a device",
     "bench": "benchmarks: serving, compare, peers",
+    "pack": "write a signed offline model package (.pcpkg)",
+    "verify": "check a package's signature, hashes and target without loading it",
+    "inspect": "show a package's devices, plan, versions and files",
+    "keygen": "make an Ed25519 key pair for signing packages",
 }
 
 

@@ -14,6 +14,7 @@ from polychip.errors import ConfigError
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 REASONING_PARSERS = ("qwen3",)
 LOG_LEVELS = ("debug", "info", "warning", "error")
+QUANTIZATIONS = ("int8",)      # weight-only, per output channel (polychip/quant)
 
 
 TP_GROUP = "tensor parallelism (SGLang's flags; --tp-size counts ranks on all nodes)"
@@ -67,12 +68,16 @@ class _FromKwargs:
 @dataclass(frozen=True)
 class EngineConfig(_FromKwargs):
     # model
-    model_path: str | None = option(None, "HF folder or .gguf file (default: the embedded SmolLM2)",
-                                    group="model")
+    model_path: str | None = option(None, "HF folder, .gguf file or .pcpkg package (default: the embedded "
+                                          "SmolLM2)", group="model")
     served_model_name: str | None = option(None, "model name the API reports (default: the model path)",
                                            group="model")
     dtype: str = option("auto", "compute dtype (auto: the device's choice for the model)", group="model",
                         choices=MODEL_DTYPES)
+    quantization: str | None = option(None, "int8: weight-only int8 with per-output-channel scales for every "
+                                            "linear layer and the lm_head (a tied one gets an int8 copy; the "
+                                            "embedding stays); default: the weights as stored", group="model",
+                                      choices=QUANTIZATIONS)
     max_model_len: int | None = option(None, "context length (default: the model's own)", group="model")
     cache_dir: str | None = option(None, "where converted GGUF weights are cached "
                                          "(default: $POLYCHIP_CACHE or ~/.cache/polychip)", group="model")
@@ -114,6 +119,8 @@ class EngineConfig(_FromKwargs):
     def __post_init__(self):
         _check_choice("dtype", self.dtype, MODEL_DTYPES)
         _check_choice("schedule_policy", self.schedule_policy, SCHEDULE_POLICIES)
+        if self.quantization is not None:
+            _check_choice("quantization", self.quantization, QUANTIZATIONS)
         _check_min(self, ("page_size", "chunked_prefill_size", "max_running_requests", "max_model_len",
                           "num_threads"), 1)
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
@@ -129,6 +136,9 @@ class EngineConfig(_FromKwargs):
         for name in ("tp_size", "nnodes"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        if self.quantization is not None and self.tp_size > 1:
+            raise ConfigError(f"quantization {self.quantization!r} cannot be sharded yet: tensor parallelism "
+                              f"(tp_size {self.tp_size}) runs float weights only")
         if self.tp_size % self.nnodes:
             raise ConfigError(f"tp_size ({self.tp_size}) counts ranks across all nodes and must be a multiple of "
                               f"nnodes ({self.nnodes})")

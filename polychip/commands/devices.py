@@ -1,4 +1,5 @@
-"""polychip devices [--json] [--device-config FILE] [--plugin P]: every plugin and its devices.
+"""polychip devices [--json] [--device-config FILE] [--plugin P]: every plugin and its devices,
+then the version matrix (plugin and API version, driver, runtime, collective library, firmware).
 
 A plugin that failed to import, declared another API version or is not available is shown
 with the step that failed and why; it is never dropped.
@@ -9,6 +10,7 @@ import argparse
 import json
 
 from polychip.devices.discovery import PluginRecord, discover_plugins, init_plugin
+from polychip.devices.plugin import VERSION_KEYS
 from polychip.devices.spec import DeviceSpec, check_against_devices, fmt_bytes, load_spec
 from polychip.errors import PolychipError
 
@@ -22,7 +24,7 @@ def _device_row(cls, spec: DeviceSpec | None, index: int) -> dict:
         info = next(i for i in plugin.discover() if i.index == index)
         free, total = plugin.mem_info()
         row.update(name=info.name, total_memory=total, free_memory=free, dtypes=list(info.dtypes),
-                   compute=info.compute, topology=info.topology)
+                   compute=info.compute, topology=info.topology, versions=dict(plugin.versions()))
     except Exception as e:  # the point is to show it, whatever it is
         row.update(status="Error", reason=str(e) if isinstance(e, PolychipError) else f"{type(e).__name__}: {e}")
     finally:
@@ -73,6 +75,20 @@ def _text(entry: dict) -> list[str]:
     return lines
 
 
+def version_matrix(entries: list[dict]) -> list[str]:
+    """One row per ready device: plugin and API version, then each ``versions()`` entry."""
+    rows = [(f"{e['name']}:{d['index']}", e["plugin_version"] or "?", str(e["api_version"]), d["versions"])
+            for e in entries if e["status"] == "Ready" for d in e["devices"] if d["status"] == "Ready"]
+    if not rows:
+        return []
+    extra = sorted({k for *_, v in rows for k in v} - set(VERSION_KEYS))
+    cols = ["device", "plugin", "api", *VERSION_KEYS, *extra]
+    cells = [[dev, pv, api, *(v.get(k, "-") for k in (*VERSION_KEYS, *extra))] for dev, pv, api, v in rows]
+    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(cols)]
+    fmt = lambda vals: "  ".join(v.ljust(w) for v, w in zip(vals, widths)).rstrip()  # noqa: E731
+    return ["", "Version matrix:", fmt(cols)] + [fmt(r) for r in cells]
+
+
 def rank_rows(args) -> list[dict]:
     """Each tensor-parallel rank of this node with the device it would open, and that device's memory."""
     from polychip.config import EngineConfig
@@ -121,6 +137,7 @@ def main(argv: list[str]) -> int:
         return 0
     for e in entries:
         print("\n".join(_text(e)))
+    print("\n".join(version_matrix(entries)))
     if ranks is not None:
         print(f"tensor parallel --tp-size {args.tp_size} over {args.nnodes} node(s); node {args.node_rank} runs:")
         for r in ranks:

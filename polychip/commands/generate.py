@@ -21,6 +21,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--enable-thinking", choices=["true", "false"], default=None,
                    help="Qwen3 thinking switch, passed to the chat template")
     add_engine_args(p)
+    from polychip.commands.options import add_config_args, config_from_args
+    from polychip.package.opening import PackageOptions, engine_config_for
+    add_config_args(p, PackageOptions)
     add_log_level_arg(p)
     args = p.parse_args(argv)
     setup_logging(args.log_level)
@@ -31,7 +34,8 @@ def main(argv: list[str]) -> int:
         sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k)
         t0 = time.perf_counter()
-        config = engine_config_from_args(args)
+        # a .pcpkg is verified and extracted before anything of it is loaded (on every node)
+        config = engine_config_for(engine_config_from_args(args), config_from_args(args, PackageOptions))
         if config.node_rank > 0:     # this host only runs its worker ranks; node 0 prints the text
             from polychip.engine.tp import run_node
             return run_node(config)

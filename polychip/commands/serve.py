@@ -28,6 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(p)
     add_config_args(p, ServerConfig)
     p.add_argument("--dp-size", type=int, default=None, help="N replicas behind a router (polychip router)")
+    from polychip.package.opening import PackageOptions
+    add_config_args(p, PackageOptions)
     return p
 
 
@@ -77,16 +79,22 @@ def main(argv: list[str] | None = None) -> int:
         server_config = config_from_args(args, ServerConfig)
         if engine_config.node_rank > 0:     # only node 0 serves HTTP; the others run their worker ranks
             from polychip.engine.tp import run_node
-            return run_node(engine_config)
+            return run_node(_open_package(engine_config, args))
         sock = bind(server_config.host, server_config.port)
     except PolychipError as e:
         return fail(e)
     try:
-        return _serve(engine_config, server_config, sock)
+        return _serve(_open_package(engine_config, args), server_config, sock)
     except PolychipError as e:
         return fail(e)
     finally:
         sock.close()
+
+
+def _open_package(engine_config: EngineConfig, args: argparse.Namespace) -> EngineConfig:
+    """A .pcpkg --model-path verified and extracted before anything of it is loaded (else as is)."""
+    from polychip.package.opening import PackageOptions, engine_config_for
+    return engine_config_for(engine_config, config_from_args(args, PackageOptions))
 
 
 def _serve(engine_config: EngineConfig, config: ServerConfig, sock: socket.socket) -> int:

@@ -12,6 +12,8 @@ from typing import Any, Callable
 import torch
 
 API_VERSION = 1
+#: the version-matrix entries ``versions()`` reports where they apply; a plugin may add others
+VERSION_KEYS = ("driver", "runtime", "collective", "firmware")
 
 
 @dataclass
@@ -163,6 +165,12 @@ class DevicePlugin(abc.ABC):
         """Reserved, not yet called by the engine (the model runner runs eager; issue 17 wires
         it in). It will wrap the decode step function (graph capture, torch.compile). Default: as is."""
         return fn
+
+    def versions(self) -> dict[str, str]:
+        """Optional: the software and firmware this device runs on, as the plugin knows them:
+        ``{"driver": ..., "runtime": ..., "collective": ..., "firmware": ...}`` (any subset, plus
+        other names). Packages record it when built and compare it at load. Call after ``init``."""
+        return {}
 
     def fusions(self) -> tuple[str, ...]:
         """Fusion patterns this plugin wants the rewrite pass to apply."""

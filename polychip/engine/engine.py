@@ -56,7 +56,8 @@ class Engine:
         self.plugin = tp.plugin if tp is not None else plugin or open_from_config(config)
         self.plugin.set_seed(config.seed)
         self.loaded = load_model(config.model_path, self.plugin, config.dtype, config.enable_fusion,
-                                 config.cache_dir, config.max_model_len, comm=tp.comm if tp else None)
+                                 config.cache_dir, config.max_model_len, quantization=config.quantization,
+                                 comm=tp.comm if tp else None)
         self.model_config = mc = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = config.max_model_len or mc.max_position_embeddings

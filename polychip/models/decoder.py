@@ -198,8 +198,10 @@ class DecoderModel(nn.Module):
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = self.ops.linear(hidden, w, None)
+        if self.lm_head is not None:     # untied, or an int8 copy of a tied embedding
+            logits = self.lm_head(hidden)
+        else:
+            logits = self.ops.linear(hidden, self.embed_tokens.weight, None)
         if self.logits_gather is not None:
             logits = self.logits_gather(logits)
         return logits.float()

@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import os
 import platform
+import re
 
 import torch
 
@@ -11,6 +12,15 @@ from polychip.devices.cpu.memory import HugePageAllocator
 from polychip.devices.plugin import Availability, DeviceInfo, DevicePlugin, Event, Stream
 
 log = logging.getLogger("polychip.devices.cpu")
+
+
+def blas_version() -> str:
+    """The BLAS torch was built with, e.g. 'mkl 2024.2' (from torch's build configuration)."""
+    config = torch.__config__.show()
+    m = re.search(r"BLAS_INFO=(\w+)", config)
+    name = m.group(1) if m else "unknown"
+    v = re.search(r"Math Kernel Library Version (\S+?)-", config) if name == "mkl" else None
+    return f"{name} {v.group(1)}" if v else name
 
 
 def _meminfo() -> tuple[int, int]:
@@ -120,6 +130,10 @@ class CpuPlugin(DevicePlugin):
         """float32 C++ fast paths (decode attention, linear, row ops) when they build."""
         from polychip.devices.cpu import ops
         ops.register(registry)
+
+    def versions(self) -> dict[str, str]:
+        return {"runtime": f"torch {torch.__version__}", "blas": blas_version(),
+                "collective": f"gloo (torch {torch.__version__})"}
 
     def fusions(self) -> tuple[str, ...]:
         return ("qkv", "gate_up", "add_rms_norm")
