@@ -5,7 +5,11 @@ from __future__ import annotations
 import random
 import time
 
+import pytest
+
 from polychip.engine.stop import held_back
+
+pytestmark = pytest.mark.device_independent   # runs no model on the test device (conftest.py)
 
 
 def by_definition(text: str, stops: list[str]) -> int:

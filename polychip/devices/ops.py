@@ -70,6 +70,9 @@ OPS: dict[tuple[str, int], OpSpec] = _specs(
     OpSpec("linear", 1, "linear(x [T, in], weight [out, in], bias [out] | None) -> [T, out]", _COMPUTE,
            "also called once per step for the logits of the sampled rows (weight: lm_head or the tied "
            "embedding); the engine casts those to float32 itself"),
+    OpSpec("linear_int8", 1, "linear_int8(x [T, in], qweight [out, in], scales [out], bias [out] | None) -> [T, out]",
+           "qweight int8; x, scales, bias and the result in the compute dtype",
+           "weight-only int8, one scale per output row: (x qweight^T) * scales + bias"),
     OpSpec("embedding", 1, "embedding(ids [T], weight [vocab, hidden]) -> [T, hidden]",
            "ids int64; weight and the result in the compute dtype"),
     OpSpec("rms_norm", 1, "rms_norm(x [..., hidden], weight [hidden], eps: float) -> x's shape",

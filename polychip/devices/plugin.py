@@ -52,6 +52,10 @@ def api_mismatch(value: Any) -> str:
     return ""
 
 
+#: the version-matrix entries ``versions()`` reports where they apply; a plugin may add others
+VERSION_KEYS = ("driver", "runtime", "collective", "firmware")
+
+
 @dataclass
 class DeviceInfo:
     """What ``discover()`` reports for one device."""
@@ -149,6 +153,11 @@ class DevicePlugin(abc.ABC):
     def discover(self) -> list[DeviceInfo]:
         """The devices of this host as the hardware reports them. Called before ``init`` (then
         ``self.spec`` is None) and after it (a plugin may then report the spec's view)."""
+
+    def discover_for(self, spec: Any) -> list[DeviceInfo]:
+        """The devices as a spec will see them, before ``init``. The same as ``discover()`` unless
+        the plugin's devices are shares of one host that a spec declares (the cpu plugin)."""
+        return self.discover()
 
     # lifecycle
     def init(self, spec: Any = None, index: int = 0) -> None:
@@ -250,13 +259,23 @@ class DevicePlugin(abc.ABC):
         after the native ops are registered, so ``registry.native(name)`` is there to fall back on."""
 
     def communicator_backend(self) -> str:
-        """Name of the ``torch.distributed`` backend for collectives."""
+        """Name of the ``torch.distributed`` backend for collectives: "gloo" (host memory), "nccl"
+        (CUDA), or a vendor's. A vendor library that brings its own registers it first with
+        ``torch.distributed.Backend.register_backend(name, create_fn, devices=[...])`` (at import
+        of the plugin module, so every worker process has it) and returns ``name`` here; a name
+        torch does not know fails tensor parallelism with an error naming plugin and backend."""
         return "gloo"
 
     def compile(self, fn: Callable) -> Callable:
         """Reserved, not yet called by the engine (the model runner runs eager; issue 17 wires
         it in). It will wrap the decode step function (graph capture, torch.compile). Default: as is."""
         return fn
+
+    def versions(self) -> dict[str, str]:
+        """Optional: the software and firmware this device runs on, as the plugin knows them:
+        ``{"driver": ..., "runtime": ..., "collective": ..., "firmware": ...}`` (any subset, plus
+        other names). Packages record it when built and compare it at load. Call after ``init``."""
+        return {}
 
     def fusions(self) -> tuple[str, ...]:
         """Fusion patterns (from :data:`polychip.devices.ops.FUSIONS`) the rewrite pass applies."""

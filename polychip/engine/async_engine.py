@@ -143,6 +143,15 @@ class AsyncEngine:
     def config(self):
         return self.engine.config
 
+    @property
+    def fault(self) -> str | None:
+        """Why the engine can never step again (a tensor-parallel rank failed), or None."""
+        return self.engine.fault
+
+    def on_fault(self, callback: Callable[[str], None]) -> None:
+        """``callback(reason)`` once, from any thread, when the engine fails for good."""
+        self.engine.on_fault(callback)
+
     # lifecycle
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         self._loop = loop or asyncio.get_running_loop()

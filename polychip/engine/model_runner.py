@@ -84,6 +84,19 @@ class StepInputs:
 
 
 @dataclass
+class HostBatch:
+    """A step's inputs as host arrays: what rank 0 broadcasts under tensor parallelism."""
+
+    input_ids: np.ndarray
+    positions: np.ndarray
+    slot_mapping: np.ndarray
+    sample_rows: np.ndarray
+    prefills: list[tuple[int, int, int, np.ndarray]]   # (start, q_len, kv_len, pages)
+    decode_pages: np.ndarray | None = None             # [B, width] page table of the decodes
+    decode_lens: np.ndarray | None = None
+
+
+@dataclass
 class Batch:
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -91,10 +104,13 @@ class Batch:
     sample_rows: torch.Tensor        # rows whose hidden state is sampled
     sample_reqs: list[Request]
     inputs: StepInputs               # the buffers these tensors view
+    host: HostBatch | None = None
 
 
 class ModelRunner:
     def __init__(self, model, plugin, limits: StepLimits):
+        """Allocates the step-input buffers; ``kv_caches`` is set once the KV pool exists (the pool is
+        sized after the buffers, see engine/memory_plan.py)."""
         self.model, self.plugin, self.limits = model, plugin, limits
         self.page = limits.page_size
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []   # the engine sets them once the pool exists
@@ -115,10 +131,14 @@ class ModelRunner:
         return buf
 
     def prepare(self, scheduled: list[tuple[Request, int]]) -> Batch:
-        buf = self._next_buffers()
-        ints, masks = _Packer(buf.host_ints.numpy()), _Packer(buf.host_masks.numpy())
+        host, sample_reqs = self.prepare_host(scheduled)
+        batch = self.to_device(host)
+        batch.sample_reqs = sample_reqs
+        return batch
+
+    def prepare_host(self, scheduled: list[tuple[Request, int]]) -> tuple[HostBatch, list[Request]]:
         ids, pos, slots, rows, sample_reqs = [], [], [], [], []
-        pre, dec_pages, dec_lens = [], [], []
+        prefills, dec_pages, dec_lens = [], [], []
         start = 0
         for req, n in scheduled:
             c = req.num_computed_tokens
@@ -132,21 +152,31 @@ class ModelRunner:
                 dec_pages.append(used)
                 dec_lens.append(c + 1)
             else:
-                pre.append((start, n, c + n, used))
+                prefills.append((start, n, c + n, used))
             if c + n == req.num_tokens:
                 rows.append(start + n - 1)
                 sample_reqs.append(req)
             start += n
-        i_ids, i_pos, i_slots = (ints.add(np.concatenate(a)) for a in (ids, pos, slots))
-        i_rows = ints.add(np.asarray(rows, dtype=np.int64))
+        host = HostBatch(np.concatenate(ids), np.concatenate(pos), np.concatenate(slots),
+                         np.asarray(rows, dtype=np.int64), prefills)
         if dec_pages:
-            i_dec, i_lens = ints.add(_table(dec_pages)), ints.add(np.asarray(dec_lens, dtype=np.int64))
-            width = max(len(p) for p in dec_pages) * self.page
-            lens = np.asarray(dec_lens, dtype=np.int64)
-            i_mask = masks.add((np.arange(width)[None, :] < lens[:, None])[:, None, None, :])
-        if pre:
-            i_pre_rows = ints.add(np.asarray([s[:3] for s in pre], dtype=np.int64))
-            i_pre_table = ints.add(_table([s[3] for s in pre]))
+            host.decode_pages, host.decode_lens = _table(dec_pages), np.asarray(dec_lens, dtype=np.int64)
+        return host, sample_reqs
+
+    def to_device(self, host: HostBatch) -> Batch:
+        """The step's tensors on this process's device (every rank runs this on the same HostBatch):
+        packed into the next set of step-input buffers and copied on the copy stream."""
+        buf = self._next_buffers()
+        ints, masks = _Packer(buf.host_ints.numpy()), _Packer(buf.host_masks.numpy())
+        i_ids, i_pos, i_slots, i_rows = (ints.add(a) for a in (host.input_ids, host.positions, host.slot_mapping,
+                                                               host.sample_rows))
+        if host.decode_pages is not None:
+            i_dec, i_lens = ints.add(host.decode_pages), ints.add(host.decode_lens)
+            width = host.decode_pages.shape[1] * self.page
+            i_mask = masks.add((np.arange(width)[None, :] < host.decode_lens[:, None])[:, None, None, :])
+        if host.prefills:
+            i_pre_rows = ints.add(np.asarray([s[:3] for s in host.prefills], dtype=np.int64))
+            i_pre_table = ints.add(_table([s[3] for s in host.prefills]))
         with self.copy_stream:
             self.plugin.copy(buf.ints[:ints.used], buf.host_ints[:ints.used], non_blocking=True)
             if masks.used:
@@ -155,14 +185,15 @@ class ModelRunner:
         buf.in_use = True
         iv, mv = ints.views(buf.ints), masks.views(buf.masks)
         meta = AttentionMetadata(slot_mapping=iv[i_slots])
-        if dec_pages:
-            meta.num_decodes, meta.decode_pages, meta.decode_lens = len(dec_pages), iv[i_dec], iv[i_lens]
+        if host.decode_pages is not None:
+            meta.num_decodes, meta.decode_pages, meta.decode_lens = len(host.decode_pages), iv[i_dec], iv[i_lens]
             meta.decode_mask = mv[i_mask]
-        if pre:
+        if host.prefills:
             table = iv[i_pre_table]
-            meta.prefills = [PrefillSegment(s, q, kv, table[j, :len(pg)]) for j, (s, q, kv, pg) in enumerate(pre)]
+            meta.prefills = [PrefillSegment(s, q, kv, table[j, :len(pg)])
+                             for j, (s, q, kv, pg) in enumerate(host.prefills)]
             meta.prefill_table = (iv[i_pre_rows], table)
-        return Batch(iv[i_ids], iv[i_pos], meta, iv[i_rows], sample_reqs, buf)
+        return Batch(iv[i_ids], iv[i_pos], meta, iv[i_rows], [], buf, host)
 
     def _run(self, input_ids, positions, meta, rows):
         hidden = self.model(input_ids, positions, ForwardContext(meta, self.kv_caches))

@@ -187,6 +187,7 @@ class DecoderModel(nn.Module):
         # (rope_tables) and places them through the plugin, like the weights
         self.rope_cos: torch.Tensor | None = None
         self.rope_sin: torch.Tensor | None = None
+        self.logits_gather = None     # set by the tensor-parallel shard pass: this rank's vocab -> all
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
@@ -198,5 +199,10 @@ class DecoderModel(nn.Module):
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return self.ops.linear(hidden, w, None).float()
+        if self.lm_head is not None:     # untied, or an int8 copy of a tied embedding
+            logits = self.lm_head(hidden)
+        else:
+            logits = self.ops.linear(hidden, self.embed_tokens.weight, None)
+        if self.logits_gather is not None:
+            logits = self.logits_gather(logits)
+        return logits.float()

@@ -1,8 +1,9 @@
 """Load a model: HF folder (safetensors) or GGUF -> DecoderModel on the plugin's device.
 
-Built on the meta device (ops resolved and fusions applied to the structure there), then filled
-with ``load_state_dict(assign=True)`` from safetensors: each weight read on the host, fused ones
-merged there, and placed on the device once. Never touches the network.
+Built on the meta device (sharded for tensor parallelism, int8 modules fitted, ops resolved and
+fusions applied to the structure there), then filled with ``load_state_dict(assign=True)`` from
+safetensors: each weight read on the host (sliced, quantised), fused ones merged there, and placed
+on the device once, so the device never holds memory it frees again. Never touches the network.
 """
 from __future__ import annotations
 
@@ -20,13 +21,15 @@ from safetensors import safe_open
 
 from polychip.devices import memory
 from polychip.devices.spec import require_dtypes
-from polychip.errors import ModelLoadError
+from polychip.errors import ConfigError, ModelLoadError
 from polychip.models.config import ModelConfig
 from polychip.models.decoder import DecoderModel, rope_tables
+from polychip.models.packaged_plan import check_ops, planned_fusions, read_plan
 from polychip.models.tokenizer import Tokenizer
-from polychip.ops import passes
+from polychip.ops import passes, tp_shard
 from polychip.ops.native import register_native
 from polychip.ops.registry import OpRegistry
+from polychip.quant import int8
 
 log = logging.getLogger("polychip.loader")
 
@@ -43,6 +46,14 @@ class LoadedModel:
     fusions: list[str] = field(default_factory=list)
     load_seconds: float = 0.0
     from_cache: bool | None = None
+    quantization: str | None = None
+    plan_warnings: list[str] = field(default_factory=list)    # where the device differs from plan.json
+    shard: tp_shard.ShardLayout | None = None     # this rank's part under tensor parallelism
+
+    @property
+    def kv_heads(self) -> int:
+        """KV heads this process holds (its KV pool's width)."""
+        return self.shard.kv_heads if self.shard is not None else self.config.num_kv_heads
 
 
 def resolve_model_dir(model_path: str | None, cache_dir: str | None = None) -> tuple[str, bool | None]:
@@ -53,8 +64,11 @@ def resolve_model_dir(model_path: str | None, cache_dir: str | None = None) -> t
     if not os.path.exists(model_path):
         raise ModelLoadError(f"model path {model_path!r} does not exist")
     if os.path.isfile(model_path):
+        if model_path.endswith(".pcpkg"):
+            raise ModelLoadError(f"{model_path}: a .pcpkg package is opened (verified and extracted) by "
+                                 "`polychip serve` / `generate` or polychip.package.open_llm, not loaded directly")
         if not model_path.endswith(".gguf"):
-            raise ModelLoadError(f"{model_path}: a model file must be .gguf (or pass a HF folder)")
+            raise ModelLoadError(f"{model_path}: a model file must be .gguf or .pcpkg (or pass a HF folder)")
         return gguf.cached_gguf_dir(model_path, cache_dir)
     ggufs = glob.glob(os.path.join(model_path, "*.gguf"))
     if not os.path.exists(os.path.join(model_path, "config.json")) and len(ggufs) == 1:
@@ -73,7 +87,7 @@ def read_config(model_dir: str) -> ModelConfig:
         raise ModelLoadError(f"{path}: invalid JSON ({e})") from None
 
 
-def _weight_files(model_dir: str) -> list[str]:
+def weight_files(model_dir: str) -> list[str]:
     index = os.path.join(model_dir, "model.safetensors.index.json")
     if os.path.exists(index):
         with open(index, encoding="utf-8") as f:
@@ -89,27 +103,90 @@ def _weight_files(model_dir: str) -> list[str]:
     return files
 
 
-def read_tensors(model_dir: str, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """(state-dict key, host tensor) for every weight in the safetensors files, one at a time."""
-    for path in _weight_files(model_dir):
+def stored_keys(files: list[str]) -> dict[str, str]:
+    """{tensor name: safetensors dtype} from the files' headers, reading no tensor data."""
+    keys = {}
+    for path in files:
+        try:
+            with safe_open(path, framework="pt") as f:
+                keys.update((name, f.get_slice(name).get_dtype()) for name in f.keys())
+        except Exception as e:  # safetensors raises its own error types for corrupt files
+            raise ModelLoadError(f"{path}: cannot read safetensors ({e})") from None
+    return keys
+
+
+# safetensors header dtype names -> torch dtypes (for the meta tensors that describe what is stored)
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "BOOL": torch.bool}
+
+
+def stored_meta(files: list[str]) -> dict[str, torch.Tensor]:
+    """{state-dict key: meta tensor of the stored dtype and shape}, from the headers only."""
+    out = {}
+    for path in files:
+        try:
+            with safe_open(path, framework="pt") as f:
+                for name in f.keys():
+                    view = f.get_slice(name)
+                    dt = _ST_DTYPES.get(view.get_dtype(), torch.float32)
+                    out[name.removeprefix("model.")] = torch.empty(view.get_shape(), dtype=dt, device="meta")
+        except Exception as e:  # safetensors raises its own error types for corrupt files
+            raise ModelLoadError(f"{path}: cannot read safetensors ({type(e).__name__}: {e})") from None
+    return out
+
+
+def _keep(key: str, cfg: ModelConfig, packed_head: bool) -> bool:
+    """A tied lm_head stored beside the embedding is skipped, unless it is an int8 package's head."""
+    return not (key == "lm_head.weight" and cfg.tie_word_embeddings and not packed_head)
+
+
+def quantized_meta(stored: dict[str, torch.Tensor], cfg: ModelConfig, quantize: str | None,
+                   packed_head: bool) -> dict[str, torch.Tensor]:
+    """What ``read_tensors`` will yield, as meta tensors: for int8, the structure pass
+    (``int8.apply_int8``) needs every quantised weight's shape before any data is read."""
+    out = {}
+    for key, t in stored.items():
+        if not _keep(key, cfg, packed_head):
+            continue
+        out[key] = t
+        if quantize and int8.is_quantizable(key, t):
+            out[key] = torch.empty(t.shape, dtype=torch.int8, device="meta")
+            out[int8.scale_key(key)] = torch.empty(t.shape[0], device="meta")
+        if quantize and key == int8.EMBEDDING_KEY and cfg.tie_word_embeddings:
+            out[int8.LM_HEAD_KEY] = torch.empty(t.shape, dtype=torch.int8, device="meta")
+            out[int8.scale_key(int8.LM_HEAD_KEY)] = torch.empty(t.shape[0], device="meta")
+    return out
+
+
+def read_tensors(files: list[str], cfg: ModelConfig, packed_head: bool, shard: tp_shard.ShardLayout | None = None,
+                 quantize: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(state-dict key, host tensor) for every weight, one at a time: with ``shard`` only this rank's
+    part is read; ``quantize="int8"`` quantises each linear weight as it is read (and adds an int8
+    lm_head for a tied one); weights stored quantised come as they are."""
+    for path in files:
         try:
             with safe_open(path, framework="pt") as f:
                 for name in f.keys():
                     key = name.removeprefix("model.")
-                    if key == "lm_head.weight" and cfg.tie_word_embeddings:
+                    if not _keep(key, cfg, packed_head):
                         continue
-                    yield key, f.get_tensor(name)
+                    t = f.get_tensor(name) if shard is None else tp_shard.slice_weight(shard, key, f.get_slice(name))
+                    entries = int8.quantized_entries(key, t) if quantize else [(key, t)]
+                    if quantize and key == int8.EMBEDDING_KEY and cfg.tie_word_embeddings:
+                        entries += int8.quantized_entries(int8.LM_HEAD_KEY, t)
+                    yield from entries
         except Exception as e:  # safetensors raises its own error types for corrupt files
             raise ModelLoadError(f"{path}: cannot read safetensors ({type(e).__name__}: {e})") from None
 
 
 def place_weights(tensors: Iterable[tuple[str, torch.Tensor]], shapes: dict[str, torch.Size],
-                  plan: dict[str, tuple[str, ...]], dtype: torch.dtype, plugin) -> dict[str, torch.Tensor]:
-    """Each weight on the device, placed once: the parts of a fused weight (``plan``) wait on the host
-    until all have been read, are concatenated there and placed as one tensor, so the device
+                  merges: dict[str, tuple[str, ...]], dtype: torch.dtype, plugin) -> dict[str, torch.Tensor]:
+    """Each weight on the device, placed once: the parts of a fused weight (``merges``) wait on the
+    host until all have been read, are concatenated there and placed as one tensor, so the device
     never holds a part it later frees. ``shapes`` are the unfused model's; floating-point weights
     are cast to ``dtype``, quantised ones keep theirs (refused unless the device supports it)."""
-    target_of = {part: merged for merged, parts in plan.items() for part in parts}
+    target_of = {part: merged for merged, parts in merges.items() for part in parts}
     pending: dict[str, torch.Tensor] = {}
     state, unexpected, checked = {}, [], set()
     for key, t in tensors:
@@ -128,10 +205,10 @@ def place_weights(tensors: Iterable[tuple[str, torch.Tensor]], shapes: dict[str,
             state[key] = _place(plugin, key, t, want)
             continue
         pending[key] = t.to(want)
-        parts = plan[merged]
+        parts = merges[merged]
         if all(p in pending for p in parts):
             state[merged] = _place(plugin, merged, torch.cat([pending.pop(p) for p in parts], 0), want)
-    seen = set(state) | {p for m in state if m in plan for p in plan[m]} | set(pending)
+    seen = set(state) | {p for m in state if m in merges for p in merges[m]} | set(pending)
     missing = sorted(set(shapes) - seen)
     if missing or unexpected:
         raise ModelLoadError(f"weights do not match the model's config: missing {missing[:5]}, "
@@ -151,38 +228,78 @@ def place_rope(model: DecoderModel, cfg: ModelConfig, max_positions: int, dtype:
     model.rope_cos, model.rope_sin = memory.place(plugin, what, cos, dtype), memory.place(plugin, what, sin, dtype)
 
 
+def stored_quantization(model_dir: str) -> str | None:
+    """"int8" when the folder's weights are stored int8-quantised (an int8 package), else None."""
+    return "int8" if int8.is_int8_state(stored_keys(weight_files(model_dir))) else None
+
+
 def load_model(model_path: str | None, plugin, dtype: str = "auto", enable_fusion: bool = True,
                cache_dir: str | None = None, max_model_len: int | None = None,
-               registry: OpRegistry | None = None) -> LoadedModel:
+               registry: OpRegistry | None = None, quantization: str | None = None, comm=None) -> LoadedModel:
+    """``quantization="int8"`` quantises floating weights while loading; weights stored quantised
+    load as they are with or without it. A folder with a ``plan.json`` (an opened package) gets
+    the plan's fusions and a warning per op this device resolves differently. ``comm``: a
+    distributed Communicator; with more than one rank, this rank's shard is loaded."""
     t0 = time.perf_counter()
+    if quantization not in (None, *int8.QUANTIZATIONS):
+        raise ModelLoadError(f"quantization must be one of {list(int8.QUANTIZATIONS)} or unset, got {quantization!r}")
     model_dir, from_cache = resolve_model_dir(model_path, cache_dir)
     cfg = read_config(model_dir)
+    shard = None
+    if comm is not None and comm.world_size > 1:
+        shard = tp_shard.ShardLayout.plan(cfg, comm.rank, comm.world_size)
+    plan = read_plan(model_dir)
     tokenizer = Tokenizer.from_dir(model_dir, cfg.eos_token_ids)
     if tokenizer.vocab_size > cfg.vocab_size:
         raise ModelLoadError(f"tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is "
                              f"{cfg.vocab_size}: tokenizer and weights do not match")
+    if dtype == "auto" and plan is not None and plan.get("dtype"):
+        dtype = plan["dtype"]            # the dtype the package was planned (and checked) in
     dname = plugin.default_dtype(cfg.torch_dtype) if dtype == "auto" else dtype
     require_dtypes(plugin, [dname], "model dtype")
+    stored = stored_quantization(model_dir)
+    quant = stored or quantization
+    if quant:   # before a single weight is read
+        require_dtypes(plugin, ["int8"], f"{quant} weight dtype" + ("" if stored else " (--quantization int8)"))
+        if shard is not None:
+            raise ConfigError(f"{quant} weights cannot be sharded yet: tensor parallelism (tp size "
+                              f"{shard.size}) runs float weights only")
     torch_dtype = getattr(torch, dname)
     if registry is None:
         registry = OpRegistry(plugin.name)
         register_native(registry)
         plugin.register_ops(registry)
     ops = SimpleNamespace()
-    # the structure first, on the meta device: ops resolved, fusions applied
+    # the structure first, on the meta device: sharded, int8 modules fitted, ops resolved, fused
+    files = weight_files(model_dir)
+    stored_state = stored_meta(files)
+    packed_head = int8.scale_key(int8.LM_HEAD_KEY) in stored_state
     with torch.device("meta"):
         model = DecoderModel(cfg, ops)
-    shapes = {k: t.shape for k, t in model.state_dict().items()}
+    if shard is not None:
+        tp_shard.shard_modules(model, shard, comm)
+    quantize = None if stored else quantization
+    if quant:
+        int8.apply_int8(model, quantized_meta(stored_state, cfg, quantize, packed_head))
+    shapes = {k: t.shape for k, t in model.state_dict().items()}      # once: it walks the whole tree
     resolutions = passes.replace(passes.expand(model), registry, torch_dtype, ops)
-    patterns = plugin.fusions() if enable_fusion else ()
-    plan = passes.merge_plan(model, patterns)
+    patterns, warnings = plugin.fusions(), []
+    if plan is not None:
+        patterns, warnings = planned_fusions(plan, patterns)
+    patterns = patterns if enable_fusion else ()
+    merges = passes.merge_plan(model, patterns)
     fusions = passes.fuse(model, patterns, ops)
+    if plan is not None:
+        warnings += check_ops(plan, resolutions)
+    for w in warnings:
+        log.warning("plan: %s", w)
     # then the weights, each placed once on the device (fused ones merged on the host first)
-    state = place_weights(read_tensors(model_dir, cfg), shapes, plan, torch_dtype, plugin)
-    model.load_state_dict(state, assign=True, strict=True)
+    tensors = read_tensors(files, cfg, packed_head, shard, quantize)
+    model.load_state_dict(place_weights(tensors, shapes, merges, torch_dtype, plugin), assign=True, strict=True)
     place_rope(model, cfg, max_model_len or cfg.max_position_embeddings, torch_dtype, plugin)
     model.eval()
     lm = LoadedModel(model, cfg, tokenizer, torch_dtype, model_dir, registry, resolutions, fusions,
-                     time.perf_counter() - t0, from_cache)
-    log.info("loaded %s (%s, %s) in %.2fs", model_dir, cfg.architecture, dname, lm.load_seconds)
+                     time.perf_counter() - t0, from_cache, quant, warnings, shard)
+    log.info("loaded %s (%s, %s%s) in %.2fs", model_dir, cfg.architecture, dname,
+             f", {quant} weights" if quant else "", lm.load_seconds)
     return lm

@@ -71,9 +71,12 @@ def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 def merge_linears(parts: list[nn.Module]) -> nn.Module:
-    """One linear whose output is the parts' outputs concatenated (same class as the parts)."""
+    """One linear whose output is the parts' outputs concatenated (same class as the parts): each
+    of its per-output-row parameters (weight, bias, an int8 linear's weight_scale) concatenated."""
     first = parts[0]
     n_in = first.weight.shape[1]
+    if any(type(p) is not type(first) for p in parts):
+        raise ValueError("cannot merge linears of different kinds")
     if any(p.weight.shape[1] != n_in or p.weight.dtype != first.weight.dtype for p in parts):
         raise ValueError("cannot merge linears with different input sizes or dtypes")
     if len({p.bias is None for p in parts}) != 1:
@@ -81,9 +84,9 @@ def merge_linears(parts: list[nn.Module]) -> nn.Module:
     n_out = sum(p.weight.shape[0] for p in parts)
     with torch.device("meta"):
         merged = type(first)(first.ops, n_in, n_out, first.bias is not None)
-    merged.weight = nn.Parameter(_cat([p.weight.data for p in parts]), requires_grad=False)
-    if first.bias is not None:
-        merged.bias = nn.Parameter(_cat([p.bias.data for p in parts]), requires_grad=False)
+    for name, _ in first.named_parameters(recurse=False):
+        merged.register_parameter(name, nn.Parameter(_cat([getattr(p, name).data for p in parts]),
+                                                     requires_grad=False))
     return merged
 
 
@@ -146,8 +149,6 @@ def merge_plan(model: nn.Module, patterns: tuple[str, ...]) -> dict[str, tuple[s
             if pattern not in patterns or not isinstance(how, MergeLinears) or not _mergeable(mod, how):
                 continue
             prefix = f"{path}." if path else ""
-            first = getattr(mod, how.parts[0])
-            for suffix in ("weight", "bias"):
-                if getattr(first, suffix, None) is not None:
-                    plan[f"{prefix}{how.into}.{suffix}"] = tuple(f"{prefix}{p}.{suffix}" for p in how.parts)
+            for name, _ in getattr(mod, how.parts[0]).named_parameters(recurse=False):
+                plan[f"{prefix}{how.into}.{name}"] = tuple(f"{prefix}{p}.{name}" for p in how.parts)
     return plan

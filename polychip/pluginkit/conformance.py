@@ -18,7 +18,7 @@ From the command line, one line per check (exit status 1 if any fails)::
 Checks: the contract methods, allocator limits, the alloc dtype contract, op numerics against
 native, greedy float32 generation equal to the cpu plugin's, a bfloat16 generation agreeing with
 the cpu in bfloat16 where the greedy choice has a clear margin, and seeded sampling reproducible on
-the device. A device's seeded samples need not equal the cpu's (each device draws from its own
+the device, and the collectives on the backend the plugin names. A device's seeded samples need not equal the cpu's (each device draws from its own
 generator); the same seed must give the same tokens on the same device, alone or in any batch.
 """
 from __future__ import annotations
@@ -342,6 +342,23 @@ def check_seeded_sampling(target: Target) -> str:
             f"{'equal to' if on_cpu == alone else 'differs from'} the cpu's (not required)")
 
 
+def check_collective(target: Target) -> str:
+    """all_reduce and all_gather over the backend the plugin names, one process per device: the
+    spec's devices when it declares several, else one rank on the target's device (world size 1)."""
+    from polychip.devices.spec import load_spec
+    from polychip.distributed.collective_check import run_collective_check
+    p = target.open()
+    name, index = p.name, p.index
+    p.destroy()
+    spec = load_spec(target.device_config) if target.device_config else None
+    ids = list(spec.device_ids) if spec is not None and len(spec.device_ids) > 1 else [index]
+    res = run_collective_check(name, ids, target.plugins, target.device_config, nbytes=2**20, iters=2,
+                               timeout_s=120)
+    _require(res.ok, "collectives failed: " + "; ".join(res.lines))
+    bus = ", ".join(f"{b.op} {b.busbw / 1e9:.2f} GB/s" for b in res.bandwidth)
+    return f"all_reduce and all_gather over {res.backend} on {len(ids)} rank(s); bus bandwidth {bus}"
+
+
 # what a plugin may import from polychip: the plugin API, specs and errors
 PUBLIC_MODULES = ("polychip.devices", "polychip.devices.plugin", "polychip.devices.ops", "polychip.devices.spec",
                   "polychip.errors")
@@ -391,6 +408,7 @@ CHECKS: dict[str, Callable[[Target], str]] = {
     "generation": check_generation,
     "bf16_generation": check_bf16_generation,
     "seeded_sampling": check_seeded_sampling,
+    "collective": check_collective,
 }
 
 

@@ -95,13 +95,14 @@ class _EngineCollector:
         for name, secs in s.stage_seconds:
             stage.add_metric(m + [name], secs)
         yield stage
-        mem = GaugeMetricFamily("polychip_device_memory_bytes", "Device memory (free, total, used)",
-                                labels=["plugin", "device", "kind"])
-        for label, free, total in s.device_memory:
-            plugin, _, index = label.partition(":")
-            for kind, v in (("free", free), ("total", total), ("used", total - free)):
-                mem.add_metric([plugin, index, kind], v)
+        mem = GaugeMetricFamily("polychip_device_memory_bytes", "Device memory (free, total, used) of every rank",
+                                labels=["plugin", "device", "rank", "node", "kind"])
+        kv = GaugeMetricFamily("polychip_kv_pool_bytes", "Bytes allocated for the KV pool on every rank",
+                               labels=["model_name", "plugin", "device", "rank", "node"])
+        for r in s.ranks:
+            where = [r.plugin, str(r.device), str(r.rank), str(r.node)]
+            for kind, v in (("free", r.free_memory), ("total", r.total_memory), ("used", r.total_memory - r.free_memory)):
+                mem.add_metric(where + [kind], v)
+            kv.add_metric(m + where, r.kv_pool_bytes)
         yield mem
-        kv = GaugeMetricFamily("polychip_kv_pool_bytes", "Bytes allocated for the KV pool", labels=["model_name"])
-        kv.add_metric(m, s.kv_pool_bytes)
         yield kv

@@ -18,9 +18,8 @@ from fastapi.responses import JSONResponse, Response
 from polychip.config import ServerConfig
 from polychip.engine.async_engine import AsyncEngine
 from polychip.engine.engine import COUNTERS, Engine
-from polychip.errors import IntegrityError
 from polychip.models.gguf import default_gguf_path
-from polychip.server import chat, completions
+from polychip.server import chat, completions, server_info
 from polychip.server.errors import error_response, install_error_handlers, parse_body
 from polychip.server.metrics import CONTENT_TYPE, ServerMetrics
 from polychip.server.middleware import Gate
@@ -37,6 +36,8 @@ router = APIRouter()
 @router.get("/health")
 async def health(request: Request):
     ae = state_of(request).engine
+    if ae.fault is not None:
+        return JSONResponse({"status": f"engine failed: {ae.fault}"}, status_code=503)
     if ae.alive:
         return JSONResponse({"status": "ok"})
     why = "crashed" if ae.error is not None else "not running"
@@ -61,27 +62,12 @@ async def text_completions(request: Request):
     return await completions.create_completion(state_of(request), req, request)
 
 
-def integrity(engine: Engine) -> str:
-    """Runs in the engine thread: the pool and prefix-cache consistency check."""
-    try:
-        engine.check_integrity()
-        return "ok"
-    except IntegrityError as e:
-        return f"broken: {e}"
-
-
 async def pool_info(ae: AsyncEngine) -> dict:
     s = await ae.current_stats()
     return {"kv_pool": {"num_pages": s.pages_total, "free_pages": s.pages_free, "cached_pages": s.pages_cached,
-                        "page_size": s.page_size, "integrity": await ae.call(integrity)},
+                        "page_size": s.page_size, "integrity": await ae.call(server_info.integrity)},
             "num_waiting": s.num_waiting, "num_running": s.num_running,
             "counters": {name: getattr(s, name) for name in COUNTERS}}
-
-
-@router.get("/server_info")
-async def server_info(request: Request):
-    s = state_of(request)
-    return {"model": s.model_name, "max_model_len": s.max_model_len, **await pool_info(s.engine)}
 
 
 @router.post("/flush_cache")
@@ -133,6 +119,7 @@ def build_app(engine: Engine, cfg: ServerConfig | None = None) -> tuple[Gate, Se
     app.state.polychip = state
     install_error_handlers(app, KNOWN_PARAMS)
     app.include_router(router)
+    app.include_router(server_info.router)     # /server_info, /get_server_info
     on_response = (lambda m, r, s: metrics.http.labels(m, r, str(s)).inc()) if metrics is not None else None
     gate = Gate(app, api_key=cfg.api_key, max_body_bytes=cfg.max_request_body_bytes,
                 body_timeout=cfg.timeout_request_body, on_response=on_response)
