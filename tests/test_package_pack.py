@@ -16,6 +16,7 @@ from polychip import LLM, SamplingParams
 from polychip.commands import inspect as inspect_cmd
 from polychip.commands import verify as verify_cmd
 from polychip.devices.discovery import open_device
+from polychip.devices.plugin import API_VERSION
 from polychip.package import PackageError, signing
 from polychip.package.opening import PackageOptions, open_llm, open_package
 from polychip.package.pack import PackOptions, pack
@@ -72,7 +73,7 @@ def test_package_members_and_manifest(pkg):
     assert [f["name"] for f in manifest["files"]] == names[2:]
     assert manifest["model"]["quantization"] == "int8" and manifest["target"]["device_types"] == ["cpu"]
     v = manifest["versions"]
-    assert v["plugin_api"] == 1 and v["plugin"] == "cpu 1.0" and v["device"]["runtime"].startswith("torch ")
+    assert v["plugin_api"] == API_VERSION and v["plugin"] == "cpu 1.0" and v["device"]["runtime"].startswith("torch ")
     assert plan["quantization"] == "int8" and plan["fusions"] == ["qkv", "gate_up", "add_rms_norm"]
     assert {r["op"] for r in plan["ops"]} >= {"linear_int8", "attention", "embedding"}
     assert plan["memory"]["weights_bytes"] > 0 and plan["memory"]["kv_pool"]["default_tokens"] > 0

@@ -1,4 +1,5 @@
-"""Does a package fit this device? Device type and plugin API version must match (else refused);
+"""Does a package fit this device? Device type must match and the plugin API version be compatible
+(the same major version, the package's minor no newer than the plugin's; else refused);
 the version matrix (polychip, torch, plugin, and what the plugin's ``versions()`` reports) is
 compared entry by entry: each mismatch a warning, or a refusal with ``--strict-versions``."""
 from __future__ import annotations
@@ -6,7 +7,16 @@ from __future__ import annotations
 import torch
 
 import polychip
+from polychip.devices.plugin import parse_api_version
 from polychip.package.manifest import PackageError
+
+
+def _api(version) -> tuple[int, int] | str:
+    """An API version as (major, minor), so that 1 and "1.0" compare equal; as given if unreadable."""
+    try:
+        return parse_api_version(version)
+    except ValueError:
+        return str(version)
 
 
 def current_versions(plugin) -> dict:
@@ -38,7 +48,9 @@ def check_target(manifest: dict, plugin, strict_versions: bool, source: str) -> 
         raise PackageError(f"{source}: built for device type(s) {types}; this device is {here}. Pack it again "
                            f"with --target-device {plugin.name}", layer="hardware")
     api = manifest["versions"]["plugin_api"]
-    if api != plugin.api_version:
+    built, here_api = _api(api), _api(plugin.api_version)
+    # the plugin API's rule: a plugin runs what was built for its major version at its minor or older
+    if isinstance(built, str) or isinstance(here_api, str) or built[0] != here_api[0] or built[1] > here_api[1]:
         raise PackageError(f"{source}: built for plugin API version {api}; the {plugin.name} plugin here "
                            f"implements API version {plugin.api_version}", layer="plugin")
     mismatches = version_mismatches(manifest["versions"], current_versions(plugin))

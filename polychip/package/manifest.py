@@ -76,8 +76,9 @@ def parse_manifest(raw: bytes, source: str) -> dict:
             and all(isinstance(t, str) for t in target["device_types"])):
         raise PackageError(f"{where}: 'target.device_types' must be a non-empty list of device type names")
     versions = data.get("versions")
-    if not (isinstance(versions, dict) and isinstance(versions.get("plugin_api"), int)):
-        raise PackageError(f"{where}: 'versions.plugin_api' must be an integer")
+    api = versions.get("plugin_api") if isinstance(versions, dict) else None
+    if isinstance(api, bool) or not isinstance(api, (int, str)):
+        raise PackageError(f"{where}: 'versions.plugin_api' must be a plugin API version such as \"1.1\" (or 1)")
     return data
 
 
