@@ -119,7 +119,7 @@ def test_the_command_refuses_a_bad_file_before_listening(tmp_path, capsys):
     path = write(tmp_path, GOOD.replace('"simxpu:1"', '"tpu:0"'))
     assert router_cmd.main(["--deployment", path, "--port", "1"]) == 1
     err = capsys.readouterr().err
-    assert err.startswith("error: [framework]") and "replicas.1.device: unknown device type 'tpu'" in err
+    assert err.startswith("error: [config]") and "replicas.1.device: unknown device type 'tpu'" in err
     assert router_cmd.main(["--port", "1"]) == 1
     assert "give --replica URL" in capsys.readouterr().err
 

@@ -41,7 +41,7 @@ def test_generate_tp2_prints_tp1_text(tiny_model):
 def test_generate_with_more_ranks_than_devices_is_one_clear_line(tiny_model):
     run = generate(tiny_model, "--tp-size", "2")
     assert run.returncode == 1 and "Traceback" not in run.stderr
-    assert "error: [framework] --tp-size 2 needs 2 ranks, but plugin 'cpu' has only 1 device(s)" in run.stderr
+    assert "error: [config] --tp-size 2 needs 2 ranks, but plugin 'cpu' has only 1 device(s)" in run.stderr
 
 
 def test_devices_shows_every_rank_with_its_memory(capsys):
