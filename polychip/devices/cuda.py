@@ -1,8 +1,6 @@
 """The built-in CUDA plugin: the only module in the core that touches ``torch.cuda``."""
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 
 from polychip.devices.plugin import Availability, DeviceInfo, DevicePlugin, Event, Stream, capped_mem_info
@@ -127,10 +125,6 @@ class CudaPlugin(DevicePlugin):
 
     def communicator_backend(self) -> str:
         return "nccl"
-
-    def compile(self, fn: Callable) -> Callable:
-        """Reserved: the engine does not call compile() yet (see DevicePlugin.compile)."""
-        return torch.compile(fn, dynamic=True)
 
     def default_dtype(self, model_dtype: str) -> str:
         if model_dtype in ("bfloat16", "float16"):
