@@ -13,6 +13,7 @@ import torch
 
 from polychip.config import EngineConfig
 from polychip.devices.discovery import open_from_config
+from polychip.engine.grammar import GrammarBackend, grammar_done
 from polychip.engine.kv_pool import KVPool, size_pool
 from polychip.engine.model_runner import ModelRunner
 from polychip.engine.radix_cache import NoPrefixCache, RadixCache
@@ -53,7 +54,8 @@ class Engine:
                                    config.max_running_requests, config.schedule_policy)
         self.runner = ModelRunner(self.loaded.model, self.pool, self.plugin)
         self.eos_ids = self.tokenizer.eos_token_ids
-        self.sampler = Sampler(self.plugin, config.seed, self.eos_ids)
+        self.grammar = GrammarBackend(self.tokenizer, mc.vocab_size, self.eos_ids)
+        self.sampler = Sampler(self.plugin, config.seed, self.eos_ids, self.grammar)
         self._ids = itertools.count()
         self.stage_seconds: dict[str, float] = defaultdict(float)
         self.counters: dict[str, int] = defaultdict(int)
@@ -70,12 +72,20 @@ class Engine:
         if bad:
             raise InvalidRequestError(f"stop_token_ids {bad[:5]} are outside the vocabulary "
                                       f"[0, {self.model_config.vocab_size})")
+        bad = [t for t in params.logit_bias or {} if t >= self.model_config.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"logit_bias has token ids outside the vocabulary "
+                                      f"[0, {self.model_config.vocab_size}): {bad[:5]}")
         rid = request_id or f"req-{next(self._ids)}"
         if self.scheduler.find(rid) is not None:
             raise InvalidRequestError(f"request id {rid!r} is already in use")
+        matcher = self.grammar.matcher(params.grammar) if params.grammar is not None else None
         gen = self.plugin.generator(params.seed) if params.seed is not None else None
-        detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
-        self.scheduler.add(Request(rid, ids, params, detok, priority, gen, arrival))
+        detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens,
+                                       params.spaces_between_special_tokens)
+        req = Request(rid, ids, params, detok, priority, gen, arrival)
+        req.matcher = matcher
+        self.scheduler.add(req)
         self.counters["requests_added"] += 1
         return rid
 
@@ -152,6 +162,8 @@ class Engine:
             if lp is not None:
                 req.logprobs.append(lp)
             check_stop(req, tok, self.eos_ids, self.max_model_len)
+            if req.finish_reason is None and grammar_done(req):   # the structured output is complete
+                req.finish_reason = "stop"
             if req.finish_reason is not None:
                 self._finish(req)
             outputs.append(self._output(req))

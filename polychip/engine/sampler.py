@@ -1,4 +1,5 @@
-"""Batched sampling: penalties, temperature, top-k / top-p / min-p, seeds, logprobs."""
+"""Batched sampling: penalties, logit bias, grammar masks, temperature, top-k / top-p / min-p, seeds,
+logprobs."""
 from __future__ import annotations
 
 import torch
@@ -36,6 +37,19 @@ def _suppress_stops(logits: torch.Tensor, reqs: list[Request], eos_ids: frozense
                 logits[i, sorted(banned)] = float("-inf")
 
 
+def apply_logit_bias(logits: torch.Tensor, reqs: list[Request]) -> None:
+    """In place, one scatter for the whole batch."""
+    rows, cols, vals = [], [], []
+    for i, r in enumerate(reqs):
+        for tok, bias in (r.params.logit_bias or {}).items():
+            rows.append(i)
+            cols.append(tok)
+            vals.append(bias)
+    dev = logits.device
+    logits.index_put_((torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
+                      torch.tensor(vals, dtype=logits.dtype, device=dev), accumulate=True)
+
+
 def _filter(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
     """Temperature, top-k, top-p and min-p, vectorised over rows; returns probabilities."""
     dev = logits.device
@@ -63,9 +77,10 @@ def _filter(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
 
 
 class Sampler:
-    def __init__(self, plugin, seed: int, eos_ids: frozenset[int]):
+    def __init__(self, plugin, seed: int, eos_ids: frozenset[int], grammar=None):
         self.generator = plugin.generator(seed)
         self.eos_ids = eos_ids
+        self.grammar = grammar              # GrammarBackend; requests without a matcher never touch it
 
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[TokenLogprob | None]]:
         raw = logits
@@ -75,6 +90,13 @@ class Sampler:
         if any(len(r.output_ids) < r.params.min_tokens for r in reqs):
             logits = logits.clone() if logits is raw else logits
             _suppress_stops(logits, reqs, self.eos_ids)
+        if any(r.params.logit_bias for r in reqs):
+            logits = logits.clone() if logits is raw else logits
+            apply_logit_bias(logits, reqs)
+        grammar_rows = self.grammar.rows(reqs) if self.grammar is not None else []
+        if grammar_rows:
+            logits = logits.clone() if logits is raw else logits
+            self.grammar.mask(logits, raw, reqs, grammar_rows)
         tokens = logits.argmax(-1)
         rand = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if rand:
@@ -87,6 +109,8 @@ class Sampler:
                 noise[j].exponential_(generator=gen)
             tokens[rows] = (probs / noise).argmax(-1)
         token_list = tokens.tolist()
+        if grammar_rows:
+            self.grammar.accept(reqs, token_list, grammar_rows)
         return token_list, self._logprobs(raw, reqs, token_list)
 
     @staticmethod

@@ -38,6 +38,7 @@ class Tokenizer:
         self.eos_token_ids = frozenset(ids)
         self.add_bos = bool(config.get("add_bos_token", False)) and self.bos_token_id is not None
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+        self.special_ids = frozenset(i for i, t in tok.get_added_tokens_decoder().items() if t.special)
         self._template = None
 
     @classmethod
@@ -66,8 +67,24 @@ class Tokenizer:
             ids = [self.bos_token_id] + ids
         return ids
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True,
+               spaces_between_special_tokens: bool = False) -> str:
+        """``spaces_between_special_tokens`` (kept special tokens only): special tokens and the
+        text runs between them are joined with a space, as transformers' slow tokenizers do."""
+        if skip_special_tokens or not spaces_between_special_tokens or not self.special_ids.intersection(ids):
+            return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+        parts, run = [], []
+        for i in ids:
+            if i in self.special_ids:
+                if run:
+                    parts.append(self.tok.decode(run, skip_special_tokens=False))
+                    run = []
+                parts.append(self.tok.decode([i], skip_special_tokens=False))
+            else:
+                run.append(i)
+        if run:
+            parts.append(self.tok.decode(run, skip_special_tokens=False))
+        return " ".join(parts)
 
     def id_to_token(self, i: int) -> str | None:
         return self.tok.id_to_token(i)
@@ -95,8 +112,10 @@ class Tokenizer:
 class IncrementalDetokenizer:
     """Turns a growing token list into text deltas, never splitting a multi-byte character."""
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True):
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True,
+                 spaces_between_special_tokens: bool = False):
         self.tokenizer, self.skip = tokenizer, skip_special_tokens
+        self.spaces = spaces_between_special_tokens
         self.ids = list(prompt_ids[-6:])      # a little context so leading spaces decode right
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
@@ -106,8 +125,8 @@ class IncrementalDetokenizer:
         """Append one token; return the newly completed text (possibly empty)."""
         self.ids.append(token_id)
         dec = self.tokenizer.decode
-        prefix = dec(self.ids[self.prefix_offset:self.read_offset], self.skip)
-        full = dec(self.ids[self.prefix_offset:], self.skip)
+        prefix = dec(self.ids[self.prefix_offset:self.read_offset], self.skip, self.spaces)
+        full = dec(self.ids[self.prefix_offset:], self.skip, self.spaces)
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return ""
         delta = full[len(prefix):]

@@ -64,7 +64,8 @@ def build_app(engine: Engine, cfg: ServerConfig | None = None) -> tuple[Gate, Se
     metrics = ServerMetrics(ae, name) if cfg.enable_metrics else None
     if metrics is not None:
         ae.on_finish = metrics.observe_finished
-    state = ServerState(ae, name, engine.loaded.model_dir, engine.max_model_len, cfg.reasoning_parser, metrics)
+    state = ServerState(ae, name, engine.loaded.model_dir, engine.max_model_len, cfg.reasoning_parser, metrics,
+                        chat_defaults=cfg.chat_template_defaults(), tool_call_parser=cfg.tool_call_parser)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -29,11 +29,18 @@ class ServerState:
     max_model_len: int
     reasoning_parser: str | None = None
     metrics: object | None = None          # ServerMetrics when --enable-metrics
+    chat_defaults: dict = dataclasses.field(default_factory=dict)   # server-wide chat_template_kwargs
+    tool_call_parser: str | None = None
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
     @property
     def tokenizer(self):
         return self.engine.engine.tokenizer
+
+    @property
+    def grammar(self):
+        """The engine's GrammarBackend (thread-safe compile)."""
+        return self.engine.engine.grammar
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
