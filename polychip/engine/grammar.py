@@ -27,6 +27,8 @@ log = logging.getLogger("polychip.grammar")
 
 KINDS = ("json_schema", "json_object", "regex", "ebnf", "choice", "structural_tag")
 COMPILE_CACHE_BYTES = 512 * 2**20
+# JSON is generated without free whitespace (json_schema: compact separators; tool calls: at most one
+# whitespace character in a row), so a model cannot pad a value with whitespace until max_tokens
 _XGR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+?:\d+: ")     # "[15:38:02] /project/cpp/x.cc:94: "
 
 
@@ -59,7 +61,7 @@ class GrammarSpec:
         import xgrammar
         try:
             tag = xgrammar.get_model_structural_tag(fmt, tools=tools, tool_choice=tool_choice, reasoning=reasoning,
-                                                    parallel_tool_calls=parallel)
+                                                    parallel_tool_calls=parallel, max_whitespace_cnt=1)
         except (ValueError, TypeError) as e:
             raise InvalidRequestError(f"tool_choice: {_clean(e)}") from None
         return cls("structural_tag", tag.model_dump_json(), True, "tool_choice")
