@@ -115,21 +115,30 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True,
                  spaces_between_special_tokens: bool = False):
         self.tokenizer, self.skip = tokenizer, skip_special_tokens
-        self.spaces = spaces_between_special_tokens
+        # kept special tokens and the text next to them joined by a space, as decode() does
+        self.spaces = spaces_between_special_tokens and not skip_special_tokens
         self.ids = list(prompt_ids[-6:])      # a little context so leading spaces decode right
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
         self.text = ""
+        self.last_special = False
+        self.space_due = False                # a space owed before the next piece of text
 
     def add(self, token_id: int) -> str:
         """Append one token; return the newly completed text (possibly empty)."""
         self.ids.append(token_id)
+        if self.spaces:
+            special = token_id in self.tokenizer.special_ids
+            self.space_due = self.space_due or (bool(self.text) and (special or self.last_special))
+            self.last_special = special
         dec = self.tokenizer.decode
-        prefix = dec(self.ids[self.prefix_offset:self.read_offset], self.skip, self.spaces)
-        full = dec(self.ids[self.prefix_offset:], self.skip, self.spaces)
+        prefix = dec(self.ids[self.prefix_offset:self.read_offset], self.skip)
+        full = dec(self.ids[self.prefix_offset:], self.skip)
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return ""
         delta = full[len(prefix):]
+        if self.space_due:
+            delta, self.space_due = " " + delta, False
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         self.text += delta
         return delta
