@@ -1,5 +1,6 @@
-"""The FastAPI app: OpenAI routes, health, models, metrics, and two operator endpoints
-(``/server_info`` with the KV pool state and an integrity check, ``/flush_cache``)."""
+"""The FastAPI app: OpenAI routes, health, models, metrics, and SGLang's native worker routes
+(server/sglang_api.py: /generate, /model_info, /server_info with the KV pool state and an integrity
+check, /flush_cache, /health_generate)."""
 from __future__ import annotations
 
 import asyncio
@@ -10,10 +11,11 @@ import os
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+import polychip
 from polychip.config import ServerConfig
 from polychip.engine.async_engine import AsyncEngine
 from polychip.engine.engine import Engine
-from polychip.server import chat, completions
+from polychip.server import chat, completions, sglang_api
 from polychip.server.errors import error_response, install_error_handlers, parse_body, to_response
 from polychip.server.metrics import CONTENT_TYPE, ServerMetrics
 from polychip.models.gguf import default_gguf_path
@@ -34,26 +36,6 @@ def default_model_name(engine: Engine) -> str:
     if cfg.model_path:
         return cfg.model_path
     return os.path.splitext(os.path.basename(default_gguf_path()))[0]
-
-
-def pool_info(engine: Engine) -> dict:
-    """Runs in the engine thread: pool counts plus an integrity check."""
-    try:
-        engine.check_integrity()
-        integrity = "ok"
-    except AssertionError as e:
-        integrity = f"broken: {e}"
-    pool = engine.pool
-    return {"kv_pool": {"num_pages": pool.num_pages, "free_pages": pool.allocator.num_free,
-                        "cached_pages": engine.cache.num_pages, "page_size": pool.page_size,
-                        "integrity": integrity},
-            "num_waiting": engine.num_waiting, "num_running": engine.num_running,
-            "counters": dict(engine.counters)}
-
-
-def flush_cache(engine: Engine) -> dict:
-    released = engine.cache.evict(engine.cache.evictable_pages())
-    return {"released_pages": released, **pool_info(engine)}
 
 
 def build_app(engine: Engine, cfg: ServerConfig | None = None) -> tuple[Gate, ServerState]:
@@ -106,21 +88,7 @@ def build_app(engine: Engine, cfg: ServerConfig | None = None) -> tuple[Gate, Se
         except Exception as e:
             return to_response(e, KNOWN_PARAMS)
 
-    @app.get("/server_info")
-    async def server_info():
-        try:
-            info = await ae.call(pool_info)
-        except Exception as e:
-            return to_response(e)
-        return {"model": name, "max_model_len": state.max_model_len, "plugin": engine.plugin.name,
-                "device_index": engine.plugin.index, **info}
-
-    @app.post("/flush_cache")
-    async def flush():
-        try:
-            return await ae.call(flush_cache)
-        except Exception as e:
-            return to_response(e)
+    app.include_router(sglang_api.make_router(state, cfg, polychip.__version__))
 
     @app.get("/metrics")
     async def prometheus():

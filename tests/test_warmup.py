@@ -1,0 +1,28 @@
+"""The start-up warm-up: the shapes it runs, and that it leaves the engine as it found it."""
+from __future__ import annotations
+
+from polychip import LLM, SamplingParams
+from polychip.engine.warmup import MAX_WARMUP_BATCH, warm_up, warmup_batches
+
+
+def test_batches_are_powers_of_two_up_to_the_cap():
+    assert warmup_batches(1) == [1]
+    assert warmup_batches(6) == [1, 2, 4]
+    assert warmup_batches(64) == [1, 2, 4, 8, 16] and warmup_batches(64)[-1] == MAX_WARMUP_BATCH
+
+
+def test_warm_up_runs_every_shape_and_leaves_no_trace(model_factory, test_device):
+    llm = LLM(model_factory("qwen3", False), device=test_device, max_total_tokens=2048, max_running_requests=4,
+              chunked_prefill_size=64)
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    before = [o.token_ids for o in llm.generate(prompts, params)]
+    e = llm.engine
+    e.cache.evict(e.cache.evictable_pages())
+    timings = warm_up(e)
+    assert list(timings) == ["prefill-64", "decode-1", "decode-2", "decode-4"]
+    assert all(t > 0 for t in timings.values())
+    assert not e.has_unfinished() and dict(e.counters) == {} and dict(e.stage_seconds) == {}
+    assert e.pool.allocator.num_free == e.pool.num_pages and e.cache.num_pages == 0
+    e.check_integrity()
+    assert [o.token_ids for o in llm.generate(prompts, params)] == before
