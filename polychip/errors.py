@@ -46,3 +46,7 @@ class DeviceSpecError(PolychipError, ValueError):
 
 class OutOfPagesError(PolychipError):
     """The KV pool has no free page left (handled by preemption inside the engine)."""
+
+
+class IntegrityError(PolychipError):
+    """The page allocator or the prefix cache broke one of its own invariants (a framework bug)."""

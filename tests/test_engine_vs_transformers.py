@@ -54,9 +54,10 @@ def assert_pool_empty(llm):
     e = llm.engine
     e.check_integrity()
     assert not e.has_unfinished()
-    e.cache.reset()
+    e.flush_prefix_cache()
     e.check_integrity()
-    assert e.pool.allocator.num_free == e.pool.num_pages
+    s = e.stats()
+    assert s.pages_free == s.pages_total and s.pages_cached == 0
 
 
 @pytest.mark.parametrize("arch,tie", [("llama", False), ("llama", True), ("qwen2", False),

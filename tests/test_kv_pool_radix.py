@@ -6,8 +6,9 @@ import random
 import pytest
 
 from polychip.engine.kv_pool import PageAllocator
+from polychip.engine.prefix_cache import NoPrefixCache, PrefixCache
 from polychip.engine.radix_cache import RadixCache
-from polychip.errors import OutOfPagesError
+from polychip.errors import IntegrityError, OutOfPagesError
 
 P = 4  # page size
 
@@ -100,3 +101,50 @@ def test_random_operations_keep_integrity():
     c.reset()
     c.check_integrity()
     assert a.num_free == 64
+
+
+def tree_shape(c):
+    """Every node as (key, pages, lock_ref, last_access), depth first: a fingerprint of the tree."""
+    out, stack = [], [c.root]
+    while stack:
+        n = stack.pop()
+        out.append((n.key, tuple(n.pages), n.lock_ref, n.last_access))
+        stack.extend(sorted(n.children.values(), key=lambda x: x.key))
+    return out
+
+
+def test_peek_prefix_len_is_pure_and_agrees_with_match():
+    a, c = fresh()
+    insert_seq(a, c, list(range(16)))
+    insert_seq(a, c, [9] * 8)
+    queries = [list(range(16)) + [1], list(range(6)), list(range(8)) + [0] * 8, [9] * 12, [5] * 8, []]
+    before = tree_shape(c)
+    peeks = [c.peek_prefix_len(q) for q in queries]
+    assert tree_shape(c) == before                    # no split, no LRU touch
+    assert peeks == [16, 4, 8, 8, 0, 0]
+    assert peeks == [len(c.match_prefix(q)[0]) * P for q in queries]
+    assert tree_shape(c) != before                    # match_prefix did change the tree
+
+
+def test_check_integrity_raises_integrity_error():
+    a, c = fresh()
+    pages = insert_seq(a, c, list(range(8)))
+    a.decref(pages[:1])                              # the tree's reference goes behind its back
+    with pytest.raises(IntegrityError, match="refcount"):
+        c.check_integrity()
+    with pytest.raises(IntegrityError, match="free list"):
+        a.refs[pages[1]] = 0                         # a zero count for a page off the free list
+        a.check_integrity()
+
+
+def test_no_prefix_cache_honours_the_contract():
+    a = PageAllocator(8)
+    c = NoPrefixCache()
+    assert isinstance(c, PrefixCache) and not c.enabled
+    pages = a.alloc(2)
+    assert c.insert(list(range(8)), pages) == 0 and a.refs[pages[0]] == 1   # took no reference
+    assert c.match_prefix(list(range(8))) == ([], None) and c.peek_prefix_len(list(range(8))) == 0
+    c.lock(None)
+    c.unlock(None)
+    assert c.num_pages == c.evictable_pages() == c.evict(5) == 0
+    c.check_integrity()

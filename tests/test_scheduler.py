@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from polychip.engine.kv_pool import PageAllocator
-from polychip.engine.radix_cache import NoPrefixCache, RadixCache
+from polychip.engine.page_manager import PageManager
 from polychip.engine.request import Request, Status
 from polychip.engine.sampling_params import SamplingParams
 from polychip.engine.scheduler import Scheduler
@@ -10,31 +10,32 @@ from polychip.engine.scheduler import Scheduler
 PAGE = 4
 
 
+class SilentDetokenizer:
+    """The stop checks detokenize each token; these tests use no text."""
+
+    def add(self, token: int) -> str:
+        return ""
+
+
 def make(num_pages=64, budget=16, max_running=8, policy="fcfs", radix=True):
-    alloc = PageAllocator(num_pages)
-    cache = (RadixCache if radix else NoPrefixCache)(alloc, PAGE)
-    return Scheduler(alloc, cache, PAGE, budget, max_running, policy)
+    pages = PageManager(PageAllocator(num_pages), PAGE, prefix_cache=radix)
+    return Scheduler(pages, budget, max_running, policy, max_model_len=10**6)
 
 
 def req(rid, prompt, max_tokens=3, priority=0, t=0.0):
-    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens), detokenizer=None, priority=priority,
+    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens), SilentDetokenizer(), priority=priority,
                    arrival=t)
 
 
 def fake_step(s: Scheduler):
-    """Schedule, 'run' the batch and append token 7 to every request that completed its gap."""
+    """Schedule, 'run' the batch, sample token 7 for every request that completes its gap,
+    and book the step with the scheduler's own ``update``."""
     out = s.schedule()
     for r, n in out.scheduled:
         assert n >= 1 and len(r.pages) * PAGE >= r.num_computed_tokens + n
-        r.num_computed_tokens += n
-        if r.num_computed_tokens == r.num_tokens:
-            r.output_ids.append(7)
-            if len(r.output_ids) >= r.params.max_tokens:
-                s.finish(r)
-            elif r.num_computed_tokens <= len(r.prompt_ids):
-                s.cache_progress(r)
-    s.allocator.check_integrity()
-    s.cache.check_integrity()
+    sampled = [r for r, n in out.scheduled if r.num_computed_tokens + n == r.num_tokens]
+    s.update(out, sampled, [7] * len(sampled), [None] * len(sampled))
+    s.pages.check_integrity()
     return out
 
 
@@ -58,8 +59,8 @@ def test_budget_chunks_prefill_and_mixes_decodes():
     steps = run_all(s)
     assert all(o.num_tokens <= 16 for o in steps)
     assert a.output_ids == [7, 7, 7] and b.output_ids == [7, 7, 7]
-    s.cache.reset()
-    assert s.allocator.num_free == 64
+    s.pages.cache.reset()
+    assert s.pages.allocator.num_free == 64
 
 
 def test_max_running_and_priority_order():
@@ -94,7 +95,7 @@ def test_preemption_when_pages_run_out_then_all_finish():
     assert sum(len(o.preempted) for o in steps) > 0
     assert all(r.status is Status.FINISHED and len(r.output_ids) == 6 for r in reqs)
     assert any(r.num_preemptions for r in reqs)
-    assert s.allocator.num_free == 6
+    assert s.pages.allocator.num_free == 6
 
 
 def test_request_larger_than_pool_is_reported_unservable():
@@ -103,8 +104,8 @@ def test_request_larger_than_pool_is_reported_unservable():
     s.add(r)
     outs = [fake_step(s) for _ in range(3)]
     assert any(r in o.unservable for o in outs)
-    s.finish(r)
-    assert s.allocator.num_free == 2
+    assert r.finished and r.finish_reason == "length" and not s.has_unfinished()
+    assert s.pages.allocator.num_free == 2
 
 
 def test_abort_frees_everything_the_request_held():
@@ -115,9 +116,9 @@ def test_abort_frees_everything_the_request_held():
     fake_step(s)
     assert r.pages
     s.finish(r)      # what Engine.abort calls
-    s.cache.reset()
-    s.allocator.check_integrity()
-    assert s.allocator.num_free == 64 and not s.has_unfinished()
+    s.pages.cache.reset()
+    s.pages.allocator.check_integrity()
+    assert s.pages.allocator.num_free == 64 and not s.has_unfinished()
 
 
 def test_shared_prefix_waits_for_running_prefill_then_hits_cache():
@@ -130,3 +131,36 @@ def test_shared_prefix_waits_for_running_prefill_then_hits_cache():
     assert [r.request_id for r, _ in out.scheduled] == ["a"]     # b waits for a's prefix
     run_all(s)
     assert b.num_cached_tokens == 16
+
+
+def tree_state(cache):
+    """Every node's key, pages, lock count and LRU time: what eviction order depends on."""
+    out, stack = [], [cache.root]
+    while stack:
+        n = stack.pop()
+        out.append((n.key, tuple(n.pages), n.lock_ref, n.last_access))
+        stack.extend(sorted(n.children.values(), key=lambda c: c.key))
+    return out
+
+
+def test_lpm_ordering_leaves_tree_and_eviction_order_alone():
+    s = make(budget=64, max_running=1, policy="lpm")
+    old, new = list(range(16)), list(range(100, 116))
+    for rid, prompt in (("old", old), ("new", new)):
+        s.add(req(rid, prompt, max_tokens=1))
+        run_all(s)                         # 'old' is now the least recently used entry
+    long = req("long", [50] * 8, max_tokens=20)
+    s.add(long)
+    fake_step(s)                           # prefills 'long'; from now on it only decodes
+    # both hit the middle of a cached edge: a match would split it and refresh its LRU time
+    s.add(req("hit-old", old[:6] + [1, 2], t=1.0))
+    s.add(req("hit-new", new[:10] + [3], t=2.0))
+    before = tree_state(s.pages.cache)
+    out = fake_step(s)                     # max_running=1: LPM orders the queue, admits nobody
+    assert [r.request_id for r, _ in out.scheduled] == ["long"]
+    assert tree_state(s.pages.cache) == before
+    freed = s.pages.allocator.num_free
+    s.pages.cache.evict(1)                 # the least recently used leaf goes first
+    gone = s.pages.allocator.num_free - freed
+    assert gone == 4 and s.pages.cached_prefix_len(req("q", old + [0])) == 0
+    assert s.pages.cached_prefix_len(req("q", new + [0])) == 16

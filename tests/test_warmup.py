@@ -18,11 +18,13 @@ def test_warm_up_runs_every_shape_and_leaves_no_trace(model_factory, test_device
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     before = [o.token_ids for o in llm.generate(prompts, params)]
     e = llm.engine
-    e.cache.evict(e.cache.evictable_pages())
+    e.flush_prefix_cache()
     timings = warm_up(e)
     assert list(timings) == ["prefill-64", "decode-1", "decode-2", "decode-4"]
     assert all(t > 0 for t in timings.values())
-    assert not e.has_unfinished() and dict(e.counters) == {} and dict(e.stage_seconds) == {}
-    assert e.pool.allocator.num_free == e.pool.num_pages and e.cache.num_pages == 0
+    st = e.stats()
+    assert not e.has_unfinished() and st.requests_added == st.steps == st.generation_tokens == 0
+    assert all(seconds == 0 for _, seconds in st.stage_seconds)
+    assert st.pages_free == st.pages_total and st.pages_cached == 0
     e.check_integrity()
     assert [o.token_ids for o in llm.generate(prompts, params)] == before

@@ -1,4 +1,6 @@
-"""Engine: owns the plugin, model, KV pool, prefix cache, scheduler, runner and sampler.
+"""Engine: owns the plugin, model, KV pool, page manager, scheduler, runner and sampler.
+
+A step reads: schedule -> prepare -> execute -> sample -> update -> outputs.
 
 Not thread-safe: one thread calls ``add_request`` / ``abort`` / ``step``.
 """
@@ -6,29 +8,32 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
 from collections import defaultdict
 
 import torch
 
 from polychip.config import EngineConfig
 from polychip.devices.discovery import open_from_config
-from polychip.engine.grammar import GrammarBackend, grammar_done
+from polychip.engine.grammar import GrammarBackend
 from polychip.engine.kv_pool import KVPool, size_pool
 from polychip.engine.model_runner import ModelRunner
-from polychip.engine.radix_cache import NoPrefixCache, RadixCache
-from polychip.engine.request import CompletionOutput, Request, RequestOutput, Status
+from polychip.engine.page_manager import PageManager
+from polychip.engine.prefix_cache import PrefixCache
+from polychip.engine.request import CompletionOutput, Request, RequestOutput
 from polychip.engine.sampler import Sampler
 from polychip.engine.sampling_params import SamplingParams
 from polychip.engine.scheduler import Scheduler
-from polychip.engine.stop import check_stop, streamable_len
+from polychip.engine.stats import STAGES, EngineStats, StageTimer
+from polychip.engine.stop import streamable_len
 from polychip.errors import InvalidRequestError
 from polychip.models.loader import load_model
 from polychip.models.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("polychip.engine")
 
-STAGES = ("schedule", "prepare", "forward", "sample", "detokenize")
+#: the counters ``stats()`` reports, all kept in ``Engine.counters``
+COUNTERS = ("requests_added", "requests_aborted", "preemptions", "steps", "prompt_tokens",
+            "generation_tokens", "prompt_tokens_queried", "prompt_tokens_cached")
 
 
 class Engine:
@@ -48,16 +53,16 @@ class Engine:
         num_pages = size_pool(config, self.plugin, per_page, page)
         self.pool = KVPool(self.plugin, mc.num_layers, num_pages, page, mc.num_kv_heads, mc.head_dim,
                            self.loaded.dtype)
-        cache_cls = NoPrefixCache if config.disable_radix_cache else RadixCache
-        self.cache = cache_cls(self.pool.allocator, page)
-        self.scheduler = Scheduler(self.pool.allocator, self.cache, page, config.chunked_prefill_size,
-                                   config.max_running_requests, config.schedule_policy)
-        self.runner = ModelRunner(self.loaded.model, self.pool, self.plugin)
+        self.pages = PageManager(self.pool.allocator, page, prefix_cache=not config.disable_radix_cache)
         self.eos_ids = self.tokenizer.eos_token_ids
+        self.scheduler = Scheduler(self.pages, config.chunked_prefill_size, config.max_running_requests,
+                                   config.schedule_policy, eos_ids=self.eos_ids, max_model_len=self.max_model_len)
+        self.runner = ModelRunner(self.loaded.model, self.pool, self.plugin)
         self.grammar = GrammarBackend(self.tokenizer, mc.vocab_size, self.eos_ids)
         self.sampler = Sampler(self.plugin, config.seed, self.eos_ids, self.grammar)
         self._ids = itertools.count()
         self.stage_seconds: dict[str, float] = defaultdict(float)
+        self._timer = StageTimer(self.stage_seconds)
         self.counters: dict[str, int] = defaultdict(int)
         log.info("KV pool: %d pages x %d tokens (%.1f MiB)", num_pages, page, num_pages * per_page / 2**20)
 
@@ -67,15 +72,7 @@ class Engine:
         """Queue one sequence. ``params.n`` is handled by the caller (LLM / server) as n requests."""
         params = params or SamplingParams()
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self.validate_prompt(ids)
-        bad = [t for t in params.stop_token_ids if not 0 <= t < self.model_config.vocab_size]
-        if bad:
-            raise InvalidRequestError(f"stop_token_ids {bad[:5]} are outside the vocabulary "
-                                      f"[0, {self.model_config.vocab_size})")
-        bad = [t for t in params.logit_bias or {} if t >= self.model_config.vocab_size]
-        if bad:
-            raise InvalidRequestError(f"logit_bias has token ids outside the vocabulary "
-                                      f"[0, {self.model_config.vocab_size}): {bad[:5]}")
+        self.check_request(ids, params)
         rid = request_id or f"req-{next(self._ids)}"
         if self.scheduler.find(rid) is not None:
             raise InvalidRequestError(f"request id {rid!r} is already in use")
@@ -89,25 +86,34 @@ class Engine:
         self.counters["requests_added"] += 1
         return rid
 
-    def validate_prompt(self, ids: list[int]) -> None:
-        if not ids:
+    def check_request(self, prompt_ids: list[int], params: SamplingParams | None = None) -> None:
+        """Raise ``InvalidRequestError`` unless this engine can serve the prompt and params:
+        ids inside the vocabulary, room to generate in the context and the KV pool, stop ids
+        inside the vocabulary."""
+        vocab, n = self.model_config.vocab_size, len(prompt_ids)
+        if not n:
             raise InvalidRequestError("prompt is empty")
-        bad = [i for i in ids if not 0 <= i < self.model_config.vocab_size]
+        bad = [i for i in prompt_ids if not 0 <= i < vocab]
         if bad:
-            raise InvalidRequestError(f"prompt has token ids outside [0, {self.model_config.vocab_size}): {bad[:5]}")
-        if len(ids) >= self.max_model_len:
-            raise InvalidRequestError(f"prompt has {len(ids)} tokens; the context is {self.max_model_len} "
+            raise InvalidRequestError(f"prompt has token ids outside [0, {vocab}): {bad[:5]}")
+        if n >= self.max_model_len:
+            raise InvalidRequestError(f"prompt has {n} tokens; the context is {self.max_model_len} "
                                       "tokens and at least one must be left to generate")
-        if len(ids) + 1 > self.pool.num_tokens:
-            raise InvalidRequestError(f"prompt has {len(ids)} tokens; the whole KV pool holds "
-                                      f"{self.pool.num_tokens}")
+        if n + 1 > self.pool.num_tokens:
+            raise InvalidRequestError(f"prompt has {n} tokens; the whole KV pool holds {self.pool.num_tokens}")
+        bad = [t for t in (params.stop_token_ids if params else ()) if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        bad = [t for t in (params.logit_bias or {} if params else ()) if t >= vocab]
+        if bad:
+            raise InvalidRequestError(f"logit_bias has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
 
     def abort(self, request_id: str) -> bool:
         req = self.scheduler.find(request_id)
         if req is None:
             return False
         req.finish_reason = "abort"
-        self._finish(req)
+        self.scheduler.finish(req)
         self.counters["requests_aborted"] += 1
         return True
 
@@ -122,60 +128,32 @@ class Engine:
     def num_running(self) -> int:
         return len(self.scheduler.running)
 
-    def _finish(self, req: Request) -> None:
-        req.timings.finished = time.monotonic()
-        self.scheduler.finish(req)
-
     # the step
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; returns an output for every request that made progress."""
-        t0 = time.perf_counter()
-        sched = self.scheduler.schedule()
-        for req in sched.unservable:
-            log.warning("%s needs more KV pages than the whole pool; finishing with 'length'", req.request_id)
-            req.finish_reason = "length"
-            self._finish(req)
-        t1 = time.perf_counter()
-        self.stage_seconds["schedule"] += t1 - t0
-        self.counters["preemptions"] += len(sched.preempted)
-        outputs = [self._output(r) for r in sched.unservable]
-        if not sched.scheduled:
-            return outputs
-        batch = self.runner.prepare(sched.scheduled)
-        t2 = time.perf_counter()
-        logits = self.runner.execute(batch)
-        t3 = time.perf_counter()
-        tokens, logprobs = self.sampler(logits, batch.sample_reqs) if batch.sample_reqs else ([], [])
-        t4 = time.perf_counter()
-        now = time.monotonic()
-        prompt_tokens = 0
-        for req, n in sched.scheduled:
-            c = req.num_computed_tokens
-            prompt_tokens += max(0, min(len(req.prompt_ids), c + n) - c)
-            req.num_computed_tokens += n
-            if req.timings.first_scheduled is None:
-                req.timings.first_scheduled = now
-        for req, tok, lp in zip(batch.sample_reqs, tokens, logprobs):
-            if req.timings.first_token is None:
-                req.timings.first_token = now
-            req.output_ids.append(tok)
-            if lp is not None:
-                req.logprobs.append(lp)
-            check_stop(req, tok, self.eos_ids, self.max_model_len)
-            if req.finish_reason is None and grammar_done(req):   # the structured output is complete
-                req.finish_reason = "stop"
-            if req.finish_reason is not None:
-                self._finish(req)
-            outputs.append(self._output(req))
-        for req, _ in sched.scheduled:
-            if not req.finished and req.num_computed_tokens <= len(req.prompt_ids):
-                self.scheduler.cache_progress(req)
-        t5 = time.perf_counter()
-        for name, dt in zip(STAGES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
-            self.stage_seconds[name] += dt
-        self.counters["steps"] += 1
-        self.counters["prompt_tokens"] += prompt_tokens
-        self.counters["generation_tokens"] += len(tokens)
+        timer = self._timer
+        with timer("schedule"):
+            sched = self.scheduler.schedule()
+        sampled, tokens, logprobs = [], [], []
+        if sched.scheduled:
+            with timer("prepare"):
+                batch = self.runner.prepare(sched.scheduled)
+            with timer("forward"):
+                logits = self.runner.execute(batch)
+            with timer("sample"):
+                sampled = batch.sample_reqs
+                if sampled:
+                    tokens, logprobs = self.sampler(logits, sampled)
+        with timer("detokenize"):
+            outputs = [self._output(r) for r in self.scheduler.update(sched, sampled, tokens, logprobs)]
+        c = self.counters
+        c["preemptions"] += len(sched.preempted)
+        if sched.scheduled:
+            c["steps"] += 1
+        c["prompt_tokens"] += sched.num_prompt_tokens
+        c["generation_tokens"] += len(tokens)
+        c["prompt_tokens_queried"] += sched.prompt_tokens_queried
+        c["prompt_tokens_cached"] += sched.prompt_tokens_cached
         return outputs
 
     def _output(self, req: Request) -> RequestOutput:
@@ -192,9 +170,41 @@ class Engine:
                              t.ttft, t.tpot(len(req.output_ids)),
                              None if t.finished is None else t.finished - t.arrival)
 
+    # the narrow face
+    @property
+    def cache(self) -> PrefixCache:
+        """The prefix cache (owned by ``self.pages``)."""
+        return self.pages.cache
+
+    def stats(self) -> EngineStats:
+        """A snapshot of the queue, pool, cache, counters and device memory."""
+        pm, c = self.pages, self.counters
+        queried = c.get("prompt_tokens_queried", 0)
+        return EngineStats(
+            num_waiting=self.num_waiting, num_running=self.num_running, page_size=pm.page_size,
+            pages_total=pm.num_pages, pages_free=pm.num_free, pages_cached=pm.cache.num_pages,
+            pages_evictable=pm.cache.evictable_pages(), kv_usage=1 - pm.num_free / pm.num_pages,
+            prefix_cache_hit_rate=c.get("prompt_tokens_cached", 0) / queried if queried else 0.0,
+            **{k: c.get(k, 0) for k in COUNTERS},
+            stage_seconds=tuple((s, self.stage_seconds.get(s, 0.0)) for s in STAGES),
+            device_memory=self._device_memory())
+
+    def _device_memory(self) -> tuple[tuple[str, int, int], ...]:
+        p = self.plugin
+        try:
+            free, total = p.mem_info()
+        except Exception as e:    # a plugin's memory query must never break the stats
+            log.warning("mem_info of plugin %s failed: %s", p.name, e)
+            return ()
+        return ((f"{p.name}:{p.index}", free, total),)
+
+    def flush_prefix_cache(self) -> int:
+        """Evict every cached page no running request holds; returns how many were released."""
+        return self.pages.flush()
+
     def check_integrity(self) -> None:
-        self.pool.allocator.check_integrity()
-        self.cache.check_integrity()
+        """Raise ``IntegrityError`` if the page accounting is broken."""
+        self.pages.check_integrity()
 
     def shutdown(self) -> None:
         self.pool.release()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from polychip.errors import ConfigError, OutOfPagesError
+from polychip.errors import ConfigError, IntegrityError, OutOfPagesError
 
 
 class PageAllocator:
@@ -47,10 +47,10 @@ class PageAllocator:
     def check_integrity(self) -> None:
         free = set(self._free)
         if len(free) != len(self._free):
-            raise AssertionError("a page is on the free list twice")
+            raise IntegrityError("a page is on the free list twice")
         for p, r in enumerate(self.refs):
             if (r == 0) != (p in free):
-                raise AssertionError(f"page {p}: refcount {r} but {'on' if p in free else 'off'} the free list")
+                raise IntegrityError(f"page {p}: refcount {r} but {'on' if p in free else 'off'} the free list")
 
 
 class KVPool:
@@ -72,9 +72,6 @@ class KVPool:
     @property
     def num_tokens(self) -> int:
         return self.num_pages * self.page_size
-
-    def usage(self) -> float:
-        return 1 - self.allocator.num_free / self.num_pages
 
     def release(self) -> None:
         self.plugin.free(self.storage)

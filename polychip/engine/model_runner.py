@@ -25,7 +25,6 @@ class ModelRunner:
     def __init__(self, model, pool: KVPool, plugin):
         self.model, self.pool, self.plugin = model, pool, plugin
         self.page = pool.page_size
-        self.device = plugin.device_handle()
 
     def _dev(self, array: np.ndarray) -> torch.Tensor:
         return self.plugin.to_device(torch.from_numpy(array))

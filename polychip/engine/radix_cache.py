@@ -3,7 +3,7 @@
 Each edge holds whole pages: a key of ``k * page_size`` tokens and the ``k``
 page ids that hold their K/V. The tree owns one reference on every page it
 stores. ``lock`` pins a path for a running request; ``evict`` frees unlocked
-leaves, least recently used first.
+leaves, least recently used first. The contract is ``PrefixCache``.
 """
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ import itertools
 import time
 
 from polychip.engine.kv_pool import PageAllocator
+from polychip.engine.prefix_cache import PrefixCache
+from polychip.errors import IntegrityError
 
 
 class Node:
@@ -26,15 +28,18 @@ class Node:
         self.last_access = time.monotonic()
 
 
-class RadixCache:
-    enabled = True
-
+class RadixCache(PrefixCache):
     def __init__(self, allocator: PageAllocator, page_size: int):
         self.allocator, self.page = allocator, page_size
         self.root = Node()
         self.root.lock_ref = 1       # the root is never evicted
-        self.num_pages = 0
+        self._num_pages = 0
+        self._evictable = 0          # pages in nodes with lock_ref 0, kept by lock / unlock / insert / evict
         self._tick = itertools.count()
+
+    @property
+    def num_pages(self) -> int:
+        return self._num_pages
 
     def _first(self, tokens, i=0) -> tuple[int, ...]:
         return tuple(tokens[i:i + self.page])
@@ -57,7 +62,7 @@ class RadixCache:
         return upper
 
     def match_prefix(self, tokens) -> tuple[list[int], Node]:
-        """Longest cached whole-page prefix of ``tokens``: (its pages, the deepest node)."""
+        """(pages, deepest node) of the longest cached prefix; splits the last edge, touches LRU."""
         node, i, pages = self.root, 0, []
         now = time.monotonic()
         while i + self.page <= len(tokens):
@@ -73,6 +78,19 @@ class RadixCache:
             node = child
         return pages, node
 
+    def peek_prefix_len(self, tokens) -> int:
+        node, i = self.root, 0
+        while i + self.page <= len(tokens):
+            child = node.children.get(self._first(tokens, i))
+            if child is None:
+                break
+            n = self._common_pages(child.key, tokens, i)
+            i += n * self.page
+            if n * self.page < len(child.key):
+                break
+            node = child
+        return i
+
     def insert(self, tokens, pages) -> int:
         """Add ``tokens`` (whole pages) held in ``pages``; returns how many tokens were cached already.
         The tree takes a reference on the pages it newly stores."""
@@ -85,7 +103,8 @@ class RadixCache:
                 leaf = Node(tokens[i:], pages[i // self.page:], node)
                 node.children[self._first(leaf.key)] = leaf
                 self.allocator.incref(leaf.pages)
-                self.num_pages += len(leaf.pages)
+                self._num_pages += len(leaf.pages)
+                self._evictable += len(leaf.pages)
                 return i
             n = self._common_pages(child.key, tokens, i)
             if n * self.page < len(child.key):
@@ -97,12 +116,16 @@ class RadixCache:
 
     def lock(self, node: Node) -> None:
         while node is not None:
+            if node.lock_ref == 0:
+                self._evictable -= len(node.pages)
             node.lock_ref += 1
             node = node.parent
 
     def unlock(self, node: Node) -> None:
         while node is not None:
             node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self._evictable += len(node.pages)
             node = node.parent
 
     def _leaves(self):
@@ -114,16 +137,10 @@ class RadixCache:
             stack.extend(n.children.values())
 
     def evictable_pages(self) -> int:
-        total, stack = 0, list(self.root.children.values())
-        while stack:
-            n = stack.pop()
-            if n.lock_ref == 0:
-                total += len(n.pages)
-            stack.extend(n.children.values())
-        return total
+        return self._evictable
 
     def evict(self, num_pages: int) -> int:
-        """Free up to ``num_pages`` pages from unlocked leaves, LRU first; returns pages released."""
+        """Free unlocked leaves, LRU first, until ``num_pages`` pages are released; returns that count."""
         heap = [(n.last_access, next(self._tick), n) for n in self._leaves() if n.lock_ref == 0]
         heapq.heapify(heap)
         released = 0
@@ -131,49 +148,39 @@ class RadixCache:
             _, _, leaf = heapq.heappop(heap)
             self.allocator.decref(leaf.pages)
             released += len(leaf.pages)
-            self.num_pages -= len(leaf.pages)
+            self._num_pages -= len(leaf.pages)
+            self._evictable -= len(leaf.pages)
             parent = leaf.parent
             del parent.children[self._first(leaf.key)]
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access, next(self._tick), parent))
         return released
 
-    def reset(self) -> None:
-        self.evict(self.num_pages)
-
     def check_integrity(self) -> None:
-        seen, stack, count = set(), [self.root], 0
+        seen, stack, count, evictable = set(), [self.root], 0, 0
         while stack:
             n = stack.pop()
             if n is not self.root:
                 if len(n.key) != len(n.pages) * self.page or not n.pages:
-                    raise AssertionError(f"node with {len(n.key)} tokens holds {len(n.pages)} pages")
+                    raise IntegrityError(f"node with {len(n.key)} tokens holds {len(n.pages)} pages")
                 if n.lock_ref < 0:
-                    raise AssertionError("negative lock_ref")
+                    raise IntegrityError("negative lock_ref")
                 for p in n.pages:
                     if p in seen:
-                        raise AssertionError(f"page {p} appears twice in the tree")
+                        raise IntegrityError(f"page {p} appears twice in the tree")
                     if self.allocator.refs[p] < 1:
-                        raise AssertionError(f"tree page {p} has refcount {self.allocator.refs[p]}")
+                        raise IntegrityError(f"tree page {p} has refcount {self.allocator.refs[p]}")
                     seen.add(p)
                 count += len(n.pages)
+                evictable += len(n.pages) if n.lock_ref == 0 else 0
             if sum(c.lock_ref for c in n.children.values()) > n.lock_ref:
-                raise AssertionError("a node is locked less than its children together")
+                raise IntegrityError("a node is locked less than its children together")
             for k, c in n.children.items():
                 if c.parent is not n or k != self._first(c.key):
-                    raise AssertionError("child link or key is inconsistent")
+                    raise IntegrityError("child link or key is inconsistent")
                 stack.append(c)
         if count != self.num_pages:
-            raise AssertionError(f"page counter {self.num_pages} != {count} pages in the tree")
+            raise IntegrityError(f"page counter {self.num_pages} != {count} pages in the tree")
+        if evictable != self._evictable:
+            raise IntegrityError(f"evictable counter {self._evictable} != {evictable} unlocked pages")
 
-
-class NoPrefixCache(RadixCache):
-    """--disable-radix-cache: the same interface, caching nothing."""
-
-    enabled = False
-
-    def match_prefix(self, tokens):
-        return [], self.root
-
-    def insert(self, tokens, pages) -> int:
-        return 0

@@ -8,12 +8,12 @@ recomputed (its finished pages stay in the prefix cache while memory allows).
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
-from polychip.engine.kv_pool import PageAllocator
-from polychip.engine.radix_cache import RadixCache
-from polychip.engine.request import Request, Status
-from polychip.errors import OutOfPagesError
+from polychip.engine.page_manager import PageManager
+from polychip.engine.request import Request, Status, TokenLogprob
+from polychip.engine.stop import check_stop
 
 log = logging.getLogger("polychip.scheduler")
 
@@ -23,6 +23,9 @@ class SchedulerOutput:
     scheduled: list[tuple[Request, int]] = field(default_factory=list)   # decodes first
     preempted: list[Request] = field(default_factory=list)
     unservable: list[Request] = field(default_factory=list)   # cannot grow even alone in the pool
+    num_prompt_tokens: int = 0          # prompt tokens this step computes
+    prompt_tokens_queried: int = 0      # prompt tokens of requests admitted for the first time
+    prompt_tokens_cached: int = 0       # of those, served from the prefix cache
 
     @property
     def num_tokens(self) -> int:
@@ -30,10 +33,11 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, allocator: PageAllocator, cache: RadixCache, page_size: int, token_budget: int,
-                 max_running: int, policy: str = "fcfs"):
-        self.allocator, self.cache, self.page = allocator, cache, page_size
+    def __init__(self, pages: PageManager, token_budget: int, max_running: int, policy: str = "fcfs", *,
+                 eos_ids: frozenset[int] = frozenset(), max_model_len: int):
+        self.pages, self.page = pages, pages.page_size
         self.budget, self.max_running, self.policy = token_budget, max_running, policy
+        self.eos_ids, self.max_model_len = eos_ids, max_model_len
         self.waiting: list[Request] = []
         self.running: list[Request] = []
 
@@ -54,48 +58,13 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self._release(req, keep_in_cache=True)
+        self.pages.release(req)
         req.status = Status.FINISHED
-
-    # pages and the prefix cache
-    def _pages_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.page)
-
-    def _alloc(self, n: int) -> list[int]:
-        if n > self.allocator.num_free:
-            self.cache.evict(n - self.allocator.num_free)
-        return self.allocator.alloc(n)
-
-    def cache_progress(self, req: Request) -> None:
-        """Put the request's full computed pages into the prefix cache and share the tree's pages."""
-        n = req.num_computed_tokens // self.page * self.page
-        if n == 0:
-            return
-        tokens = req.tokens(0, n)
-        self.cache.insert(tokens, req.pages[:n // self.page])
-        pages, node = self.cache.match_prefix(tokens)
-        for i, p in enumerate(pages):
-            if req.pages[i] != p:
-                self.allocator.incref([p])
-                self.allocator.decref([req.pages[i]])
-                req.pages[i] = p
-        self.cache.lock(node)
-        if req.cache_node is not None:
-            self.cache.unlock(req.cache_node)
-        req.cache_node = node
-
-    def _release(self, req: Request, keep_in_cache: bool) -> None:
-        if keep_in_cache and req.pages:
-            self.cache_progress(req)
-        if req.cache_node is not None:
-            self.cache.unlock(req.cache_node)
-            req.cache_node = None
-        self.allocator.decref(req.pages)
-        req.pages = []
+        req.timings.finished = time.monotonic()
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
-        self._release(req, keep_in_cache=True)
+        self.pages.release(req)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         req.status = Status.WAITING
@@ -105,13 +74,13 @@ class Scheduler:
     # the step
     def _order_waiting(self) -> list[Request]:
         if self.policy == "lpm" and len(self.waiting) > 1:
-            hit = {id(r): len(self.cache.match_prefix(r.tokens(0, r.num_tokens - 1))[0]) for r in self.waiting}
+            hit = {id(r): self.pages.cached_prefix_len(r) for r in self.waiting}   # pure: LRU untouched
             return sorted(self.waiting, key=lambda r: (r.priority, -hit[id(r)], r.timings.arrival))
         return sorted(self.waiting, key=lambda r: (r.priority, r.timings.arrival))
 
     def _waits_for_shared_prefix(self, req: Request, cached_pages: int) -> bool:
         """True if a running prefill is about to cache a longer prefix of this prompt."""
-        if not self.cache.enabled:
+        if not self.pages.cache.enabled:
             return False
         first = (cached_pages + 1) * self.page
         if first >= len(req.prompt_ids):
@@ -128,53 +97,83 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            need = self._pages_for(req.num_computed_tokens + n) - len(req.pages)
-            while need > 0:
-                try:
-                    req.pages += self._alloc(need)
-                    break
-                except OutOfPagesError:
-                    victim = self.running[-1]
-                    if victim is req and len(self.running) == 1:
-                        self.running.remove(req)
-                        out.unservable.append(req)
-                        break
-                    self._preempt(victim)
-                    out.preempted.append(victim)
-                    if victim is req:
-                        break
-            if req.status is Status.RUNNING and req in self.running:
+            if self._make_room(req, self.pages.pages_for(req.num_computed_tokens + n) - len(req.pages), out):
                 out.scheduled.append((req, n))
                 budget -= n
                 i += 1
         if not out.preempted:
             self._admit(out, budget)
         out.scheduled.sort(key=lambda rn: rn[1] != 1)   # decodes first, stable otherwise
+        out.num_prompt_tokens = sum(max(0, min(n, len(r.prompt_ids) - r.num_computed_tokens))
+                                    for r, n in out.scheduled)
         return out
+
+    def _make_room(self, req: Request, need: int, out: SchedulerOutput) -> bool:
+        """Give running ``req`` ``need`` more pages, preempting from the back of the queue
+        while they do not fit. False if ``req`` itself was preempted or cannot fit at all."""
+        while need > 0 and not self.pages.can_allocate(need):
+            victim = self.running[-1]
+            if victim is req and len(self.running) == 1:
+                self.running.remove(req)
+                out.unservable.append(req)
+                return False
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is req:
+                return False
+        if need > 0:
+            req.pages += self.pages.allocate(need)
+        return True
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         for req in self._order_waiting():
             if budget <= 0 or len(self.running) >= self.max_running:
                 return
-            pages, node = self.cache.match_prefix(req.tokens(0, req.num_tokens - 1))
-            if self._waits_for_shared_prefix(req, len(pages)):
+            if self._waits_for_shared_prefix(req, self.pages.cached_prefix_len(req) // self.page):
                 continue
-            self.cache.lock(node)
-            self.allocator.incref(pages)
-            cached = len(pages) * self.page
+            cached = self.pages.acquire_prefix(req)
             n = min(req.num_tokens - cached, budget)
-            try:
-                new = self._alloc(self._pages_for(cached + n) - len(pages))
-            except OutOfPagesError:
-                self.cache.unlock(node)
-                self.allocator.decref(pages)
+            need = self.pages.pages_for(cached + n) - len(req.pages)
+            if not self.pages.can_allocate(need):
+                self.pages.release(req)      # nothing computed yet: just gives the prefix back
                 return
-            req.pages, req.cache_node = pages + new, node
+            req.pages += self.pages.allocate(need)
             req.num_computed_tokens = cached
             if req.num_preemptions == 0:
                 req.num_cached_tokens = cached
+                out.prompt_tokens_queried += len(req.prompt_ids)
+                out.prompt_tokens_cached += cached
             self.waiting.remove(req)
             req.status = Status.RUNNING
             self.running.append(req)
             out.scheduled.append((req, n))
             budget -= n
+
+    # after the step
+    def update(self, out: SchedulerOutput, sampled: list[Request], tokens: list[int],
+               logprobs: list[TokenLogprob | None]) -> list[Request]:
+        """Book a step's results: advance progress, append each sampled token, check stops,
+        finish what ended, cache prefill progress. Returns the requests with news
+        (the unservable ones, finished with 'length', then those that got a token)."""
+        now = time.monotonic()
+        for req in out.unservable:
+            log.warning("%s needs more KV pages than the whole pool; finishing with 'length'", req.request_id)
+            req.finish_reason = "length"
+            self.finish(req)
+        for req, n in out.scheduled:
+            req.num_computed_tokens += n
+            if req.timings.first_scheduled is None:
+                req.timings.first_scheduled = now
+        for req, tok, lp in zip(sampled, tokens, logprobs, strict=True):
+            if req.timings.first_token is None:
+                req.timings.first_token = now
+            req.output_ids.append(tok)
+            if lp is not None:
+                req.logprobs.append(lp)
+            check_stop(req, tok, self.eos_ids, self.max_model_len)
+            if req.finish_reason is not None:
+                self.finish(req)
+        for req, _ in out.scheduled:
+            if not req.finished and req.num_computed_tokens <= len(req.prompt_ids):
+                self.pages.cache_progress(req)
+        return out.unservable + sampled

@@ -40,7 +40,7 @@ def warm_up(engine) -> dict[str, float]:
         t0 = time.perf_counter()
         _run(engine, [[i + 1] * PROMPT_TOKENS for i in range(b)], f"decode{b}")   # no shared prefixes
         timings[f"decode-{b}"] = time.perf_counter() - t0
-    engine.cache.evict(engine.cache.evictable_pages())
+    engine.flush_prefix_cache()
     engine.check_integrity()
     engine.counters.clear()
     engine.stage_seconds.clear()

@@ -27,9 +27,10 @@ from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr, ValidationErro
 
 from polychip.config import ServerConfig
 from polychip.engine.async_engine import SubRequest
+from polychip.engine.engine import COUNTERS
 from polychip.engine.grammar import GrammarSpec
 from polychip.engine.sampling_params import SamplingParams
-from polychip.errors import InvalidRequestError
+from polychip.errors import IntegrityError, InvalidRequestError
 from polychip.server.errors import parse_body, to_response
 from polychip.server.serving import ServerState, collect, resolve_max_tokens, sse, sse_guard, submit
 
@@ -260,22 +261,21 @@ async def _events(state, req, stream, meta_ids, many, started):
 
 
 def pool_info(engine) -> dict:
-    """Runs in the engine thread: pool counts plus an integrity check."""
+    """Runs in the engine thread: the engine's stats() plus an integrity check."""
     try:
         engine.check_integrity()
         integrity = "ok"
-    except AssertionError as e:
+    except IntegrityError as e:
         integrity = f"broken: {e}"
-    pool = engine.pool
-    return {"kv_pool": {"num_pages": pool.num_pages, "free_pages": pool.allocator.num_free,
-                        "cached_pages": engine.cache.num_pages, "page_size": pool.page_size,
-                        "integrity": integrity},
-            "num_waiting": engine.num_waiting, "num_running": engine.num_running,
-            "counters": dict(engine.counters)}
+    st = engine.stats()
+    return {"kv_pool": {"num_pages": st.pages_total, "free_pages": st.pages_free, "cached_pages": st.pages_cached,
+                        "page_size": st.page_size, "integrity": integrity},
+            "num_waiting": st.num_waiting, "num_running": st.num_running,
+            "counters": {k: getattr(st, k) for k in COUNTERS}}
 
 
 def flush_cache(engine) -> dict:
-    released = engine.cache.evict(engine.cache.evictable_pages())
+    released = engine.flush_prefix_cache()
     return {"message": "Cache flushed.", "released_pages": released, **pool_info(engine)}
 
 
@@ -331,8 +331,7 @@ def make_router(state: ServerState, cfg: ServerConfig, version: str) -> APIRoute
         except Exception as e:
             return to_response(e)
         eng = ae.engine
-        internal = {**args, "last_gen_throughput": None,
-                    "memory_usage": {"token_capacity": eng.pool.num_tokens},
+        internal = {**args, "memory_usage": {"token_capacity": eng.pool.num_tokens},
                     "effective_max_running_requests_per_dp": eng.config.max_running_requests}
         return {**args, "status": "ready", "max_total_num_tokens": eng.pool.num_tokens,
                 "max_req_input_len": state.max_model_len - 1, "internal_states": [internal], "version": version,

@@ -1,0 +1,94 @@
+"""PageManager: the one owner of page accounting.
+
+It is the only code that takes or drops page references: it hands pages to requests
+(evicting cached pages when the free list is short), shares a request's finished
+pages through the prefix cache, and takes everything back when the request ends.
+The KV pool creates the allocator; the scheduler only asks questions and names requests.
+"""
+from __future__ import annotations
+
+from polychip.engine.kv_pool import PageAllocator
+from polychip.engine.prefix_cache import NoPrefixCache, PrefixCache
+from polychip.engine.radix_cache import RadixCache
+from polychip.engine.request import Request
+
+
+class PageManager:
+    def __init__(self, allocator: PageAllocator, page_size: int, prefix_cache: bool = True):
+        self.allocator, self.page_size = allocator, page_size
+        self.cache: PrefixCache = RadixCache(allocator, page_size) if prefix_cache else NoPrefixCache()
+
+    # questions
+    @property
+    def num_pages(self) -> int:
+        return self.allocator.num_pages
+
+    @property
+    def num_free(self) -> int:
+        return self.allocator.num_free
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def can_allocate(self, n: int) -> bool:
+        """True if ``n`` pages can be had now, counting cached pages no request holds."""
+        free = self.allocator.num_free
+        return n <= free or n <= free + self.cache.evictable_pages()
+
+    def cached_prefix_len(self, req: Request) -> int:
+        """Tokens of ``req`` the prefix cache could serve (all but the last). Pure."""
+        return self.cache.peek_prefix_len(req.tokens(0, req.num_tokens - 1))
+
+    # changes
+    def allocate(self, n: int) -> list[int]:
+        """``n`` fresh pages, evicting from the cache as needed; check ``can_allocate`` first
+        (raises ``OutOfPagesError`` otherwise)."""
+        if n > self.allocator.num_free:
+            self.cache.evict(n - self.allocator.num_free)
+        return self.allocator.alloc(n)
+
+    def acquire_prefix(self, req: Request) -> int:
+        """Give ``req`` the cache's pages for its longest cached prefix and lock them;
+        returns the number of cached tokens. Splits a tree edge and touches LRU."""
+        pages, node = self.cache.match_prefix(req.tokens(0, req.num_tokens - 1))
+        self.cache.lock(node)
+        self.allocator.incref(pages)
+        req.pages, req.cache_node = pages, node
+        return len(pages) * self.page_size
+
+    def cache_progress(self, req: Request) -> None:
+        """Put the request's full computed pages into the prefix cache and share the tree's pages."""
+        n = req.num_computed_tokens // self.page_size * self.page_size
+        if n == 0 or not self.cache.enabled:
+            return
+        tokens = req.tokens(0, n)
+        self.cache.insert(tokens, req.pages[:n // self.page_size])
+        pages, node = self.cache.match_prefix(tokens)
+        for i, p in enumerate(pages):
+            if req.pages[i] != p:
+                self.allocator.incref([p])
+                self.allocator.decref([req.pages[i]])
+                req.pages[i] = p
+        self.cache.lock(node)
+        if req.cache_node is not None:
+            self.cache.unlock(req.cache_node)
+        req.cache_node = node
+
+    def release(self, req: Request) -> None:
+        """Take back every page ``req`` holds; its full computed pages stay in the cache."""
+        if req.pages:
+            self.cache_progress(req)
+        if req.cache_node is not None:
+            self.cache.unlock(req.cache_node)
+            req.cache_node = None
+        self.allocator.decref(req.pages)
+        req.pages = []
+
+    def flush(self) -> int:
+        """Evict every cached page no request holds; returns how many were released."""
+        return self.cache.evict(self.cache.evictable_pages())
+
+    def check_integrity(self) -> None:
+        """Raise ``IntegrityError`` if the allocator or the cache broke an invariant."""
+        self.allocator.check_integrity()
+        self.cache.check_integrity()

@@ -1,0 +1,51 @@
+"""What the engine tells the outside about itself: a stats snapshot and per-stage step time."""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from time import perf_counter
+
+#: the stages of ``Engine.step``, in order ("detokenize": the scheduler's update, whose
+#: stop checks detokenize, and building the outputs)
+STAGES = ("schedule", "prepare", "forward", "sample", "detokenize")
+
+
+class StageTimer:
+    """``with timer("forward"): ...`` adds the block's wall time to ``seconds["forward"]``."""
+
+    def __init__(self, seconds: dict[str, float]):
+        self.seconds = seconds
+
+    @contextlib.contextmanager
+    def __call__(self, stage: str):
+        start = perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[stage] += perf_counter() - start
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the queue, the KV pool, the prefix cache, the counters since start and
+    device memory, from ``Engine.stats()``."""
+
+    num_waiting: int
+    num_running: int
+    page_size: int                    # tokens per KV page
+    pages_total: int
+    pages_free: int
+    pages_cached: int                 # held by the prefix cache
+    pages_evictable: int              # cached and held by no running request
+    kv_usage: float                   # fraction of pages in use (running or cached)
+    prefix_cache_hit_rate: float      # prompt_tokens_cached / prompt_tokens_queried
+    requests_added: int
+    requests_aborted: int
+    preemptions: int
+    steps: int
+    prompt_tokens: int                # prompt tokens computed (cache hits excluded, recomputes included)
+    generation_tokens: int
+    prompt_tokens_queried: int        # prompt tokens of admitted requests, each request once
+    prompt_tokens_cached: int         # of those, served from the prefix cache
+    stage_seconds: tuple[tuple[str, float], ...]          # (stage, seconds), in STAGES order
+    device_memory: tuple[tuple[str, int, int], ...]       # (device label, free bytes, total bytes)
