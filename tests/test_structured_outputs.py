@@ -176,3 +176,19 @@ def test_mixed_batch_leaves_free_outputs_unchanged(llm):
         assert out.finish_reason == "stop"
         jsonschema.validate(json.loads(out.text), schema)
     llm.engine.check_integrity()
+
+
+def test_grammar_wins_over_min_tokens_and_logit_bias(llm):
+    prompt = llm.apply_chat_template([{"role": "user", "content": "Say yes."}])
+    choice = GrammarSpec.choice(["yes", "no"])
+    # the finished grammar needs EOS, which min_tokens bans: the grammar's mask wins, EOS ends it
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=10, min_tokens=5, grammar=choice))[0]
+    assert out.text in ("yes", "no") and out.finish_reason == "stop"
+    # a -100 bias on every token the grammar allows still leaves them the only candidates
+    ids = {t for word in ("yes", "no") for t in llm.tokenizer.encode(word, add_special_tokens=False)}
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=10, grammar=choice,
+                                                logit_bias={t: -100.0 for t in ids}))[0]
+    assert out.text in ("yes", "no") and out.finish_reason == "stop"
+    # ignore_eos: the grammar's end still ends the request
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, grammar=choice))[0]
+    assert out.text in ("yes", "no") and out.finish_reason == "stop"

@@ -87,7 +87,7 @@ class GrammarBackend:
         self.stop_token_ids = sorted(stop_token_ids)
         self.compile_threads = compile_threads
         self._lock = threading.Lock()
-        self._xgr = self._compiler = self._batch = None
+        self._xgr = self._compiler = self._batch = self._bitmask = None
 
     # set-up (first use)
     def _ensure(self):
@@ -154,27 +154,36 @@ class GrammarBackend:
         """In place: in ``rows`` only, tokens the grammar forbids get -inf; the bitmask is filled
         for those rows in one batched call and applied in one kernel."""
         xgr = self._xgr
-        bitmask = xgr.allocate_token_bitmask(len(reqs), self.vocab_size)
+        if self._bitmask is None or self._bitmask.shape[0] < len(reqs):   # reused: fill overwrites its rows
+            self._bitmask = xgr.allocate_token_bitmask(max(len(reqs), 8), self.vocab_size)
+        bitmask = self._bitmask
         self._batch.batch_fill_next_token_bitmask([reqs[i].matcher for i in rows], bitmask, rows)
         if logits.device.type == "cpu":
             xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=rows,
                                             backend="cpu")
         else:   # portable: plain torch ops on whatever device the plugin computes on
-            xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=self.vocab_size,
-                                            indices=rows, backend="torch_native")
+            xgr.apply_token_bitmask_inplace(logits, bitmask[:len(reqs)].to(logits.device),
+                                            vocab_size=self.vocab_size, indices=rows, backend="torch_native")
         if logits.shape[1] > self.vocab_size:
             logits[rows, self.vocab_size:] = float("-inf")
+
+    @staticmethod
+    def may_empty(reqs: list["Request"], rows: list[int]) -> list[int]:
+        """Rows the sampler's own -inf (EOS banned until min_tokens) could leave with nothing."""
+        return [i for i in rows if len(reqs[i].output_ids) < reqs[i].params.min_tokens]
 
     def mask(self, logits: torch.Tensor, raw: torch.Tensor, reqs: list["Request"], rows: list[int]) -> None:
         """Apply the grammar to ``logits`` (already biased and penalised). A row the grammar leaves
         empty (min_tokens banning the stop token a finished grammar needs) gets the grammar's
-        mask over its raw logits instead: the grammar wins."""
+        mask over its raw logits instead: the grammar wins. Only such rows are checked."""
         self.apply_mask(logits, reqs, rows)
-        dead = torch.isneginf(logits[rows]).all(-1).tolist()
-        fix = [i for i, d in zip(rows, dead) if d]
-        if fix:
-            logits[fix] = raw[fix]
-            self.apply_mask(logits, reqs, fix)
+        suspects = self.may_empty(reqs, rows)
+        if suspects:
+            dead = torch.isneginf(logits[suspects]).all(-1).tolist()
+            fix = [i for i, d in zip(suspects, dead) if d]
+            if fix:
+                logits[fix] = raw[fix]
+                self.apply_mask(logits, reqs, fix)
 
     @staticmethod
     def accept(reqs: list["Request"], tokens: list[int], rows: list[int]) -> None:

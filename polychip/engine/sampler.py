@@ -95,7 +95,9 @@ class Sampler:
             apply_logit_bias(logits, reqs)
         grammar_rows = self.grammar.rows(reqs) if self.grammar is not None else []
         if grammar_rows:
-            logits = logits.clone() if logits is raw else logits
+            # raw stays intact when logprobs or a grammar row's fallback may still read it
+            keep_raw = self.grammar.may_empty(reqs, grammar_rows) or any(r.params.logprobs is not None for r in reqs)
+            logits = logits.clone() if logits is raw and keep_raw else logits
             self.grammar.mask(logits, raw, reqs, grammar_rows)
         tokens = logits.argmax(-1)
         rand = [i for i, r in enumerate(reqs) if not r.params.greedy]
