@@ -116,10 +116,15 @@ def test_bad_tools_and_choices(tools, choice, needle):
         plan_tools(tools, choice, True, "qwen25", None, "")
 
 
-def test_tools_without_a_known_format_are_refused():
+def test_tools_without_a_known_format_are_refused(qwen_tok):
+    renders_tools = "{{ tools }}{{ messages }}"
     with pytest.raises(InvalidRequestError, match="--tool-call-parser"):
-        plan_tools(TOOLS, "auto", True, None, "{{ messages }}", "")
-    assert plan_tools(TOOLS, "none", True, None, "{{ messages }}", "").parser_cls is None
+        plan_tools(TOOLS, "auto", True, None, renders_tools, "")
+    assert plan_tools(TOOLS, "none", True, None, renders_tools, "").parser_cls is None
+    assert plan_tools(TOOLS, "auto", True, "qwen25", renders_tools, "").parser_cls is not None
+    for choice in ("auto", "none"):          # SmolLM2's template ignores tools: refused, not dropped
+        with pytest.raises(InvalidRequestError, match="does not render tools"):
+            plan_tools(TOOLS, choice, True, "qwen25", "{% for m in messages %}{{ m.content }}{% endfor %}", "")
 
 
 def test_server_wide_thinking_defaults():

@@ -75,7 +75,8 @@ FIELDS: tuple[Field, ...] = (
     Field("response_format", CHAT + ", completions (extension)", HONOURED,
           "text, json_object, json_schema (strict: no properties beyond the schema); enforced by an xgrammar "
           "token mask; an invalid schema is a 400 naming the problem"),
-    Field("tools", CHAT, HONOURED, "function tools, rendered through the chat template"),
+    Field("tools", CHAT, HONOURED, "function tools, rendered through the chat template; a 400 when the template "
+                                   "cannot render tools (SmolLM2's) or shows no call format the server parses"),
     Field("tool_choice", CHAT, HONOURED, "none, auto, required, or a named function; required and named are "
                                          "enforced by a grammar, so the call is valid JSON for its schema"),
     Field("parallel_tool_calls", CHAT, HONOURED, "false: at most one call (generation stops after it)"),

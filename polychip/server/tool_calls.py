@@ -110,6 +110,9 @@ def plan_tools(tools: list[dict] | None, choice, parallel: bool, parser_name: st
     kind = normalise_choice(choice, tools)
     if not tools:
         return None
+    if chat_template is not None and "tools" not in chat_template:
+        raise InvalidRequestError("tools: this model's chat template does not render tools, so the model would "
+                                  "never see them; describe them in a message instead")
     if kind == "none":
         return ToolPlan(None)
     name = parser_name or detect_parser(chat_template)
