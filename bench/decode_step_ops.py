@@ -7,7 +7,7 @@ import random
 import sys
 import time
 
-from polychip.devices import cpu_kernels
+from polychip.devices.cpu import kernels as cpu_kernels
 
 spent = collections.defaultdict(float)
 

@@ -3,7 +3,7 @@
     .venv/bin/python bench/linear_kernels.py [--old COMMIT]    # run under flock /tmp/polychip-cpu.lock
 
 Per shape and M: linear_tiles, linear_blocks (one BLAS call per block of weight rows), F.linear
-(MKL, multi-threaded) and, with --old, linear_gemv built from cpu_linear.cpp at COMMIT. Weights
+(MKL, multi-threaded) and, with --old, linear_gemv built from the linear kernel source at COMMIT. Weights
 rotate through copies of >= 64 MiB in all, so each call reads them from memory, as in a decode
 step; "read" is torch.sum over the same weights (the memory roofline right now). Best of 5
 rounds, microseconds per call, GB/s of weights read and GFLOP/s.
@@ -17,21 +17,31 @@ import time
 import torch
 import torch.nn.functional as F
 
-from polychip.devices import cpu_kernels
+from polychip.devices.cpu import kernels as cpu_kernels
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]   # N out x K in
 MS = [1, 2, 4, 8, 16, 32, 64]
 
 
 def old_module(commit: str):
-    """linear_gemv from cpu_linear.cpp at ``commit``, built on its own (cached by torch)."""
+    """linear_gemv from the linear kernel at ``commit``, built on its own (cached by torch)."""
     from torch.utils import cpp_extension
     root = subprocess.check_output(["git", "rev-parse", "--show-toplevel"], text=True).strip()
-    src = subprocess.check_output(["git", "show", f"{commit}:polychip/devices/cpu_linear.cpp"], text=True, cwd=root)
+    show = lambda path: subprocess.run(["git", "show", f"{commit}:{path}"], text=True, cwd=root,  # noqa: E731
+                                       capture_output=True)
+    # the sources moved to polychip/devices/cpu/csrc/; older commits have them as devices/cpu_*.
+    for src_path, header, include in (("polychip/devices/cpu/csrc/linear.cpp", "common.h", '#include "common.h"'),
+                                      ("polychip/devices/cpu_linear.cpp", "cpu_common.h", '#include "cpu_common.h"')):
+        found = show(src_path)
+        if found.returncode == 0:
+            break
+    else:
+        raise SystemExit(f"no linear kernel source at commit {commit}")
+    head = show(os.path.join(os.path.dirname(src_path), header)).stdout
     d = os.path.join(tempfile.gettempdir(), f"polychip_old_linear_{commit}")
     os.makedirs(d, exist_ok=True)
     with open(os.path.join(d, "old_linear.cpp"), "w") as f:
-        f.write(f'#include "{root}/polychip/devices/cpu_common.h"\n' + src.replace('#include "cpu_common.h"', "") +
+        f.write(head + "\n" + found.stdout.replace(include, "") +
                 '\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("linear_gemv", &linear_gemv); }\n')
     return cpp_extension.load(f"polychip_old_linear_{commit}", [os.path.join(d, "old_linear.cpp")],
                               extra_cflags=["-O3", "-ffast-math", "-fopenmp-simd", "-march=native"])

@@ -16,8 +16,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from polychip.devices import cpu_kernels
-from polychip.ops.attention import AttentionMetadata, PrefillSegment, prefill_tables, sdpa_prefills
+from polychip.devices.cpu import kernels as cpu_kernels
+from polychip.devices.ops import AttentionMetadata, PrefillSegment
+from polychip.ops.attention import sdpa_prefills
 
 H, HKV, D, PAGE = 9, 3, 64, 16
 CASES = [[(800, 800)], [(512, 512)], [(288, 800)], [(112, 800)], [(512, 1024)],
@@ -75,7 +76,7 @@ def main():
             kc, vc, q, k, v, meta = make_batch(specs)
             flops = sum(4 * D * H * (q_len * (kv_len - q_len) + q_len * (q_len + 1) // 2) for q_len, kv_len in specs)
             out = torch.empty_like(q)
-            segments, table = prefill_tables(meta)
+            segments, table = meta.prefill_tables()
             fns = {"sdpa": gathered_sdpa(kc, vc, q, meta, scale),
                    "native": lambda: sdpa_prefills(q, k, v, kc, vc, meta, scale, out),
                    "kernel": lambda: kernels.paged_prefill_attention(q, kc, vc, out, segments, table, scale)}

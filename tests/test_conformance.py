@@ -7,8 +7,8 @@ import textwrap
 
 import pytest
 
-from polychip.devices import conformance
-from polychip.devices.conformance import ConformanceError, Target
+from polychip.pluginkit import conformance
+from polychip.pluginkit.conformance import ConformanceError, Target
 
 THIRD_PARTY = textwrap.dedent('''
     """A minimal third-party device plugin: host memory with a 256 MiB budget and one kernel."""

@@ -6,7 +6,7 @@ unused entries must not be read."""
 import pytest
 import torch
 
-from polychip.devices import cpu_kernels
+from polychip.devices.cpu import kernels as cpu_kernels
 
 kernels = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(kernels is None, reason="CPU kernels did not build here (see the log)")

@@ -3,11 +3,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from polychip.devices import cpu_kernels, cpu_ops
-from polychip.ops.attention import (AttentionMetadata, PrefillSegment, decode_attention, paged_attention,
-                                    prefill_tables)
+from polychip.devices.cpu import kernels as cpu_kernels, ops as cpu_ops
+from polychip.devices.ops import AttentionMetadata, PrefillSegment
+from polychip.ops.attention import decode_attention, paged_attention
+from polychip.ops.native import register_native
+from polychip.ops.registry import OpRegistry
 
 kernels = cpu_kernels.load()
+NATIVE = OpRegistry("cpu")             # the registry the plugin takes its native ops from
+register_native(NATIVE)
 pytestmark = pytest.mark.skipif(kernels is None, reason="CPU kernels did not build here (see the log)")
 
 
@@ -100,7 +104,7 @@ def _prefill_case(heads, kv_heads, d, specs, page, seed=0, first_row=5):
 
 def _run_prefill(meta, q, kc, vc, scale, fill=7.0):
     out = torch.full_like(q, fill)
-    segments, table = prefill_tables(meta)
+    segments, table = meta.prefill_tables()
     kernels.paged_prefill_attention(q, kc, vc, out, segments, table, scale)
     return out
 
@@ -154,7 +158,7 @@ def test_paged_prefill_attention_large_scores():
 
 def test_paged_prefill_attention_bad_input():
     _, meta, (q, kc, vc, scale) = _prefill_case(9, 3, 64, [(3, 20), (4, 4)], 16)
-    segments, table = prefill_tables(meta)
+    segments, table = meta.prefill_tables()
     out = torch.empty_like(q)
     with pytest.raises(RuntimeError, match="page id"):
         kernels.paged_prefill_attention(q, kc, vc, out, segments, table + kc.shape[0], scale)
@@ -170,8 +174,8 @@ def test_paged_prefill_attention_bad_input():
 
 def test_prefill_tables_are_built_once_per_step():
     _, meta, _ = _prefill_case(4, 4, 24, [(3, 20), (4, 4), (1, 40)], 16)
-    segments, table = prefill_tables(meta)
-    assert prefill_tables(meta)[1] is table                   # the step's other layers reuse them
+    segments, table = meta.prefill_tables()
+    assert meta.prefill_tables()[1] is table                   # the step's other layers reuse them
     assert segments.tolist() == [[s.start, s.q_len, s.kv_len] for s in meta.prefills]
     for row, s in zip(table, meta.prefills):
         assert row[:len(s.pages)].tolist() == s.pages.tolist() and (row[len(s.pages):] == 0).all()
@@ -211,12 +215,24 @@ def test_plugin_attention_mixed_batch_matches_native(threads):
                              decode_mask=(torch.arange(width * page)[None, :] < lens[:, None])[:, None, None, :])
     q = torch.randn(heads, start, d, generator=g).transpose(0, 1)       # [T, H, D], not contiguous
     k, v = torch.randn(start, kv_heads, d, generator=g), torch.randn(start, kv_heads, d, generator=g)
-    attention = cpu_ops.make_ops(kernels)["attention"]
+    attention = cpu_ops.make_ops(kernels, NATIVE.native)["attention"]
     with torch.inference_mode():
         want = paged_attention(q, k, v, kc.clone(), vc.clone(), meta, d ** -0.5)
         got = _with_threads(threads, lambda: attention(q, k, v, kc, vc, meta, d ** -0.5))
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert meta.prefill_table is not None                     # the kernel path ran
+
+
+def test_attention_is_the_registrys_frame_with_the_kernels_as_its_halves():
+    seen = {}
+
+    def frame(*args, decode_fn, prefill_fn):
+        seen.update(args=args, decode_fn=decode_fn, prefill_fn=prefill_fn)
+        return "framed"
+
+    ops = cpu_ops.make_ops(kernels, lambda name: frame if name == "attention" else NATIVE.native(name))
+    assert ops["attention"]("q", "k") == "framed" and seen["args"] == ("q", "k")
+    assert callable(seen["decode_fn"]) and callable(seen["prefill_fn"])
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 16])
@@ -254,7 +270,7 @@ def test_linear_tiles_empty_sizes():
 
 
 def test_plugin_linear_non_contiguous_and_bias():
-    ops = cpu_ops.make_ops(kernels)
+    ops = cpu_ops.make_ops(kernels, NATIVE.native)
     w = torch.randn(24, 40).t()                               # [40, 24], not contiguous
     b = torch.randn(80)[::2]                                  # not contiguous
     with torch.inference_mode():
@@ -267,7 +283,7 @@ def test_plugin_linear_non_contiguous_and_bias():
 
 
 def test_plugin_linear_routes_by_batch_size():
-    ops = cpu_ops.make_ops(kernels)
+    ops = cpu_ops.make_ops(kernels, NATIVE.native)
     w = torch.randn(32, 24)
     with torch.inference_mode():
         for m in (1, 2, cpu_ops.TILES_MAX_M, cpu_ops.TILES_MAX_M + 1):
@@ -278,7 +294,7 @@ def test_plugin_linear_routes_by_batch_size():
 
 
 def test_kernels_off_is_a_visible_fallback(model_factory, monkeypatch):
-    from polychip.devices import cpu_kernels, cpu_ops
+    from polychip.devices.cpu import kernels as cpu_kernels, ops as cpu_ops
     from polychip.devices.cpu import CpuPlugin
     from polychip.models.loader import load_model
     monkeypatch.setenv("POLYCHIP_CPU_KERNELS", "0")
@@ -298,7 +314,7 @@ def test_linear_blocks_in_inference_mode():
 
 
 def test_an_earlier_build_is_imported_directly_and_a_broken_one_is_rebuilt(tmp_path, caplog):
-    from polychip.devices import cpu_kernels
+    from polychip.devices.cpu import kernels as cpu_kernels
     assert cpu_kernels._import_built("nothing_here", str(tmp_path / "missing.so")) is None
     broken = tmp_path / "broken.so"
     broken.write_bytes(b"half a build")

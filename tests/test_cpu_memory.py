@@ -1,10 +1,10 @@
-"""The CPU plugin's huge-page host memory (cpu_memory.py)."""
+"""The CPU plugin's huge-page host memory (devices/cpu/memory.py)."""
 import gc
 
 import pytest
 import torch
 
-from polychip.devices import cpu_memory
+from polychip.devices.cpu import memory as cpu_memory
 from polychip.devices.cpu import CpuPlugin
 
 

@@ -1,13 +1,17 @@
-"""The CPU plugin's fused row ops (cpu_elementwise.cpp) against the native PyTorch ops."""
+"""The CPU plugin's fused row ops (devices/cpu/csrc/elementwise.cpp) against the native PyTorch ops."""
 import pytest
 import torch
 
-from polychip.devices import cpu_kernels, cpu_row_ops
+from polychip.devices.cpu import kernels as cpu_kernels, row_ops as cpu_row_ops
 from polychip.ops import native
+from polychip.ops.native import register_native
+from polychip.ops.registry import OpRegistry
 
 kernels = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(kernels is None, reason="CPU kernels did not build here (see the log)")
-ops = cpu_row_ops.make_ops(kernels) if kernels is not None else {}
+registry = OpRegistry("cpu")
+register_native(registry)
+ops = cpu_row_ops.make_ops(kernels, registry.native) if kernels is not None else {}
 
 
 @pytest.mark.parametrize("rows", [1, 3, 64, 300])
@@ -57,3 +61,20 @@ def test_row_op_kernels_name_a_bad_shape():
         kernels.rms_norm(torch.randn(4, 32), torch.randn(31), 1e-6)
     with pytest.raises(RuntimeError, match="cos and sin"):
         kernels.rotary_embedding(torch.randn(2, 4, 8), torch.randn(2, 1, 8), torch.randn(2, 6), torch.randn(2, 6))
+
+
+def test_row_ops_fall_back_to_the_native_ops_the_registry_hands_over():
+    calls = []
+
+    def native_op(name):
+        def counted(*args):
+            calls.append(name)
+            return registry.native(name)(*args)
+        return counted
+
+    mine = cpu_row_ops.make_ops(kernels, native_op)
+    x, w = torch.randn(4, 32, dtype=torch.bfloat16), torch.randn(32, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        mine["rms_norm"](x, w, 1e-6)                       # bf16: not the kernel's
+        mine["rms_norm"](x.float(), w.float(), 1e-6)       # fp32: the kernel
+    assert calls == ["rms_norm"]

@@ -5,9 +5,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch import nn
 
 from polychip.devices.discovery import open_device
 from polychip.errors import PluginError
+from polychip.models.decoder import Linear, RMSNorm
 from polychip.models.loader import load_model
 from polychip.ops import passes
 from polychip.ops.native import NATIVE_OPS, register_native
@@ -17,7 +19,7 @@ from polychip.ops.registry import OpRegistry
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from polychip.devices.conformance import make_tiny_model
+    from polychip.pluginkit.conformance import make_tiny_model
     return make_tiny_model(str(tmp_path_factory.mktemp("tiny")))
 
 
@@ -73,10 +75,10 @@ def test_fuse_qkv_output_equals_separate_projections(tiny_model):
     attn = lm.model.layers[0].self_attn
     x = torch.randn(5, lm.config.hidden_size)
     want = torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], -1)
-    assert passes.fuse_qkv(lm.model) == lm.config.num_layers
+    assert passes.fuse_pattern(lm.model, "qkv") == lm.config.num_layers
     assert attn.q_proj is None and attn.k_proj is None and attn.v_proj is None
     torch.testing.assert_close(attn.qkv_proj(x), want)
-    assert passes.fuse_qkv(lm.model) == 0                 # idempotent
+    assert passes.fuse_pattern(lm.model, "qkv") == 0      # idempotent
 
 
 def test_fuse_qkv_keeps_biases(model_factory):
@@ -84,7 +86,7 @@ def test_fuse_qkv_keeps_biases(model_factory):
     attn = lm.model.layers[0].self_attn
     x = torch.randn(3, lm.config.hidden_size)
     want = torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], -1)
-    passes.fuse_qkv(lm.model)
+    passes.fuse_pattern(lm.model, "qkv")
     assert attn.qkv_proj.bias is not None
     torch.testing.assert_close(attn.qkv_proj(x), want)
 
@@ -94,18 +96,47 @@ def test_fuse_gate_up_output_equals_separate_projections(tiny_model):
     mlp = lm.model.layers[1].mlp
     x = torch.randn(4, lm.config.hidden_size)
     want = torch.cat([mlp.gate_proj(x), mlp.up_proj(x)], -1)
-    assert passes.fuse_gate_up(lm.model) == lm.config.num_layers
+    assert passes.fuse_pattern(lm.model, "gate_up") == lm.config.num_layers
     assert mlp.gate_proj is None and mlp.up_proj is None
     torch.testing.assert_close(mlp.gate_up_proj(x), want)
 
 
 def test_fuse_add_rms_norm_needs_the_op_resolved_first(tiny_model):
     lm = load_unfused(tiny_model)
+    norms = [m for m in lm.model.modules() if isinstance(m, RMSNorm)]
     with pytest.raises(ValueError, match="run replace"):
-        passes.fuse_add_rms_norm(lm.model, SimpleNamespace())
-    assert lm.model.ops.fuse_add_norm is False
-    assert passes.fuse_add_rms_norm(lm.model, lm.model.ops) == 2 * lm.config.num_layers + 1
-    assert lm.model.ops.fuse_add_norm is True
+        passes.fuse_pattern(lm.model, "add_rms_norm", SimpleNamespace())
+    assert not any(n.fused_add for n in norms)
+    assert passes.fuse_pattern(lm.model, "add_rms_norm", lm.model.ops) == len(norms) == 2 * lm.config.num_layers + 1
+    assert all(n.fused_add for n in norms)
+    assert vars(lm.model.ops).keys() == {s.op for s in passes.expand(lm.model)}   # the op table holds only ops
+
+
+def test_passes_follow_what_a_module_declares():
+    """A module class the passes have never heard of: its OPS are expanded, its FUSIONS applied."""
+    ops = SimpleNamespace()
+
+    class Block(nn.Module):
+        OPS = ("silu_mul",)
+        FUSIONS = {"gate_up": passes.MergeLinears("ab", ("a", "b"))}
+
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.ab = Linear(ops, 8, 3, True), Linear(ops, 8, 5, True), None
+
+    model = nn.Sequential(Block())
+    for p in model.parameters():
+        p.data.normal_()
+    assert passes.expand(model) == [passes.OpSite("0", "silu_mul"), passes.OpSite("0.a", "linear"),
+                                    passes.OpSite("0.b", "linear")]
+    reg = OpRegistry("none")
+    register_native(reg)
+    passes.replace(passes.expand(model), reg, torch.float32, ops)
+    x = torch.randn(2, 8)
+    want = torch.cat([model[0].a(x), model[0].b(x)], -1)
+    assert passes.fuse(model, ("qkv", "gate_up"), ops) == ["gate_up"]
+    assert model[0].a is None and model[0].b is None
+    torch.testing.assert_close(model[0].ab(x), want)
 
 
 def test_fuse_reports_what_it_applied_and_refuses_unknown_patterns(tiny_model):

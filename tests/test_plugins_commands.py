@@ -125,7 +125,7 @@ def test_devices_shows_a_device_whose_init_fails(capsys, tmp_path):
 
 
 def test_coverage_table_from_one_recorded_forward(capsys, tmp_path):
-    from polychip.devices.conformance import make_tiny_model
+    from polychip.pluginkit.conformance import make_tiny_model
     model = make_tiny_model(str(tmp_path / "tiny"))
     code, out, err = run_cli(capsys, "coverage", "--model-path", model, "--device", "simxpu")
     assert code == 0

@@ -4,10 +4,11 @@ from __future__ import annotations
 import textwrap
 
 import pytest
+import torch
 
 from polychip.devices.discovery import discover_plugins, open_device, parse_device, select
 from polychip.devices.plugin import API_VERSION
-from polychip.errors import DeviceSpecError, PluginError
+from polychip.errors import ConfigError, DeviceSpecError, PluginError
 
 PLUGIN = textwrap.dedent('''
     import torch
@@ -174,3 +175,37 @@ def test_open_device_applies_the_spec(tmp_path):
         open_device("cpu", device_config=spec)
     with pytest.raises(PluginError, match="simxpu has no device 9"):
         open_device("simxpu:9")
+
+
+@pytest.fixture
+def restore_threads():
+    before = torch.get_num_threads()
+    yield before
+    torch.set_num_threads(before)
+
+
+def test_num_threads_is_applied_by_plugins_that_compute_on_host_threads(restore_threads):
+    for device, threads in (("cpu", 1), ("simxpu", 3), ("cpu", 2)):
+        open_device(device, num_threads=threads)
+        assert torch.get_num_threads() == threads
+    open_device("cpu")                                       # unset: left as it is
+    assert torch.get_num_threads() == 2
+
+
+def test_num_threads_is_refused_for_a_plugin_that_cannot_apply_it(tmp_path, restore_threads):
+    path = plugin_file(tmp_path)                             # init(spec, index): no num_threads
+    with pytest.raises(ConfigError, match="--num-threads 3: plugin 'toy' does not run on host threads"):
+        open_device("toy", (path,), num_threads=3)
+    assert torch.get_num_threads() == restore_threads
+    assert open_device("toy", (path,)).name == "toy"         # without the setting it opens as before
+
+
+def test_the_engine_leaves_threads_to_the_plugin(model_factory, restore_threads):
+    from polychip.config import EngineConfig
+    from polychip.engine.engine import Engine
+    path = model_factory("llama", True)
+    torch.set_num_threads(2)
+    Engine(EngineConfig(model_path=path, device="cpu", num_threads=1, max_total_tokens=64))
+    assert torch.get_num_threads() == 1
+    with pytest.raises(ConfigError, match="pass num_threads to open_device"):
+        Engine(EngineConfig(model_path=path, num_threads=2, max_total_tokens=64), plugin=open_device("cpu"))

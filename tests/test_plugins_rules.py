@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from polychip.devices.conformance import source_problems
+from polychip.pluginkit.conformance import source_problems
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIMXPU = sorted(glob.glob(os.path.join(ROOT, "plugins", "simxpu", "polychip_simxpu", "*.py")))

@@ -111,3 +111,9 @@ def test_unavailable_op_reason_reaches_the_fallback():
     reg.register_unavailable("linear", "C++ kernels did not build (no compiler)")
     res = reg.resolve("linear", 1, "float32")
     assert res.is_fallback and "cannot provide linear here: C++ kernels did not build" in res.reason
+
+
+def test_native_ops_cover_the_public_op_contract():
+    """Every op the contract (polychip.devices.ops) names has a native reference, and nothing else."""
+    from polychip.devices.ops import OPS
+    assert set(NATIVE_OPS) == set(OPS)

@@ -126,7 +126,7 @@ def test_spec_checked_against_what_the_device_reports():
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from polychip.devices.conformance import make_tiny_model
+    from polychip.pluginkit.conformance import make_tiny_model
     return make_tiny_model(str(tmp_path_factory.mktemp("tiny")))
 
 

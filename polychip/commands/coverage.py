@@ -20,7 +20,7 @@ PROMPT_TOKENS = 8
 def one_forward(lm, plugin, n_tokens: int = PROMPT_TOKENS) -> None:
     """Prefill ``n_tokens`` through the loaded model with KV caches allocated by the plugin."""
     from polychip.models.decoder import ForwardContext
-    from polychip.ops.attention import AttentionMetadata, PrefillSegment
+    from polychip.devices.ops import AttentionMetadata, PrefillSegment
     cfg, page = lm.config, 16
     pages = -(-n_tokens // page)
     caches = [tuple(plugin.alloc((pages, page, cfg.num_kv_heads, cfg.head_dim), lm.dtype) for _ in "kv")

@@ -15,7 +15,7 @@ def main(argv: list[str]) -> int:
                    help="extra device plugin: module.path or path/to/plugin.py (repeatable)")
     p.add_argument("--verbose", "-v", action="store_true", help="print each step's details")
     args = p.parse_args(argv)
-    from polychip.devices.probe import run_probe
+    from polychip.pluginkit.probe import run_probe
     failed = []
     n = 0
     for n, step in enumerate(run_probe(args.config, tuple(args.plugins)), 1):

@@ -98,6 +98,7 @@ class CudaPlugin(DevicePlugin):
         return "nccl"
 
     def compile(self, fn: Callable) -> Callable:
+        """Reserved: the engine does not call compile() yet (see DevicePlugin.compile)."""
         return torch.compile(fn, dynamic=True)
 
     def default_dtype(self, model_dtype: str) -> str:

@@ -18,11 +18,11 @@ from dataclasses import dataclass
 
 from polychip.devices.plugin import API_VERSION, DevicePlugin
 from polychip.devices.spec import DeviceSpec, check_against_devices, load_spec
-from polychip.errors import DeviceSpecError, PluginError
+from polychip.errors import ConfigError, DeviceSpecError, PluginError
 
 ENTRY_POINT_GROUP = "polychip.devices"
 ENV_VAR = "POLYCHIP_PLUGINS"
-BUILTIN = {"cpu": "polychip.devices.cpu:CpuPlugin", "cuda": "polychip.devices.cuda:CudaPlugin"}
+BUILTIN = {"cpu": "polychip.devices.cpu.plugin:CpuPlugin", "cuda": "polychip.devices.cuda:CudaPlugin"}
 AUTO_ORDER = ("cuda", "cpu")
 
 
@@ -212,10 +212,23 @@ def resolve_spec(plugin: DevicePlugin, spec: DeviceSpec | None, index: int | Non
     return index
 
 
-def init_plugin(plugin: DevicePlugin, spec: DeviceSpec | None, index: int) -> DevicePlugin:
-    """``plugin.init`` with any exception turned into one PluginError naming the plugin."""
+def _takes_num_threads(plugin: DevicePlugin) -> bool:
+    params = inspect.signature(plugin.init).parameters.values()
+    return any(p.name == "num_threads" or p.kind is p.VAR_KEYWORD for p in params)
+
+
+def init_plugin(plugin: DevicePlugin, spec: DeviceSpec | None, index: int,
+                num_threads: int | None = None) -> DevicePlugin:
+    """``plugin.init`` with any exception turned into one PluginError naming the plugin.
+    ``num_threads`` reaches only plugins whose init takes it (see ``DevicePlugin.init``)."""
+    extra = {}
+    if num_threads is not None:
+        if not _takes_num_threads(plugin):
+            raise ConfigError(f"--num-threads {num_threads}: plugin {plugin.name!r} does not run on host threads "
+                              "(its init takes no num_threads); leave --num-threads unset for this device")
+        extra["num_threads"] = num_threads
     try:
-        plugin.init(spec, index)
+        plugin.init(spec, index, **extra)
     except PluginError:
         raise
     except Exception as e:
@@ -225,7 +238,7 @@ def init_plugin(plugin: DevicePlugin, spec: DeviceSpec | None, index: int) -> De
 
 
 def open_device(device: str = "auto", plugins: tuple[str, ...] = (), device_config: str | None = None,
-                records: list[PluginRecord] | None = None) -> DevicePlugin:
+                records: list[PluginRecord] | None = None, num_threads: int | None = None) -> DevicePlugin:
     """Discover, select, validate the spec against the device, and init. The engine's entry point."""
     spec = load_spec(device_config) if device_config else None
     name, index = parse_device(device)
@@ -238,9 +251,9 @@ def open_device(device: str = "auto", plugins: tuple[str, ...] = (), device_conf
     rec, index = select(records if records is not None else discover_plugins(plugins), device)
     # a fresh instance per open, so two engines never share one plugin's state
     plugin = type(rec.plugin)()
-    return init_plugin(plugin, spec, resolve_spec(plugin, spec, index))
+    return init_plugin(plugin, spec, resolve_spec(plugin, spec, index), num_threads)
 
 
 def open_from_config(config) -> DevicePlugin:
     """Open the device an :class:`~polychip.config.EngineConfig` names."""
-    return open_device(config.device, tuple(config.plugins), config.device_config)
+    return open_device(config.device, tuple(config.plugins), config.device_config, num_threads=config.num_threads)

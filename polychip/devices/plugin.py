@@ -96,7 +96,12 @@ class DevicePlugin(abc.ABC):
 
     # lifecycle
     def init(self, spec: Any = None, index: int = 0) -> None:
-        """Prepare device ``index``; ``spec`` is the validated device spec, if any."""
+        """Prepare device ``index``; ``spec`` is the validated device spec, if any.
+
+        A plugin whose compute runs on host threads also takes a keyword ``num_threads: int``
+        (the user's ``--num-threads``) and applies it here, as the CPU plugin does. It is passed
+        only when the user set it; a plugin without the parameter is then refused with a
+        ConfigError, so the setting never silently does nothing."""
         self.spec, self.index = spec, index
 
     def destroy(self) -> None:
@@ -137,7 +142,7 @@ class DevicePlugin(abc.ABC):
     @abc.abstractmethod
     def event(self) -> Event: ...
 
-    # ops, communication, optional compile
+    # ops, communication, reserved compile
     def register_ops(self, registry) -> None:
         """Add op implementations to ``registry`` keyed by (name, version, dtype)."""
 
@@ -146,7 +151,8 @@ class DevicePlugin(abc.ABC):
         return "gloo"
 
     def compile(self, fn: Callable) -> Callable:
-        """Optionally wrap a step function (graph capture, torch.compile). Default: as is."""
+        """Reserved, not yet called by the engine (the model runner runs eager; issue 17 wires
+        it in). It will wrap the decode step function (graph capture, torch.compile). Default: as is."""
         return fn
 
     def fusions(self) -> tuple[str, ...]:

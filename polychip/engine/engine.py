@@ -10,8 +10,6 @@ import itertools
 import logging
 from collections import defaultdict
 
-import torch
-
 from polychip.config import EngineConfig
 from polychip.devices.discovery import open_from_config
 from polychip.engine.grammar import GrammarBackend
@@ -25,7 +23,7 @@ from polychip.engine.sampling_params import SamplingParams
 from polychip.engine.scheduler import Scheduler
 from polychip.engine.stats import STAGES, EngineStats, StageTimer
 from polychip.engine.stop import streamable_len
-from polychip.errors import InvalidRequestError
+from polychip.errors import ConfigError, InvalidRequestError
 from polychip.models.loader import load_model
 from polychip.models.tokenizer import IncrementalDetokenizer
 
@@ -39,8 +37,9 @@ COUNTERS = ("requests_added", "requests_aborted", "preemptions", "steps", "promp
 class Engine:
     def __init__(self, config: EngineConfig | None = None, plugin=None):
         self.config = config = config or EngineConfig()
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        if plugin is not None and config.num_threads is not None:
+            raise ConfigError("num_threads is applied when the engine opens its device; for a plugin opened "
+                              "by the caller, pass num_threads to open_device instead")
         self.plugin = plugin or open_from_config(config)   # discovered, spec-checked, initialised
         self.plugin.set_seed(config.seed)
         self.loaded = load_model(config.model_path, self.plugin, config.dtype, config.enable_fusion,

@@ -9,7 +9,7 @@ import torch
 from polychip.engine.kv_pool import KVPool
 from polychip.engine.request import Request
 from polychip.models.decoder import ForwardContext
-from polychip.ops.attention import AttentionMetadata, PrefillSegment
+from polychip.devices.ops import AttentionMetadata, PrefillSegment
 
 
 @dataclass

@@ -2,7 +2,8 @@
 
 Parameter names match Hugging Face checkpoints, so a HF state dict loads as is.
 Every computation goes through ``self.ops`` (resolved once at load from the op
-registry); the model never calls a device library.
+registry); the model never calls a device library. Each module class declares the ops it calls
+(``OPS``) and the fusions it allows (``FUSIONS``); the rewrite passes read both.
 """
 from __future__ import annotations
 
@@ -14,15 +15,18 @@ import torch
 from torch import nn
 
 from polychip.models.config import ModelConfig
+from polychip.ops.passes import FusedOp, MergeLinears
 
 
 @dataclass
 class ForwardContext:
-    meta: object                                   # ops.attention.AttentionMetadata
+    meta: object                                   # devices.ops.AttentionMetadata
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
 
 
 class Linear(nn.Module):
+    OPS = ("linear",)
+
     def __init__(self, ops, n_in: int, n_out: int, bias: bool):
         super().__init__()
         self.ops = ops
@@ -34,6 +38,8 @@ class Linear(nn.Module):
 
 
 class Embedding(nn.Module):
+    OPS = ("embedding",)
+
     def __init__(self, ops, vocab: int, dim: int):
         super().__init__()
         self.ops = ops
@@ -44,21 +50,28 @@ class Embedding(nn.Module):
 
 
 class RMSNorm(nn.Module):
+    OPS = ("rms_norm", "add_rms_norm")
+    FUSIONS = {"add_rms_norm": FusedOp("add_rms_norm", flag="fused_add")}
+
     def __init__(self, ops, dim: int, eps: float):
         super().__init__()
         self.ops, self.eps = ops, eps
         self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
+        self.fused_add = False                       # set by the fuse pass
 
     def forward(self, x, residual=None):
         if residual is None:
             return self.ops.rms_norm(x, self.weight, self.eps)
-        if self.ops.fuse_add_norm:
+        if self.fused_add:
             return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
         residual = x + residual
         return self.ops.rms_norm(residual, self.weight, self.eps), residual
 
 
 class Attention(nn.Module):
+    OPS = ("rotary_embedding", "attention")
+    FUSIONS = {"qkv": MergeLinears("qkv_proj", ("q_proj", "k_proj", "v_proj"))}
+
     def __init__(self, ops, cfg: ModelConfig, layer: int):
         super().__init__()
         self.ops, self.layer = ops, layer
@@ -92,6 +105,9 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    OPS = ("silu_mul",)
+    FUSIONS = {"gate_up": MergeLinears("gate_up_proj", ("gate_proj", "up_proj"))}
+
     def __init__(self, ops, cfg: ModelConfig):
         super().__init__()
         self.ops, self.inter = ops, cfg.intermediate_size
@@ -149,6 +165,8 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 class DecoderModel(nn.Module):
     """Token ids + positions in, hidden states out; ``compute_logits`` on the rows that sample."""
+
+    OPS = ("linear",)                 # compute_logits: the (possibly tied) lm head
 
     def __init__(self, cfg: ModelConfig, ops: SimpleNamespace):
         super().__init__()

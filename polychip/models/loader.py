@@ -141,7 +141,7 @@ def load_model(model_path: str | None, plugin, dtype: str = "auto", enable_fusio
         registry = OpRegistry(plugin.name)
         register_native(registry)
         plugin.register_ops(registry)
-    ops = SimpleNamespace(fuse_add_norm=False)
+    ops = SimpleNamespace()
     state = read_state_dict(model_dir, cfg, torch_dtype, plugin)
     quantised = [str(t.dtype).removeprefix("torch.") for t in state.values() if not t.is_floating_point()]
     require_dtypes(plugin, quantised, "quantised weight dtype")

@@ -7,32 +7,12 @@ replace either part with their own kernels (``decode_fn``, ``prefill_fn``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-
-@dataclass
-class PrefillSegment:
-    start: int            # first row of this sequence in the flat token batch
-    q_len: int            # new tokens in this chunk
-    kv_len: int           # cached prefix + q_len
-    pages: torch.Tensor   # page ids covering kv_len tokens
-
-
-@dataclass
-class AttentionMetadata:
-    slot_mapping: torch.Tensor                    # [T] flat KV slot per token
-    num_decodes: int = 0                          # decode tokens come first in the batch
-    decode_pages: torch.Tensor | None = None      # [B, max_pages]
-    decode_lens: torch.Tensor | None = None       # [B] kv length per decode sequence
-    decode_mask: torch.Tensor | None = None       # [B, 1, 1, max_pages*page] bool
-    prefills: list[PrefillSegment] = field(default_factory=list)
-    # the prefills as tensors for kernels that take them all in one call, built on first use by
-    # prefill_tables() and then kept for the step's other layers
-    prefill_table: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+from polychip.devices.ops import AttentionMetadata, PrefillSegment
 
 
 def _gather(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
@@ -47,21 +27,6 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     hkv, d = k_cache.shape[2], k_cache.shape[3]
     k_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k)
     v_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v)
-
-
-def prefill_tables(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-    """(segments [S, 3] int64 rows (start, q_len, kv_len), block table [S, W] int64, padded with
-    page 0) for meta.prefills; built once per metadata (one step), not once per layer."""
-    if meta.prefill_table is None:
-        segs = meta.prefills
-        device = segs[0].pages.device
-        width = max(len(s.pages) for s in segs)
-        table = torch.zeros(len(segs), width, dtype=torch.int64, device=device)
-        for i, s in enumerate(segs):
-            table[i, :len(s.pages)] = s.pages
-        rows = torch.tensor([[s.start, s.q_len, s.kv_len] for s in segs], dtype=torch.int64, device=device)
-        meta.prefill_table = (rows, table)
-    return meta.prefill_table
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
@@ -104,7 +69,7 @@ def sdpa_prefills(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: to
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, *,
                     decode_fn: Callable = decode_attention, prefill_fn: Callable = sdpa_prefills) -> torch.Tensor:
     """q [T, H, D]; k, v [T, Hkv, D]; caches [P, page, Hkv, D]. Returns [T, H, D].
 

@@ -1,8 +1,9 @@
 """Model rewrite at load, in three passes, each a small function with its own test:
 
-* expand: walk the module tree and list every op call site;
+* expand: walk the module tree and list every op call site (each module class declares ``OPS``);
 * replace: resolve each distinct op once through the registry into the model's op table;
-* fuse: apply the fusion patterns the plugin declares (qkv, gate_up, add_rms_norm).
+* fuse: apply the fusion patterns the plugin declares (qkv, gate_up, add_rms_norm) where a module
+  class declares how, in ``FUSIONS`` (pattern -> :class:`MergeLinears` or :class:`FusedOp`).
 """
 from __future__ import annotations
 
@@ -12,20 +13,25 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
+from polychip.devices.ops import FUSIONS
 from polychip.errors import PluginError
 from polychip.ops.registry import OpRegistry, Resolution
 
-FUSIONS = ("qkv", "gate_up", "add_rms_norm")
 
-# the ops each module kind may call (by class name); RMSNorm calls add_rms_norm once fused
-MODULE_OPS = {
-    "Linear": ("linear",),
-    "Embedding": ("embedding",),
-    "RMSNorm": ("rms_norm", "add_rms_norm"),
-    "Attention": ("rotary_embedding", "attention"),
-    "MLP": ("silu_mul",),
-    "DecoderModel": ("linear",),          # compute_logits: the (possibly tied) lm head
-}
+@dataclass(frozen=True)
+class MergeLinears:
+    """A fusion: the linears named ``parts`` become one, ``into``, whose output is theirs concatenated."""
+
+    into: str
+    parts: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class FusedOp:
+    """A fusion: the module calls the fused op ``op`` once its bool attribute ``flag`` is set."""
+
+    op: str
+    flag: str
 
 
 @dataclass(frozen=True)
@@ -36,9 +42,8 @@ class OpSite:
 
 
 def expand(model: nn.Module) -> list[OpSite]:
-    """Module tree -> the op call sites it contains, in module order."""
-    return [OpSite(path, op) for path, mod in model.named_modules()
-            for op in MODULE_OPS.get(type(mod).__name__, ())]
+    """Module tree -> the op call sites it contains (each module's ``OPS``), in module order."""
+    return [OpSite(path, op) for path, mod in model.named_modules() for op in getattr(mod, "OPS", ())]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -88,36 +93,35 @@ def merge_linears(parts: list[nn.Module], plugin=None) -> nn.Module:
     return merged
 
 
-def fuse_qkv(model: nn.Module, plugin=None) -> int:
-    """q_proj, k_proj, v_proj -> qkv_proj in every attention block; returns how many."""
+def _merge(mod: nn.Module, how: MergeLinears, plugin) -> bool:
+    if getattr(mod, how.into) is not None or any(getattr(mod, p) is None for p in how.parts):
+        return False
+    setattr(mod, how.into, merge_linears([getattr(mod, p) for p in how.parts], plugin))
+    for p in how.parts:
+        setattr(mod, p, None)
+    return True
+
+
+def _switch(mod: nn.Module, how: FusedOp, pattern: str, ops: SimpleNamespace | None) -> bool:
+    if not callable(getattr(ops, how.op, None)):
+        raise ValueError(f"{pattern} fusion needs the {how.op} op resolved first (run replace)")
+    if getattr(mod, how.flag):
+        return False
+    setattr(mod, how.flag, True)
+    return True
+
+
+def fuse_pattern(model: nn.Module, pattern: str, ops: SimpleNamespace | None = None, plugin=None) -> int:
+    """Apply one pattern in every module that declares it; returns how many modules changed.
+    A :class:`FusedOp` needs ``ops`` with its op bound by replace."""
     n = 0
     for mod in model.modules():
-        if getattr(mod, "qkv_proj", 0) is None and all(getattr(mod, a, None) is not None
-                                                        for a in ("q_proj", "k_proj", "v_proj")):
-            mod.qkv_proj = merge_linears([mod.q_proj, mod.k_proj, mod.v_proj], plugin)
-            mod.q_proj = mod.k_proj = mod.v_proj = None
-            n += 1
+        how = getattr(mod, "FUSIONS", {}).get(pattern)
+        if isinstance(how, MergeLinears):
+            n += _merge(mod, how, plugin)
+        elif isinstance(how, FusedOp):
+            n += _switch(mod, how, pattern, ops)
     return n
-
-
-def fuse_gate_up(model: nn.Module, plugin=None) -> int:
-    """gate_proj, up_proj -> gate_up_proj in every MLP; returns how many."""
-    n = 0
-    for mod in model.modules():
-        if getattr(mod, "gate_up_proj", 0) is None and all(getattr(mod, a, None) is not None
-                                                            for a in ("gate_proj", "up_proj")):
-            mod.gate_up_proj = merge_linears([mod.gate_proj, mod.up_proj], plugin)
-            mod.gate_proj = mod.up_proj = None
-            n += 1
-    return n
-
-
-def fuse_add_rms_norm(model: nn.Module, ops: SimpleNamespace) -> int:
-    """Residual add + rms_norm as one op call; needs ``add_rms_norm`` already bound by replace."""
-    if not callable(getattr(ops, "add_rms_norm", None)):
-        raise ValueError("add_rms_norm fusion needs the add_rms_norm op resolved first (run replace)")
-    ops.fuse_add_norm = True
-    return sum(type(m).__name__ == "RMSNorm" for m in model.modules())
 
 
 def fuse(model: nn.Module, patterns: tuple[str, ...], ops: SimpleNamespace, plugin=None) -> list[str]:
@@ -126,8 +130,4 @@ def fuse(model: nn.Module, patterns: tuple[str, ...], ops: SimpleNamespace, plug
     unknown = set(patterns) - set(FUSIONS)
     if unknown:
         raise PluginError(f"unknown fusion pattern(s) {sorted(unknown)}; known: {list(FUSIONS)}")
-    ops.fuse_add_norm = False
-    counts = {"qkv": fuse_qkv(model, plugin) if "qkv" in patterns else 0,
-              "gate_up": fuse_gate_up(model, plugin) if "gate_up" in patterns else 0,
-              "add_rms_norm": fuse_add_rms_norm(model, ops) if "add_rms_norm" in patterns else 0}
-    return [p for p in FUSIONS if counts[p]]
+    return [p for p in FUSIONS if p in patterns and fuse_pattern(model, p, ops, plugin)]

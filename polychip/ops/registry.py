@@ -79,7 +79,12 @@ class OpRegistry:
         return self._plugin[(name, version, dtype)]
 
     def native(self, name: str, version: int = 1) -> Callable:
-        return self._native[(name, version)]
+        """The native reference; plugins take fallbacks and the attention frame from here."""
+        try:
+            return self._native[(name, version)]
+        except KeyError:
+            raise KeyError(f"op {name!r} v{version} has no native reference; known: {self.native_ops()} "
+                           "(register_native(registry) runs before plugin.register_ops)") from None
 
     def native_ops(self) -> list[tuple[str, int]]:
         return sorted(self._native)

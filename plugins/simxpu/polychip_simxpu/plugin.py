@@ -107,8 +107,11 @@ class SimXpuPlugin(DevicePlugin):
         return infos
 
     # lifecycle
-    def init(self, spec=None, index: int = 0) -> None:
+    def init(self, spec=None, index: int = 0, num_threads: int | None = None) -> None:
+        """``num_threads``: the simulated cards compute on the host, on torch's intra-op threads."""
         super().init(spec, index)
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
         attrs = dict(spec.custom_attributes) if spec else {}
         alignment = attrs.get("alignment", DEFAULT_ALIGNMENT)
         granularity = attrs.get("granularity", DEFAULT_GRANULARITY)

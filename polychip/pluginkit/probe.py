@@ -14,6 +14,9 @@ import torch
 from polychip.devices.discovery import discover_plugins, init_plugin, select
 from polychip.devices.spec import check_against_devices, fmt_bytes, from_dict, read_yaml
 from polychip.errors import PolychipError
+from polychip.ops.native import register_native
+from polychip.ops.registry import OpRegistry
+from polychip.pluginkit.numerics import check_registered_ops
 
 LEAK_SLACK = 0.01     # of total memory: host free memory moves under us on the CPU
 
@@ -131,9 +134,6 @@ def check_stream_event(p) -> list[str]:
 
 def check_ops(p, dtypes: tuple[str, ...]) -> tuple[list, object]:
     """Every op the plugin registers against the native reference; returns (checks, registry)."""
-    from polychip.ops.native import register_native
-    from polychip.ops.numerics import check_registered_ops
-    from polychip.ops.registry import OpRegistry
     registry = OpRegistry(p.name)
     register_native(registry)
     p.register_ops(registry)

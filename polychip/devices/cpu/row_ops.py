@@ -1,12 +1,12 @@
-"""The CPU plugin's float32 row ops (``cpu_elementwise.cpp``): rms_norm, add_rms_norm, silu_mul
+"""The CPU plugin's float32 row ops (``csrc/elementwise.cpp``): rms_norm, add_rms_norm, silu_mul
 and rotary_embedding, each one C++ call where the native op is 4-10 ATen calls. At batch 1 the
 dispatch of those calls costs more than their arithmetic (~4 ms of a ~30 ms decode step).
 """
 from __future__ import annotations
 
-import torch
+from typing import Callable
 
-from polychip.ops import native
+import torch
 
 ROW_OPS = ("rms_norm", "add_rms_norm", "silu_mul", "rotary_embedding")
 
@@ -17,26 +17,29 @@ def _kernel_ok(*tensors: torch.Tensor) -> bool:
                                                for t in tensors)
 
 
-def make_ops(kernels) -> dict:
+def make_ops(kernels, native_op: Callable[[str], Callable]) -> dict:
+    """{op name: function}: the kernel on CPU float32 inference tensors, else ``native_op(name)``."""
+    native = {name: native_op(name) for name in ROW_OPS}
+
     def rms_norm(x, weight, eps):
         if not _kernel_ok(x, weight):
-            return native.rms_norm(x, weight, eps)
+            return native["rms_norm"](x, weight, eps)
         return kernels.rms_norm(x, weight.contiguous(), eps)
 
     def add_rms_norm(x, residual, weight, eps):
         if not _kernel_ok(x, residual, weight) or x.shape != residual.shape:
-            return native.add_rms_norm(x, residual, weight, eps)
+            return native["add_rms_norm"](x, residual, weight, eps)
         normed, total = kernels.add_rms_norm(x, residual, weight.contiguous(), eps)
         return normed, total
 
     def silu_mul(gate, up):
         if not _kernel_ok(gate, up) or gate.shape != up.shape:
-            return native.silu_mul(gate, up)
+            return native["silu_mul"](gate, up)
         return kernels.silu_mul(gate, up)
 
     def rotary_embedding(q, k, cos, sin):
         if not _kernel_ok(q, k, cos, sin) or q.dim() != 3 or k.dim() != 3:
-            return native.rotary_embedding(q, k, cos, sin)
+            return native["rotary_embedding"](q, k, cos, sin)
         q, k = kernels.rotary_embedding(q, k, cos.contiguous(), sin.contiguous())
         return q, k
 

@@ -1,4 +1,5 @@
-// Helpers shared by the CPU plugin's kernels (cpu_attention.cpp, cpu_linear.cpp, cpu_elementwise.cpp).
+// Helpers shared by the CPU plugin's kernels (decode_attention.cpp, prefill_attention.cpp, linear.cpp,
+// elementwise.cpp).
 #pragma once
 #include <torch/extension.h>
 #include <ATen/Parallel.h>

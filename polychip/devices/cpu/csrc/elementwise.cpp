@@ -1,7 +1,7 @@
 // Fused float32 row ops: one C++ call where the native op is 4-10 small ATen calls (each a few
 // microseconds of dispatch, which at batch 1 costs more than the arithmetic). Rows are the last
 // dimension; a row stride lets them read the column slices of a fused projection's output.
-#include "cpu_common.h"
+#include "common.h"
 
 using namespace polychip_cpu;
 

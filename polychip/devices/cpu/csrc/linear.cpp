@@ -3,7 +3,7 @@
 //   form: MR*NR vector accumulators, horizontal sums at the end); chunks of weight rows handed out
 //   dynamically to the intra-op threads. AVX-512 (AVX2 builds: narrower tiles); elsewhere BLAS.
 // linear_blocks: blocks of weight rows on the intra-op threads, one single-threaded BLAS call each.
-#include "cpu_common.h"
+#include "common.h"
 
 using namespace polychip_cpu;
 

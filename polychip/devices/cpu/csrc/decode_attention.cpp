@@ -1,6 +1,6 @@
 // paged_decode_attention (float32): one query token per sequence, reading K/V straight from the
 // paged pool through the block table (no gather copy, no mask).
-#include "cpu_common.h"
+#include "common.h"
 
 #ifdef __AVX512F__
 #include <immintrin.h>

@@ -10,8 +10,8 @@ from typing import Callable
 
 import torch
 
+from polychip.devices.ops import AttentionMetadata, PrefillSegment
 from polychip.dtypes import FLOAT_DTYPES
-from polychip.ops.attention import AttentionMetadata, PrefillSegment
 from polychip.ops.registry import ANY_DTYPE, OpRegistry
 
 TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 1e-2}   # atol = rtol

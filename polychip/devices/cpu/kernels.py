@@ -1,5 +1,5 @@
-"""The CPU plugin's C++ fast paths (``cpu_kernels.cpp`` binding ``cpu_attention.cpp``,
-``cpu_prefill_attention.cpp``, ``cpu_linear.cpp`` and ``cpu_elementwise.cpp``), built once per
+"""The CPU plugin's C++ fast paths (``csrc/bindings.cpp`` binding ``decode_attention.cpp``,
+``prefill_attention.cpp``, ``linear.cpp`` and ``elementwise.cpp``), built once per
 machine with torch's extension builder and cached under the torch extensions folder.
 
 ``load()`` returns the module, or None with the reason logged once: no compiler, no ninja,
@@ -17,10 +17,10 @@ import torch
 
 log = logging.getLogger("polychip.devices.cpu")
 
-_DIR = os.path.dirname(__file__)
-_SOURCES = [os.path.join(_DIR, f) for f in ("cpu_kernels.cpp", "cpu_attention.cpp", "cpu_prefill_attention.cpp",
-                                          "cpu_linear.cpp", "cpu_elementwise.cpp")]
-_HEADERS = [os.path.join(_DIR, "cpu_common.h")]
+_DIR = os.path.join(os.path.dirname(__file__), "csrc")
+_SOURCES = [os.path.join(_DIR, f) for f in ("bindings.cpp", "decode_attention.cpp", "prefill_attention.cpp",
+                                          "linear.cpp", "elementwise.cpp")]
+_HEADERS = [os.path.join(_DIR, "common.h")]
 _state: dict = {}          # one build attempt per process: {"module": module or None}
 # -fopenmp, not just -fopenmp-simd: without _OPENMP, ATen's at::parallel_for compiles to a serial loop
 # (GOMP_* then resolve to torch's own libgomp, a dependency of libtorch_cpu). -fno-finite-math-only:

@@ -7,7 +7,7 @@ import platform
 
 import torch
 
-from polychip.devices.cpu_memory import HugePageAllocator
+from polychip.devices.cpu.memory import HugePageAllocator
 from polychip.devices.plugin import Availability, DeviceInfo, DevicePlugin, Event, Stream
 
 log = logging.getLogger("polychip.devices.cpu")
@@ -72,8 +72,11 @@ class CpuPlugin(DevicePlugin):
         super().__init__()
         self.memory = HugePageAllocator()
 
-    def init(self, spec=None, index: int = 0) -> None:
+    def init(self, spec=None, index: int = 0, num_threads: int | None = None) -> None:
+        """``num_threads``: torch's intra-op threads, which run the kernels and the native ops."""
         super().init(spec, index)
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
         if not self.memory.enabled:
             log.info("cpu: %s", self.memory.reason)
 
@@ -97,8 +100,8 @@ class CpuPlugin(DevicePlugin):
 
     def register_ops(self, registry) -> None:
         """float32 C++ fast paths (decode attention, linear, row ops) when they build."""
-        from polychip.devices import cpu_ops
-        cpu_ops.register(registry)
+        from polychip.devices.cpu import ops
+        ops.register(registry)
 
     def fusions(self) -> tuple[str, ...]:
         return ("qkv", "gate_up", "add_rms_norm")

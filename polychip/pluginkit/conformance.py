@@ -2,7 +2,7 @@
 
 As a function::
 
-    from polychip.devices import conformance
+    from polychip.pluginkit import conformance
     conformance.assert_conformant(conformance.Target("mychip", plugins=("my_pkg.plugin",)))
 
 As pytest parametrisation::
@@ -26,10 +26,15 @@ from typing import Callable
 import torch
 
 from polychip.devices.discovery import open_device
+from polychip.devices.ops import FUSIONS
 from polychip.devices.plugin import API_VERSION, Availability, DeviceInfo, DevicePlugin, Event, Stream
-from polychip.devices.probe import StepFailed, check_alloc_free, check_copy, check_ops, check_stream_event
 from polychip.devices.spec import supported_dtypes
 from polychip.dtypes import KNOWN_DTYPES
+from polychip.engine.llm import LLM
+from polychip.engine.sampling_params import SamplingParams
+from polychip.models.config import ModelConfig
+from polychip.models.decoder import DecoderModel
+from polychip.pluginkit.probe import StepFailed, check_alloc_free, check_copy, check_ops, check_stream_event
 
 
 class ConformanceError(AssertionError):
@@ -69,7 +74,6 @@ def check_identity(target: Target) -> str:
         _require(isinstance(handle, torch.device) and handle.type == p.torch_device_type,
                  f"device_handle() returned {handle!r}, expected a torch.device of type {p.torch_device_type!r}")
         _require(isinstance(p.communicator_backend(), str), "communicator_backend() must name a backend")
-        from polychip.ops.passes import FUSIONS
         _require(set(p.fusions()) <= set(FUSIONS), f"fusions() {p.fusions()} are not all in {FUSIONS}")
         _require(p.default_dtype("float32") in supported_dtypes(p),
                  f"default_dtype('float32') = {p.default_dtype('float32')!r} is not a supported dtype")
@@ -164,8 +168,6 @@ def make_tiny_model(path: str, seed: int = 0) -> str:
     from safetensors.torch import save_file
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    from polychip.models.config import ModelConfig
-    from polychip.models.decoder import DecoderModel
     os.makedirs(path, exist_ok=True)
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
@@ -193,7 +195,6 @@ def make_tiny_model(path: str, seed: int = 0) -> str:
 
 
 def greedy_tokens(model_path: str, device: str, plugins=(), device_config=None) -> list[list[int]]:
-    from polychip import LLM, SamplingParams
     llm = LLM(model_path, device=device, plugins=tuple(plugins), device_config=device_config, dtype="float32",
               max_total_tokens=512, chunked_prefill_size=16)
     try:
@@ -217,7 +218,8 @@ def check_generation(target: Target) -> str:
 
 
 # what a plugin may import from polychip: the plugin API, specs and errors
-PUBLIC_MODULES = ("polychip.devices", "polychip.devices.plugin", "polychip.devices.spec", "polychip.errors")
+PUBLIC_MODULES = ("polychip.devices", "polychip.devices.plugin", "polychip.devices.ops", "polychip.devices.spec",
+                  "polychip.errors")
 
 
 def source_problems(path: str) -> list[str]:

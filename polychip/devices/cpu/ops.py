@@ -1,4 +1,4 @@
-"""The CPU plugin's float32 ops: C++ kernels (``cpu_kernels``) where they beat the native
+"""The CPU plugin's float32 ops: C++ kernels (``kernels``) where they beat the native
 PyTorch ops, the native ops everywhere else.
 
 * ``attention``: decode rows read K/V straight from the paged pool (the native op gathers
@@ -13,24 +13,26 @@ PyTorch ops, the native ops everywhere else.
   Both hand out work dynamically: multi-threaded BLAS splits the matrix statically and stalls
   for whole scheduler time slices (12-16 ms a call at batch 16) whenever another process
   holds a core; quiet, it is ~3-5% faster on an 800-token prefill (A/B in one process).
-* the row ops of ``cpu_row_ops`` (rms_norm, add_rms_norm, silu_mul, rotary_embedding).
+* the row ops of ``row_ops`` (rms_norm, add_rms_norm, silu_mul, rotary_embedding).
 """
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from polychip.devices import cpu_kernels, cpu_row_ops
-from polychip.ops.attention import AttentionMetadata, paged_attention, prefill_tables
+from polychip.devices.cpu import kernels as cpu_kernels, row_ops
+from polychip.devices.ops import AttentionMetadata, OpRegistrar
 
 TILES_MAX_M = 64       # rows up to which linear_tiles beats BLAS (bench/linear_kernels.py)
 BLOCK_ROWS_PREFILL = 256    # 576-row outputs split evenly across 2 threads; 512 left one thread idle for 64 rows
 
 
-def make_ops(kernels) -> dict:
-    """{op name: function} for the float32 ops the kernels speed up."""
+def make_ops(kernels, native: Callable[[str], Callable]) -> dict:
+    """{op name: function} for the float32 ops the kernels speed up; ``native(name)`` gives the native
+    ops (the registry's), here the attention frame that takes the kernels as its two halves."""
 
     def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -39,7 +41,7 @@ def make_ops(kernels) -> dict:
 
     def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
-        segments, table = prefill_tables(meta)
+        segments, table = meta.prefill_tables()
         kernels.paged_prefill_attention(q.contiguous(), k_cache, v_cache, out, segments, table, scale)
 
     def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -54,19 +56,20 @@ def make_ops(kernels) -> dict:
             return kernels.linear_tiles(x, weight, bias)
         return kernels.linear_blocks(x, weight, bias, BLOCK_ROWS_PREFILL)
 
-    attention = functools.partial(paged_attention, decode_fn=decode_attention, prefill_fn=prefill_attention)
+    attention = functools.partial(native("attention"), decode_fn=decode_attention, prefill_fn=prefill_attention)
     return {"attention": attention, "linear": linear}
 
 
-OPS = ("linear", "attention") + cpu_row_ops.ROW_OPS
+OPS = ("linear", "attention") + row_ops.ROW_OPS
 
 
-def register(registry) -> None:
+def register(registry: OpRegistrar) -> None:
     """Register the kernels' ops for float32 when they build; otherwise the native ops serve."""
     kernels = cpu_kernels.load()
     if kernels is None:
         for name in OPS:
             registry.register_unavailable(name, cpu_kernels.unavailable_reason())
         return
-    for name, fn in (make_ops(kernels) | cpu_row_ops.make_ops(kernels)).items():
+    ops = make_ops(kernels, registry.native) | row_ops.make_ops(kernels, registry.native)
+    for name, fn in ops.items():
         registry.register(name, 1, "float32", fn)

@@ -11,7 +11,7 @@
 //   Ot [D][rows] += V^T St: register tiles of 8 D values x 3 row vectors, V values broadcast
 // Key blocks run up to the block's causal limit; only blocks that cross the diagonal are masked.
 // Items are handed out dynamically, the most expensive (latest positions) first.
-#include "cpu_common.h"
+#include "common.h"
 
 #ifdef __AVX512F__
 #include <immintrin.h>

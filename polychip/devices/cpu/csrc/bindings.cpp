@@ -1,5 +1,5 @@
-// The CPU plugin's compiled module (built by cpu_kernels.py): the kernels of cpu_attention.cpp,
-// cpu_prefill_attention.cpp, cpu_linear.cpp and cpu_elementwise.cpp, all float32.
+// The CPU plugin's compiled module (built by ../kernels.py): the kernels of decode_attention.cpp,
+// prefill_attention.cpp, linear.cpp and elementwise.cpp, all float32.
 #include <torch/extension.h>
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
