@@ -3,8 +3,8 @@
 The structured half follows a JSON schema that keeps them generating (an array of at least 30
 strings), the free half ignores EOS, so every measured step decodes all 32 rows. Only steps that
 decode exactly 32 rows count. The two batches alternate for a few rounds in one process, so
-machine noise hits both; medians are reported, with the sample stage (mask fill + apply + accept)
-on its own.
+machine noise hits both; medians are reported: wall time, process CPU time (all threads; steadier
+than wall time on a shared machine), and the sample stage (mask fill + apply + accept) on its own.
 
     PYTHONPATH=$PWD python bench/structured_overhead.py [--rounds 3] [--steps 48] [--model-path ...]
 """
@@ -24,8 +24,8 @@ TOPICS = ["fruits", "rivers", "cities", "colours", "tools", "birds", "planets", 
           "trees", "fish", "dances", "cheeses", "stones", "winds"]
 
 
-def run(llm: LLM, structured: int, total: int, steps: int) -> tuple[list[float], list[float]]:
-    """Per-step wall time and sample-stage time of the steps that decode all ``total`` rows."""
+def run(llm: LLM, structured: int, total: int, steps: int) -> tuple[list[float], list[float], list[float]]:
+    """Per-step wall time, CPU time and sample-stage time of the steps that decode all ``total`` rows."""
     e = llm.engine
     grammar = e.grammar.compiled(GrammarSpec.json_schema(SCHEMA))        # compiled before the clock starts
     for i in range(total):
@@ -35,18 +35,19 @@ def run(llm: LLM, structured: int, total: int, steps: int) -> tuple[list[float],
         else:
             params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
         e.add_request(prompt, params)
-    step_s, sample_s = [], []
+    step_s, cpu_s, sample_s = [], [], []
     while e.has_unfinished():
         before = e.stage_seconds.get("sample", 0.0)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         outs = e.step()
-        dt = time.perf_counter() - t0
+        dt, dc = time.perf_counter() - t0, time.process_time() - c0
         decoding = sum(1 for o in outs if len(o.outputs[0].delta_token_ids) == 1 and len(o.outputs[0].token_ids) > 1)
         if decoding == total:
             step_s.append(dt)
+            cpu_s.append(dc)
             sample_s.append(e.stage_seconds.get("sample", 0.0) - before)
     e.flush_prefix_cache()
-    return step_s, sample_s
+    return step_s, cpu_s, sample_s
 
 
 def main() -> int:
@@ -60,21 +61,25 @@ def main() -> int:
     e.grammar.prepare()
     run(llm, 16, 32, 8)                          # warm both paths once
     run(llm, 0, 32, 8)
-    res = {"32 free": ([], []), "16 structured + 16 free": ([], [])}
+    labels = ("32 free", "16 structured + 16 free")
+    res = {k: ([], [], []) for k in labels}
     for r in range(args.rounds):
-        for label, structured in (("32 free", 0), ("16 structured + 16 free", 16)):
-            steps, sample = run(llm, structured, 32, args.steps)
-            res[label][0].extend(steps)
-            res[label][1].extend(sample)
-            print(f"round {r}: {label:>24}: {len(steps)} steps, median {statistics.median(steps) * 1e3:.2f} ms, "
-                  f"sample stage {statistics.median(sample) * 1e3:.2f} ms", flush=True)
-    free, mixed = (statistics.median(res[k][0]) for k in res)
-    free_s, mixed_s = (statistics.median(res[k][1]) for k in res)
-    print(f"\nmodel {e.loaded.model_dir}, device {e.plugin.name}, vocab {e.model_config.vocab_size}")
-    print(f"decode step (median over {len(res['32 free'][0])} / {len(res['16 structured + 16 free'][0])} steps):")
-    print(f"  32 free                   {free * 1e3:8.2f} ms  (sample stage {free_s * 1e3:.2f} ms)")
-    print(f"  16 structured + 16 free   {mixed * 1e3:8.2f} ms  (sample stage {mixed_s * 1e3:.2f} ms)")
-    print(f"  overhead                  {(mixed - free) * 1e3:+8.2f} ms  ({(mixed / free - 1) * 100:+.1f}%)")
+        for label, structured in zip(labels, (0, 16)):
+            got = run(llm, structured, 32, args.steps)
+            for acc, xs in zip(res[label], got):
+                acc.extend(xs)
+            wall, cpu, sample = (statistics.median(xs) for xs in got)
+            print(f"round {r}: {label:>24}: wall {wall * 1e3:.2f} ms, cpu {cpu * 1e3:.2f} ms, "
+                  f"sample stage {sample * 1e3:.2f} ms", flush=True)
+    med = {k: [statistics.median(x) for x in res[k]] for k in labels}
+    print(f"\nmodel {e.loaded.model_dir}, device {e.plugin.name}, vocab {e.model_config.vocab_size}, "
+          f"{len(res[labels[0]][0])} / {len(res[labels[1]][0])} steps of 32 decodes")
+    print(f"{'median per decode step':<26}{'wall ms':>10}{'cpu ms':>10}{'sample ms':>11}")
+    for k in labels:
+        print(f"{k:<26}" + "".join(f"{v * 1e3:{w}.2f}" for v, w in zip(med[k], (10, 10, 11))))
+    (fw, fc, fs), (mw, mc, ms) = med[labels[0]], med[labels[1]]
+    print(f"{'overhead':<26}{(mw - fw) * 1e3:+10.2f}{(mc - fc) * 1e3:+10.2f}{(ms - fs) * 1e3:+11.2f}"
+          f"   ({(mw / fw - 1) * 100:+.1f}% wall, {(mc / fc - 1) * 100:+.1f}% cpu)")
     return 0
 
 
