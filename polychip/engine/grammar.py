@@ -36,11 +36,11 @@ _XGR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+?:\d+: ")     # "[15:38:02] /project/
 class GrammarSpec:
     """A constraint on the output. ``source`` is the canonical text the cache is keyed by: the
     schema as JSON, the regex, the EBNF, the choices as a JSON list, or a structural tag as JSON.
-    ``param`` names the request field it came from, for error messages."""
+    ``param`` names the request field it came from, for error messages. JSON schemas compile in
+    xgrammar's strict mode: no properties or items beyond those the schema lists."""
 
     kind: str
     source: str = ""
-    strict: bool = True                    # json_schema: nothing beyond the schema's properties
     param: str = field(default="", compare=False)
     compiled: object = field(default=None, compare=False, repr=False)   # set by compiled(): no engine-thread work
 
@@ -49,10 +49,10 @@ class GrammarSpec:
             raise InvalidRequestError(f"grammar kind must be one of {list(KINDS)}, got {self.kind!r}")
 
     @classmethod
-    def json_schema(cls, schema: dict | bool, strict: bool = True, param: str = "json_schema") -> "GrammarSpec":
+    def json_schema(cls, schema: dict | bool, param: str = "json_schema") -> "GrammarSpec":
         if not isinstance(schema, (dict, bool)):
             raise InvalidRequestError(f"{param} must be a JSON object (a JSON schema), got {type(schema).__name__}")
-        return cls("json_schema", json.dumps(schema), strict, param)   # key order is output order
+        return cls("json_schema", json.dumps(schema), param)   # key order is output order
 
     @classmethod
     def tool_calls(cls, fmt: str, tools: list[dict], tool_choice, parallel: bool, reasoning: str) -> "GrammarSpec":
@@ -64,13 +64,13 @@ class GrammarSpec:
                                                     parallel_tool_calls=parallel, max_whitespace_cnt=1)
         except (ValueError, TypeError) as e:
             raise InvalidRequestError(f"tool_choice: {_clean(e)}") from None
-        return cls("structural_tag", tag.model_dump_json(), True, "tool_choice")
+        return cls("structural_tag", tag.model_dump_json(), "tool_choice")
 
     @classmethod
     def choice(cls, choices: list[str], param: str = "choice") -> "GrammarSpec":
         if not choices or not all(isinstance(c, str) for c in choices):
             raise InvalidRequestError(f"{param} must be a non-empty list of strings")
-        return cls("choice", json.dumps(list(choices)), True, param)
+        return cls("choice", json.dumps(list(choices)), param)
 
 
 def _clean(err: Exception) -> str:
@@ -120,7 +120,7 @@ class GrammarBackend:
         comp = self._ensure()
         try:
             if spec.kind == "json_schema":
-                return comp.compile_json_schema(spec.source, any_whitespace=False, strict_mode=spec.strict)
+                return comp.compile_json_schema(spec.source, any_whitespace=False, strict_mode=True)
             if spec.kind == "json_object":
                 return comp.compile_builtin_json_grammar()
             if spec.kind == "regex":

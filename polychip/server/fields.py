@@ -73,7 +73,8 @@ FIELDS: tuple[Field, ...] = (
     Field("logprobs", BOTH, HONOURED, "chat: bool with top_logprobs <= 20; completions: int <= 20"),
     Field("top_logprobs", CHAT, HONOURED, "0-20, needs logprobs"),
     Field("response_format", CHAT + ", completions (extension)", HONOURED,
-          "text, json_object, json_schema (strict: no properties beyond the schema); enforced by an xgrammar "
+          "text, json_object, json_schema (strict true or false: the schema is enforced either way, and properties "
+          "it does not list are not generated, as in vLLM and SGLang); enforced by an xgrammar "
           "token mask; an invalid schema is a 400 naming the problem"),
     Field("tools", CHAT, HONOURED, "function tools, rendered through the chat template; a 400 when the template "
                                    "cannot render tools (SmolLM2's) or shows no call format the server parses"),
@@ -123,7 +124,7 @@ FIELDS: tuple[Field, ...] = (
     Field("guided_grammar", BOTH, HONOURED, "as ebnf"),
     Field("choice", BOTH, HONOURED, "output is exactly one of the strings (also guided_choice)"),
     Field("guided_choice", BOTH, HONOURED, "as choice"),
-    Field("guided_json", BOTH, HONOURED, "a JSON schema, as response_format json_schema strict"),
+    Field("guided_json", BOTH, HONOURED, "a JSON schema, as response_format json_schema"),
     Field("chat_template_kwargs", CHAT, HONOURED, "passed to the template; wins over the server's "
                                                   "--default-chat-template-kwargs and --enable-thinking"),
     Field("add_generation_prompt", CHAT, HONOURED, "default true"),

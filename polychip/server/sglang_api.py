@@ -77,7 +77,7 @@ class SGLangSamplingParams(BaseModel):
                 schema = json.loads(self.json_schema)
             except json.JSONDecodeError as e:
                 raise InvalidRequestError(f"sampling_params.json_schema is not valid JSON: {e.msg}") from None
-            specs.append(GrammarSpec.json_schema(schema, True, "sampling_params.json_schema"))
+            specs.append(GrammarSpec.json_schema(schema, "sampling_params.json_schema"))
         if self.regex is not None:
             specs.append(GrammarSpec("regex", self.regex, param="sampling_params.regex"))
         if self.ebnf is not None:

@@ -2,6 +2,10 @@
 
 OpenAI's ``response_format`` (text, json_object, json_schema strict or not) and the vLLM / SGLang
 extensions ``regex``, ``ebnf``, ``choice`` and their ``guided_*`` spellings. At most one per request.
+
+A schema is enforced whether ``strict`` is true or false (the token mask guarantees it either way),
+and, as vLLM and SGLang do, properties the schema does not list are not generated: JSON Schema
+would allow them by default, and a model left free to add keys may add them until max_tokens.
 """
 from __future__ import annotations
 
@@ -52,7 +56,7 @@ class StructuredFields(BaseModel):
             strict = js.get("strict")
             if strict is not None and not isinstance(strict, bool):
                 raise InvalidRequestError("response_format.json_schema.strict must be a boolean")
-            return GrammarSpec.json_schema(schema, bool(strict), "response_format.json_schema.schema")
+            return GrammarSpec.json_schema(schema, "response_format.json_schema.schema")
         raise InvalidRequestError(f"response_format.type must be 'text', 'json_object' or 'json_schema', "
                                   f"got {kind!r}")
 
@@ -75,7 +79,7 @@ class StructuredFields(BaseModel):
                     schema = json.loads(schema)
                 except json.JSONDecodeError as e:
                     raise InvalidRequestError(f"guided_json is not valid JSON: {e.msg}") from None
-            out.append(GrammarSpec.json_schema(schema, True, "guided_json"))
+            out.append(GrammarSpec.json_schema(schema, "guided_json"))
         return out
 
 
