@@ -86,7 +86,8 @@ def test_skip_and_spaces_between_special_tokens(client):
                                          extra_body={"ignore_eos": True, **extra}).choices[0].text
     assert run() == ""                                                 # skipped by default
     assert run(skip_special_tokens=False) == "<|im_start|>" * 3
-    assert run(skip_special_tokens=False, spaces_between_special_tokens=True) == "<|im_start|> <|im_start|> <|im_start|>"
+    spaced = "<|im_start|> <|im_start|> <|im_start|>"
+    assert run(skip_special_tokens=False, spaces_between_special_tokens=True) == spaced
     stream = client.completions.create(model="qwen3-tiny", prompt="Hi", max_tokens=3, temperature=0, stream=True,
                                        logit_bias={str(IM_START): 100},
                                        extra_body={"ignore_eos": True, "skip_special_tokens": False,
@@ -149,7 +150,8 @@ def test_harmless_values_of_partly_refused_fields_pass(server):
 
 
 def test_completions_refuse_chat_fields_and_continuous_usage(server):
-    for body, field in (({"functions": [{"name": "f"}]}, "functions"), ({"reasoning_effort": "low"}, "reasoning_effort"),
+    for body, field in (({"functions": [{"name": "f"}]}, "functions"),
+                        ({"reasoning_effort": "low"}, "reasoning_effort"),
                         ({"stream": True, "stream_options": {"continuous_usage_stats": True}},
                          "stream_options.continuous_usage_stats")):
         r = httpx.post(server.url + "/v1/completions", json={"model": "qwen3-tiny", "prompt": "x", **body}, timeout=30)

@@ -115,7 +115,8 @@ def test_generate_logprobs(http):
 
 
 def test_generate_stop_and_grammar(http):
-    free = http.post("/generate", json={"text": "Hi", "sampling_params": {"max_new_tokens": 8, "temperature": 0}}).json()
+    free = http.post("/generate", json={"text": "Hi",
+                                        "sampling_params": {"max_new_tokens": 8, "temperature": 0}}).json()
     stop = free["text"][2:5]
     cut = http.post("/generate", json={"text": "Hi", "sampling_params": {"max_new_tokens": 8, "temperature": 0,
                                                                          "stop": [stop]}}).json()

@@ -10,7 +10,6 @@ grammar: tool_choice "required" or a named function is enforced by xgrammar, and
 from __future__ import annotations
 
 import json
-import os
 
 import jsonschema
 import openai
@@ -196,7 +195,8 @@ def test_required_with_thinking_on_gives_reasoning_and_a_valid_call(client, stre
 def test_auto_parses_two_calls_and_the_text_around_them(client, stream):
     content, _, calls, finish = ask(client, stream, tools=TOOLS, extra_body={"ebnf": ebnf_exactly(SCRIPT)})
     assert content == "Let me check."
-    assert [(n, json.loads(a)) for _, n, a in calls] == [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "CET"})]
+    assert [(n, json.loads(a)) for _, n, a in calls] == [("get_weather", {"city": "Paris"}),
+                                                         ("get_time", {"tz": "CET"})]
     assert len({i for i, _, _ in calls}) == 2 and finish == "tool_calls"
 
 
@@ -215,7 +215,8 @@ def test_tool_choice_none_leaves_the_text_alone(client):
 def test_history_with_calls_and_results_is_served(client):
     history = QUESTION + [
         {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "22 C"}]
     r = client.chat.completions.create(model="qwen3-tiny", messages=history, tools=TOOLS, temperature=0, max_tokens=5)
     tok = Tokenizer.from_dir(QWEN_TOKENIZER_DIR)

@@ -27,8 +27,6 @@ log = logging.getLogger("polychip.grammar")
 
 KINDS = ("json_schema", "json_object", "regex", "ebnf", "choice", "structural_tag")
 COMPILE_CACHE_BYTES = 512 * 2**20
-# JSON is generated without free whitespace (json_schema: compact separators; tool calls: at most one
-# whitespace character in a row), so a model cannot pad a value with whitespace until max_tokens
 _XGR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+?:\d+: ")     # "[15:38:02] /project/cpp/x.cc:94: "
 
 
@@ -105,10 +103,6 @@ class GrammarBackend:
                 log.info("xgrammar ready (vocab %d, %s)", info.vocab_size, info.vocab_type.name)
         return self._compiler
 
-    @property
-    def ready(self) -> bool:
-        return self._compiler is not None
-
     def prepare(self) -> None:
         """Load xgrammar and build the tokenizer table now (e.g. in a background thread)."""
         self._ensure()
@@ -118,7 +112,7 @@ class GrammarBackend:
         """The compiled grammar (cached by xgrammar per spec); a bad spec is an InvalidRequestError
         naming the field and xgrammar's reason."""
         comp = self._ensure()
-        try:
+        try:   # JSON without free whitespace: a model cannot pad a value with spaces until max_tokens
             if spec.kind == "json_schema":
                 return comp.compile_json_schema(spec.source, any_whitespace=False, strict_mode=True)
             if spec.kind == "json_object":
