@@ -127,6 +127,19 @@ def test_tools_without_a_known_format_are_refused(qwen_tok):
 
 
 def test_server_wide_thinking_defaults():
+    import argparse
+
+    from polychip.commands.options import add_config_args, config_from_args
+    p = argparse.ArgumentParser()
+    add_config_args(p, ServerConfig)
+    cfg = config_from_args(p.parse_args(["--default-chat-template-kwargs", '{"enable_thinking": false}']), ServerConfig)
+    assert cfg.chat_template_defaults() == {"enable_thinking": False}
+    cfg = config_from_args(p.parse_args(["--enable-thinking", "false", "--tool-call-parser", "qwen"]), ServerConfig)
+    assert (cfg.chat_template_defaults(), cfg.tool_call_parser) == ({"enable_thinking": False}, "qwen")
+    for bad in (["--enable-thinking", "maybe"], ["--default-chat-template-kwargs", "{nope"],
+                ["--default-chat-template-kwargs", "[1]"], ["--tool-call-parser", "hermes2"]):
+        with pytest.raises(SystemExit):
+            p.parse_args(bad)
     assert ServerConfig(enable_thinking=False).chat_template_defaults() == {"enable_thinking": False}
     both = ServerConfig(default_chat_template_kwargs={"enable_thinking": True, "x": 1}, enable_thinking=False)
     assert both.chat_template_defaults() == {"enable_thinking": False, "x": 1}
