@@ -7,11 +7,16 @@ import sys
 
 COMMANDS = {
     "serve": "start the OpenAI-compatible server",
+    "router": "one OpenAI endpoint over many replicas (health, failover, canary)",
     "generate": "generate text offline from a prompt",
     "devices": "list device plugins and their devices",
     "probe": "check a device spec step by step before serving",
     "coverage": "show which op implementation a model uses on a device",
     "bench": "benchmarks: serving, compare, peers",
+    "pack": "write a signed offline model package (.pcpkg)",
+    "verify": "check a package's signature, hashes and target without loading it",
+    "inspect": "show a package's devices, plan, versions and files",
+    "keygen": "make an Ed25519 key pair for signing packages",
 }
 
 

@@ -18,6 +18,23 @@ REASONING_PARSERS = ("qwen3",)
 TOOL_CALL_PARSERS = ("qwen25", "qwen")
 RESERVED_TEMPLATE_ARGS = ("messages", "add_generation_prompt", "bos_token", "eos_token", "tools")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+QUANTIZATIONS = ("int8",)      # weight-only, per output channel (polychip/quant)
+
+
+TP_GROUP = "tensor parallelism (SGLang's flags; --tp-size counts ranks on all nodes)"
+
+
+def parse_host_port(text: str, what: str = "address") -> tuple[str, int]:
+    """'10.0.0.1:5000' or '[::1]:5000' -> (host, port); a ConfigError naming ``what`` otherwise."""
+    s = str(text)
+    if s.startswith("["):
+        host, sep, port = s[1:].partition("]:")
+    else:
+        host, sep, port = s.rpartition(":")
+    if not sep or not host or (":" in host and not s.startswith("[")) or not port.isdigit() \
+            or not 0 < int(port) < 65536:
+        raise ConfigError(f"{what} must be HOST:PORT with a port in 1..65535 (IPv6 as [ADDR]:PORT), got {text!r}")
+    return host, int(port)
 
 
 def option(default, help: str, *, group: str, flag: str | None = None, choices: tuple | None = None):
@@ -55,12 +72,16 @@ class _FromKwargs:
 @dataclass(frozen=True)
 class EngineConfig(_FromKwargs):
     # model
-    model_path: str | None = option(None, "HF folder or .gguf file (default: the embedded SmolLM2)",
-                                    group="model")
+    model_path: str | None = option(None, "HF folder, .gguf file or .pcpkg package (default: the embedded "
+                                          "SmolLM2)", group="model")
     served_model_name: str | None = option(None, "model name the API reports (default: the model path)",
                                            group="model")
     dtype: str = option("auto", "compute dtype (auto: the device's choice for the model)", group="model",
                         choices=MODEL_DTYPES)
+    quantization: str | None = option(None, "int8: weight-only int8 with per-output-channel scales for every "
+                                            "linear layer and the lm_head (a tied one gets an int8 copy; the "
+                                            "embedding stays); default: the weights as stored", group="model",
+                                      choices=QUANTIZATIONS)
     max_model_len: int | None = option(None, "context length (default: the model's own)", group="model")
     cache_dir: str | None = option(None, "where converted GGUF weights are cached "
                                          "(default: $POLYCHIP_CACHE or ~/.cache/polychip)", group="model")
@@ -86,10 +107,24 @@ class EngineConfig(_FromKwargs):
     enable_fusion: bool = option(True, "no fused qkv / gate-up / add+norm ops", group="KV pool and scheduler",
                                  flag="--disable-fusion")
     seed: int = option(0, "seed of the sampler's default generator", group="KV pool and scheduler")
+    # tensor parallelism (SGLang's flags): tp_size counts ranks across all nodes
+    tp_size: int = option(1, "ranks, one per device, that each hold 1/N of every layer", group=TP_GROUP)
+    nnodes: int = option(1, "hosts; run the same command on each, with its --node-rank", group=TP_GROUP)
+    node_rank: int = option(0, "this host's number; node 0 schedules and serves HTTP", group=TP_GROUP)
+    dist_init_addr: str | None = option(None, "HOST:PORT where node 0 hosts the rendezvous (needed with "
+                                              "--nnodes > 1)", group=TP_GROUP)
+    dist_timeout: float = option(30.0, "seconds a collective waits for a peer before the group is declared "
+                                       "failed", group=TP_GROUP)
+    dist_init_timeout: float = option(120.0, "seconds every rank gets to join; then the missing ones are named",
+                                      group=TP_GROUP)
+    allreduce_fp32: bool = option(True, "sum bfloat16/float16 all-reduces in their own dtype, not float32",
+                                  group=TP_GROUP, flag="--disable-allreduce-fp32")
 
     def __post_init__(self):
         _check_choice("dtype", self.dtype, MODEL_DTYPES)
         _check_choice("schedule_policy", self.schedule_policy, SCHEDULE_POLICIES)
+        if self.quantization is not None:
+            _check_choice("quantization", self.quantization, QUANTIZATIONS)
         _check_min(self, ("page_size", "chunked_prefill_size", "max_running_requests", "max_model_len",
                           "num_threads"), 1)
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
@@ -99,6 +134,29 @@ class EngineConfig(_FromKwargs):
             raise ConfigError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
         if not isinstance(self.plugins, tuple):
             raise ConfigError("plugins must be a tuple of module paths or files")
+        self._check_parallel()
+
+    def _check_parallel(self) -> None:
+        for name in ("tp_size", "nnodes"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        if self.quantization is not None and self.tp_size > 1:
+            raise ConfigError(f"quantization {self.quantization!r} cannot be sharded yet: tensor parallelism "
+                              f"(tp_size {self.tp_size}) runs float weights only")
+        if self.tp_size % self.nnodes:
+            raise ConfigError(f"tp_size ({self.tp_size}) counts ranks across all nodes and must be a multiple of "
+                              f"nnodes ({self.nnodes})")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"node_rank must be in 0..{self.nnodes - 1} for nnodes {self.nnodes}, "
+                              f"got {self.node_rank}")
+        if self.nnodes > 1 and self.dist_init_addr is None:
+            raise ConfigError(f"nnodes {self.nnodes} needs dist_init_addr HOST:PORT (node 0's address, the same "
+                              "on every node)")
+        if self.dist_init_addr is not None:
+            parse_host_port(self.dist_init_addr, "dist_init_addr")
+        for name in ("dist_timeout", "dist_init_timeout"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)
@@ -126,6 +184,24 @@ class ServerConfig(_FromKwargs):
               "e.g. '{\"enable_thinking\": false}'", group="server")
     skip_server_warmup: bool = option(False, "report ready without the warm-up forwards (one per batch "
                                              "shape) after the model loads", group="server")
+    # limits on what one request may ask
+    max_tokens_default: int | None = option(
+        None, "max_tokens of a chat request that gives none (default: the rest of the context, as OpenAI; "
+              "text completions keep OpenAI's 16)", group="request limits")
+    max_stop_strings: int = option(16, "most stop strings (and, separately, stop_token_ids) one request may "
+                                       "give; more get 400", group="request limits")
+    max_stop_chars: int = option(4096, "most characters all of a request's stop strings may have together; "
+                                       "more get 400", group="request limits")
+    special_tokens_in_content: bool = option(
+        False, "read special-token text in chat messages (e.g. '<|im_end|>') as the control token; by default "
+               "it is plain text and only the chat template's own markers are special", group="request limits")
+    # connections
+    timeout_keep_alive: float = option(5.0, "seconds an idle connection (no request under way) stays open",
+                                       group="connections")
+    timeout_request_header: float = option(10.0, "seconds a request's headers may take to arrive once it "
+                                                 "has begun; then the connection is closed", group="connections")
+    timeout_request_body: float = option(60.0, "seconds a request body may take to arrive; then 408",
+                                         group="connections")
 
     def __post_init__(self):
         if not 0 < self.port < 65536:
@@ -142,8 +218,12 @@ class ServerConfig(_FromKwargs):
             clash = sorted(set(RESERVED_TEMPLATE_ARGS) & set(kwargs))
             if clash:
                 raise ConfigError(f"default_chat_template_kwargs cannot set {clash}; the server sets them")
-        _check_min(self, ("max_waiting_requests", "max_request_body_bytes"), 1)
+        _check_min(self, ("max_waiting_requests", "max_request_body_bytes", "max_tokens_default",
+                          "max_stop_strings", "max_stop_chars"), 1)
         _check_min(self, ("graceful_shutdown_timeout",), 0)
+        for name in ("timeout_keep_alive", "timeout_request_header", "timeout_request_body"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
 
     def chat_template_defaults(self) -> dict:
         """The chat-template arguments every request starts from; --enable-thinking beats the JSON."""

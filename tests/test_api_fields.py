@@ -69,7 +69,7 @@ def test_seed_repeats_and_differs(client):
 def test_user_is_logged_with_the_request_id(client, server):
     r = chat(client, user="alice\nforged")
     rid = r.id.removeprefix("chatcmpl-")
-    assert any(rid in line and "user=alice\\nforged" in line for line in server.lines), server.log[-2000:]
+    assert any(rid in line and "user=alice\\x0aforged" in line for line in server.lines), server.log[-2000:]
 
 
 def test_stop_with_and_without_the_stop_string(client):

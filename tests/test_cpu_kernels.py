@@ -299,7 +299,8 @@ def test_kernels_off_is_a_visible_fallback(model_factory, monkeypatch):
     from polychip.models.loader import load_model
     monkeypatch.setenv("POLYCHIP_CPU_KERNELS", "0")
     monkeypatch.setattr(cpu_kernels, "_state", {})     # forget this process's earlier build
-    loaded = load_model(model_factory("llama", True), CpuPlugin(), "float32")
+    # int8 weights: the model resolves linear_int8 as well as linear (the tied logits' op)
+    loaded = load_model(model_factory("llama", True), CpuPlugin(), "float32", quantization="int8")
     assert set(cpu_ops.OPS) <= set(loaded.resolutions)        # every kernel op is used by the model
     for op in cpu_ops.OPS:
         res = loaded.resolutions[op]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from types import SimpleNamespace
 
@@ -20,13 +21,20 @@ class FakeEngine:
         self.max_waiting = max_waiting
         self.reqs: dict[str, list] = {}          # id -> [tokens left, tokens made]
         self.running_cap, self.crash_at_step = running, crash_at_step
-        self.pool = SimpleNamespace(num_pages=16, allocator=SimpleNamespace(num_free=16))
-        self.cache = SimpleNamespace(num_pages=0)
+        self.tokenizer = SimpleNamespace(min_tokens=lambda text: len(text) // 4)
+        self.max_model_len = 64
         self.counters, self.stage_seconds = {"steps": 0, "requests_aborted": 0}, {"forward": 0.0}
 
-    def add_request(self, prompt, params, request_id, priority, arrival):
-        if not prompt:
+    def stats(self):
+        return SimpleNamespace(num_waiting=self.num_waiting, num_running=self.num_running)
+
+    def check_request(self, prompt_ids, params):
+        if not prompt_ids:
             raise InvalidRequestError("prompt is empty")
+
+    def add_request(self, prompt, params, request_id, priority, arrival):
+        if request_id in self.reqs:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
         self.reqs[request_id] = [params.max_tokens, 0]
         return request_id
 
@@ -94,11 +102,29 @@ def test_invalid_request_admits_none_of_the_group():
     eng = FakeEngine()
 
     async def go(ae):
-        with pytest.raises(InvalidRequestError):
+        with pytest.raises(InvalidRequestError, match="empty"):      # checked before any is added
             await ae.submit([sub("b-0"), sub("b-1", prompt=())])
+        assert eng.counters["requests_aborted"] == 0
+        with pytest.raises(InvalidRequestError, match="in use"):     # the engine refuses the second add
+            await ae.submit([sub("b-2"), sub("b-2")])
         return await ae.call(lambda e: dict(e.reqs))
     assert run(go, eng) == {}
-    assert eng.counters["requests_aborted"] == 1          # the first one was rolled back
+    assert eng.counters["requests_aborted"] == 1          # the first b-2 was rolled back
+
+
+def test_a_group_larger_than_the_queue_is_a_400_not_a_503():
+    async def go(ae):
+        with pytest.raises(InvalidRequestError, match="never holds more than 2"):
+            await ae.submit([sub(f"h-{i}") for i in range(3)])
+        stream = await ae.submit([sub("h-ok-0"), sub("h-ok-1")])      # the limit itself is fine
+        return [out.finished async for _, out in stream][-1]
+    assert run(go, FakeEngine(max_waiting=2))
+
+
+def test_inbox_messages_are_typed():
+    from polychip.engine import async_engine as m
+    for cls in (m.AddGroup, m.Abort, m.AbortAll, m.Call):
+        assert dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen
 
 
 def test_overload_refuses_beyond_the_waiting_limit():

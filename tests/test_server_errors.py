@@ -46,7 +46,7 @@ def assert_pool_whole(http):
         time.sleep(0.05)
     assert info["num_running"] == info["num_waiting"] == 0, info
     assert info["kv_pool"]["integrity"] == "ok", info
-    info = http.post("/flush_cache").json()
+    info = http.post("/flush_cache", json={}).json()
     assert info["kv_pool"]["free_pages"] == info["kv_pool"]["num_pages"], info
     assert http.get("/health").status_code == 200
 
@@ -120,10 +120,8 @@ def test_bad_input(http, name, path, body, status, param, text):
     assert_pool_whole(http)
 
 
-def test_lenient_inputs(http):
-    """curl's default content-type still parses as JSON; a tiny temperature means greedy."""
-    r = http.post("/v1/completions", content=b'{"prompt": "hi", "max_tokens": 6, "temperature": 0}',
-                  headers={"content-type": "application/x-www-form-urlencoded"})
+def test_tiny_temperature_is_greedy(http):
+    r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 6, "temperature": 0})
     assert r.status_code == 200, r.text
     tiny = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 6, "temperature": 1e-40})
     assert tiny.json()["choices"][0]["text"] == r.json()["choices"][0]["text"]
@@ -147,6 +145,14 @@ def test_api_key_required(server, headers, http):
         openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
     assert httpx.get(server.url + "/health").status_code == 200          # probes need no key
     assert_pool_whole(http)
+
+
+@pytest.mark.parametrize("method,path", [("POST", "/flush_cache"), ("GET", "/server_info")])
+def test_admin_routes_need_the_key(server, method, path):
+    r = httpx.request(method, server.url + path, json={})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    r = httpx.request(method, server.url + path, json={}, headers=AUTH)
+    assert r.status_code == 200 and r.json()["kv_pool"]["integrity"] == "ok"
 
 
 def test_unknown_route_and_method(http):
@@ -196,7 +202,7 @@ def test_overload_gives_503_with_retry_after(server, http):
 
 
 def test_stream_disconnect_aborts_and_frees_pages(server, http):
-    http.post("/flush_cache")
+    http.post("/flush_cache", json={})
     aborted = engine_state(http)["counters"].get("requests_aborted", 0)
     client, resp = _open_stream(server)
     lines = resp.iter_lines()

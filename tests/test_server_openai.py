@@ -28,7 +28,7 @@ def client(server):
 
 def pool(server) -> dict:
     """KV pool after emptying the prefix cache: every page must be free again."""
-    info = httpx.post(server.url + "/flush_cache", timeout=30).json()
+    info = httpx.post(server.url + "/flush_cache", json={}, timeout=30).json()
     assert info["kv_pool"]["integrity"] == "ok"
     return info
 
@@ -191,6 +191,7 @@ def test_metrics_move(client, server):
         _value(before, "polychip_engine_stage_seconds_total", stage="forward")
     assert _value(after, "polychip_device_memory_bytes", plugin="cpu", device="0", kind="total") > 0
     assert _value(after, "polychip_kv_pool_pages_total") == 256
+    assert _value(after, "polychip_kv_pool_bytes") > 0
     for g in ("polychip_num_requests_waiting", "polychip_num_requests_running", "polychip_kv_pool_usage_ratio",
               "polychip_prefix_cache_hit_rate"):
         assert g in after, g

@@ -147,10 +147,11 @@ def test_generate_bad_input_is_a_400(http, body, needle):
 
 def test_flush_cache_and_health_generate(http):
     http.post("/generate", json={"text": "fill the cache " * 8, "sampling_params": {"max_new_tokens": 2}})
-    for method in ("GET", "POST"):
-        r = http.request(method, "/flush_cache")
+    for method in ("GET", "POST"):           # a POST body is JSON or nothing (the server refuses forms)
+        r = http.request(method, "/flush_cache", headers={"content-type": "application/json"})
         assert r.status_code == 200
         info = r.json()
         assert info["message"] == "Cache flushed." and info["kv_pool"]["integrity"] == "ok"
         assert info["kv_pool"]["free_pages"] == info["kv_pool"]["num_pages"]
+    assert http.post("/flush_cache").status_code == 200       # an empty POST needs no content type
     assert http.get("/health_generate").status_code == 200

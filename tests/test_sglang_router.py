@@ -95,6 +95,9 @@ def test_router_spreads_load_and_survives_a_dead_worker(model_factory):
         counts = [served(w) for w in workers]
         print(f"\n32 requests through sglang-router (cache_aware): worker 0 served {counts[0]}, worker 1 {counts[1]}")
         assert sum(counts) == 32 and min(counts) > 0, counts
+        flushed = httpx.post(router.url + "/flush_cache", timeout=30)     # fanned out to every worker
+        print(f"router POST /flush_cache: {flushed.status_code} {flushed.text[:300]}")
+        assert flushed.status_code == 200 and flushed.json()["workers_flushed"] == 2, flushed.text
 
         dead, alive = workers
         t0 = time.monotonic()

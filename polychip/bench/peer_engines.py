@@ -33,6 +33,8 @@ class PolychipPeer:
 
     def __init__(self, model_path: str | None, device: str = "cpu", **engine_args):
         from polychip.engine.llm import LLM
+        if engine_args.get("quantization"):
+            self.name = f"polychip {engine_args['quantization']}"
         self.llm = LLM(model_path, dtype="float32", device=device, **engine_args)
         self._warm()
 

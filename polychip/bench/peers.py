@@ -15,7 +15,8 @@ from polychip.bench.peer_engines import LlamaCppPeer, PolychipPeer, Transformers
 
 log = logging.getLogger("polychip.bench")
 
-ENGINES = ("polychip", "hf-naive", "hf-static", "llama.cpp")
+# polychip-int8: the same engine with --quantization int8 (its rooflines are the float32 weights')
+ENGINES = ("polychip", "polychip-int8", "hf-naive", "hf-static", "llama.cpp")
 TARGETS = {"hf-naive": 5.0, "hf-static": 1.7, "llama.cpp": 2.0}   # polychip output tok/s ratios
 
 
@@ -54,6 +55,9 @@ def _model_files(model_path: str | None) -> tuple[str, str | None]:
 def _make(name: str, cfg: PeersConfig, folder: str, gguf_path: str | None, plugin):
     if name == "polychip":
         return PolychipPeer(cfg.model_path, cfg.device, max_running_requests=max(cfg.concurrency, 1))
+    if name == "polychip-int8":
+        return PolychipPeer(cfg.model_path, cfg.device, max_running_requests=max(cfg.concurrency, 1),
+                            quantization="int8")
     if name in ("hf-naive", "hf-static"):
         return TransformersPeer(folder, name == "hf-static", plugin)
     if name == "llama.cpp":
@@ -207,6 +211,9 @@ def peers_table(res: dict) -> str:
                      f"{'-' if ratio is None else f'{ratio:.2f}x'} |")
     for key, why in res["skipped"].items():
         lines.append(f"| {key} | skipped: {why} |||||||")
+    if "polychip-int8" in res["engines"]:
+        lines += ["", "polychip int8: weight-only int8 (--quantization int8); its % columns are of the float32 "
+                      "rooflines, and the polychip x column is float32 over int8"]
     return "\n".join(lines)
 
 

@@ -164,7 +164,7 @@ def _peers_parser(sub) -> None:
     p.add_argument("--num-prompts", type=int, default=None, help="default: one wave of --concurrency")
     p.add_argument("--decode-tokens", type=int, default=64, help="single-stream decode length")
     p.add_argument("--shared-prefix-len", type=int, default=700, help="prefix-cache check (0: skip)")
-    p.add_argument("--engines", default="polychip,hf-naive,hf-static,llama.cpp")
+    p.add_argument("--engines", default="polychip,polychip-int8,hf-naive,hf-static,llama.cpp")
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu",

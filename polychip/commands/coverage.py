@@ -12,6 +12,7 @@ import sys
 import torch
 
 from polychip.commands.common import fail
+from polychip.config import QUANTIZATIONS
 from polychip.errors import PolychipError
 
 PROMPT_TOKENS = 8
@@ -43,7 +44,8 @@ def one_forward(lm, plugin, n_tokens: int = PROMPT_TOKENS) -> None:
             plugin.free(v)
 
 
-def coverage_rows(model_path, device, plugins=(), device_config=None, dtype="auto", enable_fusion=True):
+def coverage_rows(model_path, device, plugins=(), device_config=None, dtype="auto", enable_fusion=True,
+                  quantization=None):
     from polychip.devices.discovery import open_device
     from polychip.models.loader import load_model
     from polychip.ops.native import register_native
@@ -53,21 +55,25 @@ def coverage_rows(model_path, device, plugins=(), device_config=None, dtype="aut
         registry = RecordingRegistry(plugin.name)
         register_native(registry)
         plugin.register_ops(registry)
-        lm = load_model(model_path, plugin, dtype, enable_fusion, registry=registry)
+        lm = load_model(model_path, plugin, dtype, enable_fusion, registry=registry, quantization=quantization)
         one_forward(lm, plugin)
-        exact = set(registry.plugin_ops())
-
-        def why(r):
-            if r.is_fallback:
-                return r.reason
-            return f"registered for {r.dtype}" if (r.name, r.version, r.dtype) in exact else \
-                "registered for any dtype ('*')"
-
-        rows = [{"op": r.name, "version": r.version, "dtype": r.dtype, "calls": calls,
-                 "implementation": r.source, "reason": why(r)} for r, calls in registry.used()]
-        return rows, lm, plugin
+        return op_rows(registry), lm, plugin
     finally:
         plugin.destroy()
+
+
+def op_rows(registry) -> list[dict]:
+    """One row per op a recorded forward called: implementation, calls and why (also plan.json's)."""
+    exact = set(registry.plugin_ops())
+
+    def why(r):
+        if r.is_fallback:
+            return r.reason
+        return f"registered for {r.dtype}" if (r.name, r.version, r.dtype) in exact else \
+            "registered for any dtype ('*')"
+
+    return [{"op": r.name, "version": r.version, "dtype": r.dtype, "calls": calls,
+             "implementation": r.source, "reason": why(r)} for r, calls in registry.used()]
 
 
 def format_table(rows: list[dict]) -> str:
@@ -86,11 +92,12 @@ def main(argv: list[str]) -> int:
     p.add_argument("--device-config", default=None)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--disable-fusion", action="store_true")
+    p.add_argument("--quantization", default=None, choices=QUANTIZATIONS, help="int8 weights (linear_int8 ops)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     try:
         rows, lm, plugin = coverage_rows(args.model_path, args.device, args.plugins, args.device_config,
-                                         args.dtype, not args.disable_fusion)
+                                         args.dtype, not args.disable_fusion, args.quantization)
     except PolychipError as e:
         return fail(e)
     if args.json:

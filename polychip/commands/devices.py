@@ -1,4 +1,5 @@
-"""polychip devices [--json] [--device-config FILE] [--plugin P]: every plugin and its devices.
+"""polychip devices [--json] [--device-config FILE] [--plugin P]: every plugin and its devices,
+then the version matrix (plugin and API version, driver, runtime, collective library, firmware).
 
 A plugin that failed to import, declared another API version or is not available is shown
 with the step that failed and why; it is never dropped.
@@ -9,6 +10,7 @@ import argparse
 import json
 
 from polychip.devices.discovery import PluginRecord, discover_plugins, init_plugin
+from polychip.devices.plugin import VERSION_KEYS
 from polychip.devices.spec import DeviceSpec, check_against_devices, fmt_bytes, load_spec
 from polychip.errors import PolychipError
 
@@ -22,7 +24,7 @@ def _device_row(cls, spec: DeviceSpec | None, index: int) -> dict:
         info = next(i for i in plugin.discover() if i.index == index)
         free, total = plugin.mem_info()
         row.update(name=info.name, total_memory=total, free_memory=free, dtypes=list(info.dtypes),
-                   compute=info.compute, topology=info.topology)
+                   compute=info.compute, topology=info.topology, versions=dict(plugin.versions()))
     except Exception as e:  # the point is to show it, whatever it is
         row.update(status="Error", reason=str(e) if isinstance(e, PolychipError) else f"{type(e).__name__}: {e}")
     finally:
@@ -43,7 +45,7 @@ def describe(rec: PluginRecord, spec: DeviceSpec | None) -> dict:
         return out
     spec = spec if spec is not None and spec.device_type == rec.name else None
     try:
-        infos = p.discover()
+        infos = p.discover_for(spec)
         if spec is not None:
             out["spec"] = spec.source
             check_against_devices(spec, rec.name, infos)
@@ -73,16 +75,57 @@ def _text(entry: dict) -> list[str]:
     return lines
 
 
+def version_matrix(entries: list[dict]) -> list[str]:
+    """One row per ready device: plugin and API version, then each ``versions()`` entry."""
+    rows = [(f"{e['name']}:{d['index']}", e["plugin_version"] or "?", str(e["api_version"]), d["versions"])
+            for e in entries if e["status"] == "Ready" for d in e["devices"] if d["status"] == "Ready"]
+    if not rows:
+        return []
+    extra = sorted({k for *_, v in rows for k in v} - set(VERSION_KEYS))
+    cols = ["device", "plugin", "api", *VERSION_KEYS, *extra]
+    cells = [[dev, pv, api, *(v.get(k, "-") for k in (*VERSION_KEYS, *extra))] for dev, pv, api, v in rows]
+    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(cols)]
+    fmt = lambda vals: "  ".join(v.ljust(w) for v, w in zip(vals, widths)).rstrip()  # noqa: E731
+    return ["", "Version matrix:", fmt(cols)] + [fmt(r) for r in cells]
+
+
+def rank_rows(args) -> list[dict]:
+    """Each tensor-parallel rank of this node with the device it would open, and that device's memory."""
+    from polychip.config import EngineConfig
+    from polychip.devices.discovery import open_device
+    from polychip.distributed.world import World, local_devices
+    config = EngineConfig(device=args.device, plugins=tuple(args.plugins), device_config=args.device_config,
+                          tp_size=args.tp_size, nnodes=args.nnodes, node_rank=args.node_rank,
+                          dist_init_addr="127.0.0.1:1" if args.nnodes > 1 else None)
+    world = World.from_config(config)
+    rows = []
+    for rank, device in zip(world.local_ranks, local_devices(config, world)):
+        plugin = open_device(device, tuple(args.plugins), args.device_config)
+        try:
+            free, total = plugin.mem_info()
+        finally:
+            plugin.destroy()
+        rows.append({"rank": rank, "node": world.node_rank, "device": device, "backend": plugin.communicator_backend(),
+                     "free_memory": free, "total_memory": total})
+    return rows
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="polychip devices", description=__doc__)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--device-config", default=None, help="device spec YAML applied to the plugin it names")
     p.add_argument("--plugin", action="append", default=[], dest="plugins",
                    help="extra device plugin: module.path or path/to/plugin.py (repeatable)")
+    g = p.add_argument_group("tensor parallelism: also show the device and memory of each rank on this node")
+    g.add_argument("--tp-size", type=int, default=None)
+    g.add_argument("--nnodes", type=int, default=1)
+    g.add_argument("--node-rank", type=int, default=0)
+    g.add_argument("--device", default="auto", help="the plugin the ranks use (as for serve)")
     args = p.parse_args(argv)
     from polychip.commands.common import fail
     try:
         spec = load_spec(args.device_config) if args.device_config else None
+        ranks = rank_rows(args) if args.tp_size else None
     except PolychipError as e:
         return fail(e)
     entries = [describe(rec, spec) for rec in discover_plugins(tuple(args.plugins))]
@@ -90,8 +133,14 @@ def main(argv: list[str]) -> int:
         return fail(PolychipError(f"{spec.source}: device_type: no plugin named {spec.device_type!r}; "
                                   f"found {[e['name'] for e in entries]}"))
     if args.json:
-        print(json.dumps(entries, indent=2))
-    else:
-        for e in entries:
-            print("\n".join(_text(e)))
+        print(json.dumps(entries if ranks is None else {"plugins": entries, "ranks": ranks}, indent=2))
+        return 0
+    for e in entries:
+        print("\n".join(_text(e)))
+    print("\n".join(version_matrix(entries)))
+    if ranks is not None:
+        print(f"tensor parallel --tp-size {args.tp_size} over {args.nnodes} node(s); node {args.node_rank} runs:")
+        for r in ranks:
+            print(f"  rank {r['rank']}: {r['device']} ({r['backend']})  memory {fmt_bytes(r['free_memory'])} free / "
+                  f"{fmt_bytes(r['total_memory'])}")
     return 0

@@ -21,16 +21,25 @@ def main(argv: list[str]) -> int:
     p.add_argument("--enable-thinking", choices=["true", "false"], default=None,
                    help="Qwen3 thinking switch, passed to the chat template")
     add_engine_args(p)
+    from polychip.commands.options import add_config_args, config_from_args
+    from polychip.package.opening import PackageOptions, engine_config_for
+    add_config_args(p, PackageOptions)
     add_log_level_arg(p)
     args = p.parse_args(argv)
     setup_logging(args.log_level)
     from polychip.engine.llm import LLM
     from polychip.engine.sampling_params import SamplingParams
+    llm = None
     try:
         sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k)
         t0 = time.perf_counter()
-        llm = LLM.from_config(engine_config_from_args(args))
+        # a .pcpkg is verified and extracted before anything of it is loaded (on every node)
+        config = engine_config_for(engine_config_from_args(args), config_from_args(args, PackageOptions))
+        if config.node_rank > 0:     # this host only runs its worker ranks; node 0 prints the text
+            from polychip.engine.tp import run_node
+            return run_node(config)
+        llm = LLM.from_config(config)
         print(f"[model loaded in {time.perf_counter() - t0:.1f}s]", file=sys.stderr)
         if args.chat:
             msgs = ([{"role": "system", "content": args.system}] if args.system else [])
@@ -41,6 +50,9 @@ def main(argv: list[str]) -> int:
             out = llm.generate(args.prompt, sp)[0]
     except PolychipError as e:
         return fail(e)
+    finally:
+        if llm is not None:
+            llm.shutdown()
     print(out.text)
     tpot = f"{out.tpot * 1000:.1f} ms" if out.tpot else "n/a"
     print(f"[{len(out.token_ids)} tokens, finish={out.finish_reason}, ttft={out.ttft:.2f}s, "

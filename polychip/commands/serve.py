@@ -27,13 +27,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="polychip serve", description=__doc__)
     add_engine_args(p)
     add_config_args(p, ServerConfig)
+    p.add_argument("--dp-size", type=int, default=None, help="N replicas behind a router (polychip router)")
+    from polychip.package.opening import PackageOptions
+    add_config_args(p, PackageOptions)
     return p
 
 
 def bind(host: str, port: int) -> socket.socket:
     """Bind before loading the model, so a busy port fails in a second, not after the load."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)   # proto TCP: asyncio then sets TCP_NODELAY on accepted connections
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
@@ -65,24 +68,38 @@ def progress(label: str):
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a == "--dp-size" or a.startswith("--dp-size=") for a in argv):   # N replicas behind a router
+        from polychip.commands.router import serve_dp
+        return serve_dp(argv)
+    args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
     try:
         engine_config = engine_config_from_args(args)
         server_config = config_from_args(args, ServerConfig)
+        if engine_config.node_rank > 0:     # only node 0 serves HTTP; the others run their worker ranks
+            from polychip.engine.tp import run_node
+            return run_node(_open_package(engine_config, args))
         sock = bind(server_config.host, server_config.port)
     except PolychipError as e:
         return fail(e)
     try:
-        return _serve(engine_config, server_config, sock)
+        return _serve(_open_package(engine_config, args), server_config, sock)
     except PolychipError as e:
         return fail(e)
     finally:
         sock.close()
 
 
+def _open_package(engine_config: EngineConfig, args: argparse.Namespace) -> EngineConfig:
+    """A .pcpkg --model-path verified and extracted before anything of it is loaded (else as is)."""
+    from polychip.package.opening import PackageOptions, engine_config_for
+    return engine_config_for(engine_config, config_from_args(args, PackageOptions))
+
+
 def _serve(engine_config: EngineConfig, config: ServerConfig, sock: socket.socket) -> int:
     from polychip.engine.engine import Engine
+    from polychip.server.http_timeouts import uvicorn_options
     from polychip.server.openai_api import build_app
 
     grace = config.graceful_shutdown_timeout
@@ -96,7 +113,7 @@ def _serve(engine_config: EngineConfig, config: ServerConfig, sock: socket.socke
     app, state = build_app(engine, config)
     # uvicorn's own timeout is only a backstop: ReadyServer ends streams cleanly after `grace`
     uv_config = uvicorn.Config(app, log_config=None, log_level=config.log_level, access_log=False,
-                               timeout_graceful_shutdown=grace + 5, lifespan="on")
+                               timeout_graceful_shutdown=grace + 5, lifespan="on", **uvicorn_options(config))
     server = ReadyServer(uv_config, f"http://{_url_host(config.host)}:{sock.getsockname()[1]}", state.engine,
                          grace)
     # our own no-op handlers: uvicorn re-raises the signal after a graceful stop
@@ -108,6 +125,9 @@ def _serve(engine_config: EngineConfig, config: ServerConfig, sock: socket.socke
         for s, h in previous.items():
             signal.signal(s, h)
         engine.shutdown()
+    if server.fatal_reason is not None:
+        log.error("polychip stopped after a fatal fault: %s", server.fatal_reason)
+        return 1
     log.info("polychip stopped")
     return 0
 
@@ -118,6 +138,9 @@ def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
+FAULT_LINGER = 2.0   # seconds a failed server keeps answering /health (503) before it exits
+
+
 class ReadyServer(uvicorn.Server):
     """uvicorn.Server that logs one ready line with the URL once it accepts connections, and on
     shutdown gives in-flight requests ``grace`` seconds before aborting them (their streams end
@@ -126,11 +149,24 @@ class ReadyServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, url: str, async_engine, grace: float):
         super().__init__(config)
         self.url, self.async_engine, self.grace = url, async_engine, grace
+        self.fatal_reason: str | None = None
 
     async def startup(self, sockets=None):
+        loop = asyncio.get_running_loop()
+        self.async_engine.on_fault(lambda reason: loop.call_soon_threadsafe(self.fatal, reason))
         await super().startup(sockets)
         if self.started:
             log.info("polychip ready: %s (OpenAI API at %s/v1)", self.url, self.url)
+
+    def fatal(self, reason: str) -> None:
+        """The engine can never step again (a tensor-parallel rank failed): fail what is in flight,
+        answer /health with 503 for FAULT_LINGER seconds so callers can see why, then exit non-zero."""
+        if self.fatal_reason is not None:
+            return
+        self.fatal_reason = reason
+        log.error("fatal: %s; failing in-flight requests and exiting in %.0fs", reason, FAULT_LINGER)
+        self.async_engine.abort_all(f"the server failed: {reason}")
+        asyncio.get_running_loop().call_later(FAULT_LINGER, setattr, self, "should_exit", True)
 
     async def shutdown(self, sockets=None):
         ae = self.async_engine

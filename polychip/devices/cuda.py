@@ -94,6 +94,19 @@ class CudaPlugin(DevicePlugin):
     def event(self) -> Event:
         return CudaEvent()
 
+    def versions(self) -> dict[str, str]:
+        out = {"runtime": f"cuda {torch.version.cuda} (torch {torch.__version__})"}
+        try:
+            v = torch._C._cuda_getDriverVersion()          # e.g. 12040: what the driver supports
+            out["driver"] = f"cuda driver API {v // 1000}.{v % 1000 // 10}"
+        except (AttributeError, RuntimeError):
+            pass
+        try:
+            out["collective"] = "nccl " + ".".join(map(str, torch.cuda.nccl.version()))
+        except (AttributeError, RuntimeError):
+            pass
+        return out
+
     def communicator_backend(self) -> str:
         return "nccl"
 

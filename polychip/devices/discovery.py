@@ -196,7 +196,7 @@ def get_plugin(device: str = "auto", plugins: tuple[str, ...] = ()) -> DevicePlu
 
 def resolve_spec(plugin: DevicePlugin, spec: DeviceSpec | None, index: int | None) -> int:
     """Check ``spec`` against the devices the plugin reports; return the device index to open."""
-    infos = plugin.discover()
+    infos = plugin.discover_for(spec)
     if spec is not None:
         check_against_devices(spec, plugin.name, infos)
         if index is None:

@@ -19,6 +19,8 @@ import torch
 #: version 1 of every op: name -> signature. Implementations are registered per dtype (or '*').
 OPS = {
     "linear": "linear(x [T, in], weight [out, in], bias [out] | None) -> [T, out]",
+    "linear_int8": "linear_int8(x [T, in], qweight [out, in] int8, scales [out] in x's dtype, bias [out] | None) "
+                   "-> [T, out] = (x qweight^T) * scales + bias: weight-only int8, one scale per output row",
     "embedding": "embedding(ids [T] int64, weight [vocab, hidden]) -> [T, hidden]",
     "rms_norm": "rms_norm(x [..., hidden], weight [hidden], eps: float) -> x's shape",
     "add_rms_norm": "add_rms_norm(x, residual, weight, eps) -> (rms_norm(x + residual), x + residual)",

@@ -12,6 +12,8 @@ from typing import Any, Callable
 import torch
 
 API_VERSION = 1
+#: the version-matrix entries ``versions()`` reports where they apply; a plugin may add others
+VERSION_KEYS = ("driver", "runtime", "collective", "firmware")
 
 
 @dataclass
@@ -94,6 +96,11 @@ class DevicePlugin(abc.ABC):
     @abc.abstractmethod
     def discover(self) -> list[DeviceInfo]: ...
 
+    def discover_for(self, spec: Any) -> list[DeviceInfo]:
+        """The devices as a spec will see them, before ``init``. The same as ``discover()`` unless
+        the plugin's devices are shares of one host that a spec declares (the cpu plugin)."""
+        return self.discover()
+
     # lifecycle
     def init(self, spec: Any = None, index: int = 0) -> None:
         """Prepare device ``index``; ``spec`` is the validated device spec, if any.
@@ -147,13 +154,23 @@ class DevicePlugin(abc.ABC):
         """Add op implementations to ``registry`` keyed by (name, version, dtype)."""
 
     def communicator_backend(self) -> str:
-        """Name of the ``torch.distributed`` backend for collectives."""
+        """Name of the ``torch.distributed`` backend for collectives: "gloo" (host memory), "nccl"
+        (CUDA), or a vendor's. A vendor library that brings its own registers it first with
+        ``torch.distributed.Backend.register_backend(name, create_fn, devices=[...])`` (at import
+        of the plugin module, so every worker process has it) and returns ``name`` here; a name
+        torch does not know fails tensor parallelism with an error naming plugin and backend."""
         return "gloo"
 
     def compile(self, fn: Callable) -> Callable:
         """Reserved, not yet called by the engine (the model runner runs eager; issue 17 wires
         it in). It will wrap the decode step function (graph capture, torch.compile). Default: as is."""
         return fn
+
+    def versions(self) -> dict[str, str]:
+        """Optional: the software and firmware this device runs on, as the plugin knows them:
+        ``{"driver": ..., "runtime": ..., "collective": ..., "firmware": ...}`` (any subset, plus
+        other names). Packages record it when built and compare it at load. Call after ``init``."""
+        return {}
 
     def fusions(self) -> tuple[str, ...]:
         """Fusion patterns this plugin wants the rewrite pass to apply."""

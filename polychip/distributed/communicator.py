@@ -1,118 +1,142 @@
-"""Communicator: torch.distributed with the backend the device plugin names (gloo, nccl, a vendor's).
+"""Communicator: collectives over ``torch.distributed`` with the backend the device plugin names.
 
-``selftest`` spawns one process per declared device on localhost, each opening its device through
-the plugin, and checks one all_reduce. Rendezvous goes through a temporary file, not a port.
+One instance per process and rank. It owns two groups and every collective names one of them:
+
+* ``group``: the plugin's backend (gloo, nccl, a vendor's) for tensors on the device: the
+  row-parallel all-reduces, the vocabulary all-gather, barriers;
+* ``control``: gloo on the host for small Python objects (rank 0's step broadcast). Like SGLang's
+  CPU group, it keeps pickled metadata off the device link whatever the device backend is.
+
+Why ``init_process_group`` at all: torch's public API builds groups (``new_group``) only on top of
+its default group, a process-wide object. A vendor backend registered with
+``torch.distributed.Backend.register_backend`` is reachable only through that path, so each
+process initialises the default group once, here, and never uses it for a collective. The
+instance creates it, owns it and destroys it in :meth:`close`; a second live communicator in the
+same process is refused with a clear error instead of sharing hidden state.
 """
 from __future__ import annotations
 
 import datetime
-import os
-import queue as queue_mod
-import shutil
-import tempfile
-import time
-from dataclasses import dataclass
+import pickle
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from polychip.errors import PluginError
 
+#: reductions of these dtypes accumulate in float32 unless ``accumulate_fp32=False``
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
+#: how long the control group waits for rank 0's next step: idle servers wait for requests.
+#: Liveness there comes from peers' closed connections and the rendezvous heartbeats, not this.
+CONTROL_TIMEOUT = datetime.timedelta(days=1)
+
+
+def check_backend(plugin_name: str, backend) -> str:
+    """The plugin's backend name if ``torch.distributed`` can use it, else a PluginError naming both."""
+    if not isinstance(backend, str) or not backend:
+        raise PluginError(f"plugin {plugin_name!r}: communicator_backend() returned {backend!r}; expected the "
+                          "name of a torch.distributed backend such as 'gloo' or 'nccl'")
+    name = backend.lower()
+    known = [b for b in dist.Backend.backend_list if b != "undefined"]
+    if name not in known:
+        raise PluginError(f"plugin {plugin_name!r} names the collective backend {backend!r}, which "
+                          f"torch.distributed does not know (known: {known}); a vendor library must call "
+                          "torch.distributed.Backend.register_backend before the plugin names it")
+    if not dist.is_backend_available(name):
+        raise PluginError(f"plugin {plugin_name!r} names the collective backend {name!r}, which this torch "
+                          f"build ({torch.__version__}) does not include", layer="hardware")
+    return name
+
 
 class Communicator:
-    """One rank of a process group. Not a global: each instance owns its group."""
+    """One rank's collectives. Not a global: each instance owns its groups.
 
-    def __init__(self, backend: str, rank: int, world_size: int, init_method: str, timeout_s: float = 60):
+    ``store`` is a ``torch.distributed`` Store every rank reaches (TCPStore across hosts, FileStore
+    on one). ``timeout_s`` bounds every device collective: a peer that hangs fails it in that time.
+    ``accumulate_fp32``: sums of bfloat16/float16 tensors run in float32 and round once at the end.
+    """
+
+    def __init__(self, backend: str, rank: int, world_size: int, store, *, timeout_s: float = 30.0,
+                 plugin_name: str = "?", device: torch.device | None = None, accumulate_fp32: bool = True):
         if not dist.is_available():
             raise PluginError("this torch build has no torch.distributed", layer="framework")
-        self.backend, self.rank, self.world_size = backend, rank, world_size
+        self.backend = check_backend(plugin_name, backend)
+        self.rank, self.world_size, self.plugin_name = rank, world_size, plugin_name
+        self.device = device or torch.device("cpu")
+        self.accumulate_fp32 = accumulate_fp32
+        self.timeout_s = timeout_s
+        if dist.is_initialized():
+            raise PluginError("torch.distributed is already initialised in this process; polychip runs one "
+                              "rank per process and owns its process group (close the other one first)",
+                              layer="framework")
+        timeout = datetime.timedelta(seconds=timeout_s)
         try:
-            dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
-                                    timeout=datetime.timedelta(seconds=timeout_s))
+            dist.init_process_group(self.backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+            self.group = dist.new_group(backend=self.backend, timeout=timeout)
+            self.control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
         except (RuntimeError, ValueError) as e:
-            raise PluginError(f"cannot start the {backend!r} process group (rank {rank} of {world_size}): {e}",
-                              layer="hardware") from None
-        self.group = dist.group.WORLD
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            raise PluginError(f"cannot start the {self.backend!r} process group for plugin {plugin_name!r} "
+                              f"(rank {rank} of {world_size}): {e}", layer="hardware") from None
 
-    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
+    # tensors, on the device group
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """In place, and returned. A bfloat16/float16 sum accumulates in float32 when the switch is on."""
+        if op == "sum" and self.accumulate_fp32 and tensor.dtype in LOW_PRECISION:
+            wide = tensor.float()
+            dist.all_reduce(wide, op=REDUCE_OPS[op], group=self.group)
+            return tensor.copy_(wide)
+        dist.all_reduce(tensor, op=REDUCE_OPS[op], group=self.group)
         return tensor
+
+    def all_gather(self, tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """Every rank's ``tensor`` concatenated along ``dim``, in rank order."""
+        part = tensor.contiguous()
+        out = torch.empty((self.world_size * part.shape[0], *part.shape[1:]), dtype=part.dtype, device=part.device)
+        dist.all_gather_single(out, part, group=self.group)
+        if dim % max(part.dim(), 1) == 0:
+            return out
+        return torch.cat(out.chunk(self.world_size, 0), dim=dim)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         dist.broadcast(tensor, src=src, group=self.group)
         return tensor
 
     def barrier(self) -> None:
-        dist.barrier(group=self.group)
+        """Every rank reaches this point: a one-element all-reduce, which any backend implements."""
+        self.all_reduce(torch.zeros(1, device=self.device))
+
+    # small Python objects, on the host control group
+    def broadcast_object(self, obj=None, src: int = 0, timeout_s: float | None = None):
+        """``obj`` from rank ``src``, returned on every rank. The sender waits at most ``timeout_s``
+        (default: the device timeout) for the receivers to take it; a receiver waits as long as the
+        control group allows, since an idle server's workers wait for the next request. Pickled, as
+        ``torch.distributed.broadcast_object_list`` does: every peer must be trusted."""
+        if self.rank == src:
+            data = pickle.dumps(obj)
+            wait = datetime.timedelta(seconds=timeout_s or self.timeout_s)
+            size = torch.tensor([len(data)], dtype=torch.int64)
+            dist.broadcast(size, src=src, group=self.control, async_op=True).wait(wait)
+            payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            dist.broadcast(payload, src=src, group=self.control, async_op=True).wait(wait)
+            return obj
+        size = torch.empty(1, dtype=torch.int64)
+        dist.broadcast(size, src=src, group=self.control)
+        payload = torch.empty(int(size.item()), dtype=torch.uint8)
+        dist.broadcast(payload, src=src, group=self.control)
+        return pickle.loads(payload.numpy().tobytes())
+
+    def all_gather_object(self, obj) -> list:
+        out = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.control)
+        return out
 
     def close(self) -> None:
+        """Destroy the groups this instance created (safe to call twice)."""
         if dist.is_initialized():
             dist.destroy_process_group()
 
-
-@dataclass
-class SelftestResult:
-    ok: bool
-    world_size: int
-    seconds: float
-    lines: list[str]
-
-
-def _selftest_worker(rank: int, world: int, init_method: str, device: str, device_ids: list[int],
-                     plugins: tuple[str, ...], spec_path: str | None, timeout_s: float, results) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")   # this child only: a localhost self-test
-    try:
-        from polychip.devices.discovery import open_device
-        plugin = open_device(f"{device}:{device_ids[rank]}", plugins, spec_path)
-        comm = Communicator(plugin.communicator_backend(), rank, world, init_method, timeout_s)
-        t = plugin.alloc((4,), torch.float32)
-        plugin.copy(t, torch.full((4,), float(rank + 1)))
-        comm.all_reduce(t)
-        plugin.synchronize()
-        got = torch.empty(4)
-        plugin.copy(got, t)
-        want = world * (world + 1) / 2
-        ok = bool(torch.equal(got, torch.full((4,), want)))
-        results.put((rank, ok, f"rank {rank} ({device}:{device_ids[rank]}, {comm.backend}): all_reduce sum = "
-                               f"{got[0].item():g}, expected {want:g}"))
-        comm.close()
-        plugin.free(t)
-        plugin.destroy()
-    except Exception as e:  # reported to the parent, which prints it
-        results.put((rank, False, f"rank {rank}: {type(e).__name__}: {e}"))
-
-
-def selftest(device: str, device_ids: list[int], plugins: tuple[str, ...] = (),
-             spec_path: str | None = None, timeout_s: float = 120) -> SelftestResult:
-    """One all_reduce across ``len(device_ids)`` spawned processes, one per device."""
-    world, t0 = len(device_ids), time.perf_counter()
-    tmp = tempfile.mkdtemp(prefix="polychip-selftest-")
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_selftest_worker, daemon=True,
-                         args=(r, world, f"file://{tmp}/rendezvous", device, list(device_ids), tuple(plugins),
-                               spec_path, timeout_s, results)) for r in range(world)]
-    try:
-        for p in procs:
-            p.start()
-        got: dict[int, tuple[bool, str]] = {}
-        deadline = time.monotonic() + timeout_s
-        while len(got) < world and time.monotonic() < deadline:
-            try:
-                rank, ok, line = results.get(timeout=0.5)
-                got[rank] = (ok, line)
-            except queue_mod.Empty:
-                if all(not p.is_alive() for p in procs) and results.empty():
-                    break
-        lines = [got[r][1] if r in got else f"rank {r}: no answer (exit code {procs[r].exitcode}, "
-                 f"timeout {timeout_s:g}s)" for r in range(world)]
-        ok = len(got) == world and all(o for o, _ in got.values())
-    finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join()
-        shutil.rmtree(tmp, ignore_errors=True)
-    return SelftestResult(ok, world, time.perf_counter() - t0, lines)
+    def __repr__(self) -> str:
+        return f"<Communicator rank {self.rank}/{self.world_size} {self.backend} ({self.plugin_name})>"

@@ -1,8 +1,12 @@
 """AsyncEngine: the Engine driven by one background thread, fed from asyncio.
 
-The thread owns the Engine. It drains an inbox of commands (add, abort, call),
-runs ``step()`` while work is left, and hands outputs to each request's asyncio
-queue with ``loop.call_soon_threadsafe``. When idle it sleeps on a condition.
+The thread owns the Engine. It drains an inbox of typed commands (AddGroup, Abort, AbortAll,
+Call), runs ``step()`` while work is left, and hands outputs to each request's asyncio queue with
+``loop.call_soon_threadsafe``. When idle it sleeps on a condition.
+
+This is the server's whole view of the engine: the tokenizer and the model's limits, tokenisation
+off the event loop, admission, abort, the published figures (``Engine.stats()``), and the prefix
+cache flush.
 """
 from __future__ import annotations
 
@@ -10,15 +14,19 @@ import asyncio
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from polychip.engine.engine import Engine
 from polychip.engine.request import RequestOutput
 from polychip.engine.sampling_params import SamplingParams
-from polychip.errors import PolychipError
+from polychip.engine.stats import EngineStats
+from polychip.errors import InvalidRequestError, PolychipError
 
 log = logging.getLogger("polychip.async_engine")
+
+TOKENIZER_THREADS = 2      # concurrent tokenisations; more wait their turn off the event loop
 
 
 class EngineOverloadedError(PolychipError):
@@ -29,25 +37,39 @@ class EngineDeadError(PolychipError):
     """The engine thread stopped (crash or shutdown); no request can be served."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class SubRequest:
     request_id: str
-    prompt: str | list[int]
+    prompt_ids: list[int]
     params: SamplingParams
     priority: int = 0
 
 
-@dataclass
-class EngineStats:
-    """A snapshot the engine thread publishes after each step (read by /metrics)."""
+# the engine thread's inbox
+@dataclass(frozen=True)
+class AddGroup:
+    subs: tuple[SubRequest, ...]
+    stream: "RequestStream"
+    done: asyncio.Future
 
-    num_waiting: int = 0
-    num_running: int = 0
-    pool_pages: int = 0
-    pool_free_pages: int = 0
-    cached_pages: int = 0
-    counters: dict[str, int] = field(default_factory=dict)
-    stage_seconds: dict[str, float] = field(default_factory=dict)
+
+@dataclass(frozen=True)
+class Abort:
+    request_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class AbortAll:
+    reason: str
+
+
+@dataclass(frozen=True)
+class Call:
+    fn: Callable[[Engine], Any]
+    done: asyncio.Future
+
+
+Command = AddGroup | Abort | AbortAll | Call
 
 
 class RequestStream:
@@ -89,15 +111,46 @@ class AsyncEngine:
         self.engine = engine
         self.on_finish = on_finish          # called in the engine thread for each finished output
         self.max_waiting = max_waiting
-        self.stats = EngineStats()
         self.error: BaseException | None = None
         self._cond = threading.Condition()
-        self._inbox: list[tuple] = []
+        self._inbox: list[Command] = []
         self._streams: dict[str, RequestStream] = {}   # engine thread only
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self._tokenizer_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="polychip-tokenize")
+        engine.tokenizer.min_tokens("")        # reads the vocabulary once now, not on a request
         self._publish()
+
+    # what the outside may know of the model
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.model_config.vocab_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def model_dir(self) -> str:
+        return self.engine.loaded.model_dir
+
+    @property
+    def config(self):
+        return self.engine.config
+
+    @property
+    def fault(self) -> str | None:
+        """Why the engine can never step again (a tensor-parallel rank failed), or None."""
+        return self.engine.fault
+
+    def on_fault(self, callback: Callable[[str], None]) -> None:
+        """``callback(reason)`` once, from any thread, when the engine fails for good."""
+        self.engine.on_fault(callback)
 
     # lifecycle
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
@@ -119,16 +172,42 @@ class AsyncEngine:
             self._thread.join(timeout)
             if self._thread.is_alive():
                 log.error("engine thread did not stop within %.0fs", timeout)
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
-    # API (event-loop side)
+    # tokenisation, off the event loop
+    def check_prompt_size(self, text: str, what: str = "prompt") -> None:
+        """Refuse text that could never fit the context, from its length alone, before paying for a
+        tokenisation (a 7.8 MB prompt took seconds to tokenise only to be refused)."""
+        at_least = self.tokenizer.min_tokens(text)
+        if at_least is not None and at_least >= self.max_model_len:
+            raise InvalidRequestError(
+                f"{what}: {len(text)} characters, so at least {at_least} tokens; the context is "
+                f"{self.max_model_len} tokens and at least one must be left to generate (refused without "
+                "tokenising)")
+
+    async def run_tokenizer(self, fn: Callable[..., Any], *args) -> Any:
+        """Run ``fn(*args)`` (template rendering, tokenisation) in the tokenizer threads: the event
+        loop keeps serving meanwhile (the tokenizer releases the GIL)."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn, *args)
+
+    # requests (event-loop side)
+    def check_group_size(self, count: int) -> None:
+        """A group larger than the waiting queue could never be admitted: that is the request's
+        fault (400), not a busy server (503), or a retrying client would loop forever."""
+        if count > self.max_waiting:
+            raise InvalidRequestError(
+                f"n x prompts = {count} sequences, admitted together, and the waiting queue never holds more "
+                f"than {self.max_waiting} (--max-waiting-requests); lower n or send fewer prompts per request")
+
     async def submit(self, subs: list[SubRequest]) -> RequestStream:
         """Admit a group of requests together; raises InvalidRequestError, EngineOverloadedError or
         EngineDeadError before any output when they cannot be admitted."""
         if not self.alive:
             raise EngineDeadError("the engine is not running")
+        self.check_group_size(len(subs))
         stream = RequestStream(self, [s.request_id for s in subs])
         done = self._loop.create_future()
-        self._send(("add", subs, stream, done))
+        self._send(AddGroup(tuple(subs), stream, done))
         try:
             await done                  # the engine thread sets it once the group is queued
         except asyncio.CancelledError:  # nobody will read the stream: do not leave it running
@@ -137,21 +216,29 @@ class AsyncEngine:
         return stream
 
     def abort(self, request_ids: list[str]) -> None:
-        self._send(("abort", request_ids))
+        self._send(Abort(tuple(request_ids)))
 
     def abort_all(self, reason: str) -> None:
         """Abort every request; their streams end with EngineDeadError(reason) (used on shutdown)."""
-        self._send(("abort_all", reason))
+        self._send(AbortAll(reason))
 
     async def call(self, fn: Callable[[Engine], Any]) -> Any:
         """Run ``fn(engine)`` in the engine thread between steps and return its result."""
         if not self.alive:
             raise EngineDeadError("the engine is not running")
         done = self._loop.create_future()
-        self._send(("call", fn, done))
+        self._send(Call(fn, done))
         return await done
 
-    def _send(self, cmd: tuple) -> None:
+    async def current_stats(self) -> EngineStats:
+        """``Engine.stats()`` taken now, between steps (the published ``stats`` may be a step old)."""
+        return await self.call(lambda engine: engine.stats())
+
+    async def flush_prefix_cache(self) -> int:
+        """Drop every prefix-cache page no request holds; returns the pages released."""
+        return await self.call(lambda engine: engine.flush_prefix_cache())
+
+    def _send(self, cmd: Command) -> None:
         with self._cond:
             self._inbox.append(cmd)
             self._cond.notify()
@@ -180,35 +267,37 @@ class AsyncEngine:
             self._fail_all(EngineDeadError("the engine stopped" if self.error is None
                                            else f"the engine crashed: {self.error!r}"))
 
-    def _handle(self, cmd: tuple) -> None:
-        kind = cmd[0]
-        if kind == "add":
-            _, subs, stream, done = cmd
-            self._resolve(done, self._add(subs, stream))
-        elif kind == "abort":
-            for rid in cmd[1]:
+    def _handle(self, cmd: Command) -> None:
+        if isinstance(cmd, AddGroup):
+            self._resolve(cmd.done, self._add(cmd.subs, cmd.stream))
+        elif isinstance(cmd, Abort):
+            for rid in cmd.request_ids:
                 self._streams.pop(rid, None)
                 self.engine.abort(rid)
-        elif kind == "abort_all":
-            self._abort_streams(EngineDeadError(cmd[1]))
-        elif kind == "call":
-            _, fn, done = cmd
+        elif isinstance(cmd, AbortAll):
+            self._abort_streams(EngineDeadError(cmd.reason))
+        elif isinstance(cmd, Call):
             try:
-                result = fn(self.engine)
+                result = cmd.fn(self.engine)
             except Exception as e:
                 result = e
-            self._resolve(done, result)
+            self._resolve(cmd.done, result)
 
-    def _add(self, subs: list[SubRequest], stream: RequestStream) -> BaseException | None:
+    def _add(self, subs: tuple[SubRequest, ...], stream: RequestStream) -> BaseException | None:
         eng = self.engine
         if eng.num_waiting + len(subs) > self.max_waiting:
             return EngineOverloadedError(f"the waiting queue is full ({eng.num_waiting} waiting, limit "
                                          f"{self.max_waiting}); retry later")
         added = []
         try:
+            checked = set()
+            for s in subs:                   # n choices share one prompt: check it once
+                if id(s.prompt_ids) not in checked:
+                    eng.check_request(s.prompt_ids, s.params)
+                    checked.add(id(s.prompt_ids))
             now = time.monotonic()
             for s in subs:
-                added.append(eng.add_request(s.prompt, s.params, s.request_id, s.priority, now))
+                added.append(eng.add_request(s.prompt_ids, s.params, s.request_id, s.priority, now))
         except Exception as e:  # InvalidRequestError or a bug: admit none of the group
             for rid in added:
                 eng.abort(rid)
@@ -255,8 +344,8 @@ class AsyncEngine:
             self._stopping = True
             cmds, self._inbox = self._inbox, []
         for cmd in cmds:
-            if cmd[0] in ("add", "call"):
-                self._resolve(cmd[-1], err)
+            if isinstance(cmd, (AddGroup, Call)):
+                self._resolve(cmd.done, err)
         self._abort_streams(err)
 
     def _abort_streams(self, err: BaseException) -> None:
@@ -273,10 +362,9 @@ class AsyncEngine:
         self._publish()
 
     def _publish(self) -> None:
-        eng = self.engine
-        self.stats = EngineStats(eng.num_waiting, eng.num_running, eng.pool.num_pages,
-                                 eng.pool.allocator.num_free, eng.cache.num_pages, dict(eng.counters),
-                                 dict(eng.stage_seconds))
+        """``Engine.stats()`` after each step, for readers that must not wait for the engine thread
+        (the shutdown path)."""
+        self.stats: EngineStats = self.engine.stats()
 
 
 def _put_all(batch: list[tuple[asyncio.Queue, Any]]) -> None:

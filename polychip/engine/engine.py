@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 from collections import defaultdict
 
 from polychip.config import EngineConfig
@@ -21,8 +22,9 @@ from polychip.engine.request import CompletionOutput, Request, RequestOutput
 from polychip.engine.sampler import Sampler
 from polychip.engine.sampling_params import SamplingParams
 from polychip.engine.scheduler import Scheduler
-from polychip.engine.stats import STAGES, EngineStats, StageTimer
+from polychip.engine.stats import STAGES, EngineStats, RankDevice, StageTimer
 from polychip.engine.stop import streamable_len
+from polychip.engine.tp import TensorParallel, TPModelRunner
 from polychip.errors import ConfigError, InvalidRequestError
 from polychip.models.loader import load_model
 from polychip.models.tokenizer import IncrementalDetokenizer
@@ -40,23 +42,40 @@ class Engine:
         if plugin is not None and config.num_threads is not None:
             raise ConfigError("num_threads is applied when the engine opens its device; for a plugin opened "
                               "by the caller, pass num_threads to open_device instead")
-        self.plugin = plugin or open_from_config(config)   # discovered, spec-checked, initialised
+        # tensor parallel: this process is rank 0; the other ranks' processes start here
+        self.tp = TensorParallel(config) if config.tp_size > 1 else None
+        try:
+            self._load(config, plugin)
+        except BaseException:
+            if self.tp is not None:
+                self.tp.stop()
+            raise
+
+    def _load(self, config: EngineConfig, plugin) -> None:
+        tp = self.tp
+        # discovered, spec-checked, initialised
+        self.plugin = tp.plugin if tp is not None else plugin or open_from_config(config)
         self.plugin.set_seed(config.seed)
         self.loaded = load_model(config.model_path, self.plugin, config.dtype, config.enable_fusion,
-                                 config.cache_dir, config.max_model_len)
+                                 config.cache_dir, config.max_model_len, quantization=config.quantization,
+                                 comm=tp.comm if tp else None)
         self.model_config = mc = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         page = config.page_size
-        per_page = KVPool.bytes_per_page(mc.num_layers, page, mc.num_kv_heads, mc.head_dim, self.loaded.dtype)
+        kv_heads = self.loaded.kv_heads          # this rank's share under tensor parallelism
+        per_page = KVPool.bytes_per_page(mc.num_layers, page, kv_heads, mc.head_dim, self.loaded.dtype)
         num_pages = size_pool(config, self.plugin, per_page, page)
-        self.pool = KVPool(self.plugin, mc.num_layers, num_pages, page, mc.num_kv_heads, mc.head_dim,
+        if tp is not None:   # the smallest rank's pool sets the page count for all
+            num_pages = tp.agree_on_pool(num_pages, mc, per_page)
+        self.pool = KVPool(self.plugin, mc.num_layers, num_pages, page, kv_heads, mc.head_dim,
                            self.loaded.dtype)
         self.pages = PageManager(self.pool.allocator, page, prefix_cache=not config.disable_radix_cache)
         self.eos_ids = self.tokenizer.eos_token_ids
         self.scheduler = Scheduler(self.pages, config.chunked_prefill_size, config.max_running_requests,
                                    config.schedule_policy, eos_ids=self.eos_ids, max_model_len=self.max_model_len)
-        self.runner = ModelRunner(self.loaded.model, self.pool, self.plugin)
+        self.runner = (TPModelRunner(self.loaded.model, self.pool, self.plugin, tp) if tp is not None
+                       else ModelRunner(self.loaded.model, self.pool, self.plugin))
         self.grammar = GrammarBackend(self.tokenizer, mc.vocab_size, self.eos_ids)
         self.sampler = Sampler(self.plugin, config.seed, self.eos_ids, self.grammar)
         self._ids = itertools.count()
@@ -181,21 +200,22 @@ class Engine:
         queried = c.get("prompt_tokens_queried", 0)
         return EngineStats(
             num_waiting=self.num_waiting, num_running=self.num_running, page_size=pm.page_size,
-            pages_total=pm.num_pages, pages_free=pm.num_free, pages_cached=pm.cache.num_pages,
+            pages_total=pm.num_pages, kv_pool_bytes=self.pool.num_bytes, pages_free=pm.num_free, pages_cached=pm.cache.num_pages,
             pages_evictable=pm.cache.evictable_pages(), kv_usage=1 - pm.num_free / pm.num_pages,
             prefix_cache_hit_rate=c.get("prompt_tokens_cached", 0) / queried if queried else 0.0,
             **{k: c.get(k, 0) for k in COUNTERS},
             stage_seconds=tuple((s, self.stage_seconds.get(s, 0.0)) for s in STAGES),
-            device_memory=self._device_memory())
+            **self._device_memory())
 
-    def _device_memory(self) -> tuple[tuple[str, int, int], ...]:
-        p = self.plugin
+    def _device_memory(self) -> dict:
         try:
-            free, total = p.mem_info()
+            ranks = self.device_report()
         except Exception as e:    # a plugin's memory query must never break the stats
-            log.warning("mem_info of plugin %s failed: %s", p.name, e)
-            return ()
-        return ((f"{p.name}:{p.index}", free, total),)
+            log.warning("mem_info of plugin %s failed: %s", self.plugin.name, e)
+            return {"device_memory": (), "ranks": ()}
+        label = (lambda r: f"{r.plugin}:{r.device}") if self.tp is None else \
+            (lambda r: f"rank {r.rank} {r.plugin}:{r.device}")
+        return {"device_memory": tuple((label(r), r.free_memory, r.total_memory) for r in ranks), "ranks": ranks}
 
     def flush_prefix_cache(self) -> int:
         """Evict every cached page no running request holds; returns how many were released."""
@@ -205,6 +225,27 @@ class Engine:
         """Raise ``IntegrityError`` if the page accounting is broken."""
         self.pages.check_integrity()
 
+    @property
+    def fault(self) -> str | None:
+        """Why the engine cannot run another step (a tensor-parallel rank failed), or None."""
+        return self.tp.fault if self.tp is not None else None
+
+    def on_fault(self, callback) -> None:
+        """``callback(reason)`` once, from any thread, when the engine fails for good."""
+        if self.tp is not None:
+            self.tp.on_fault(callback)
+
+    def device_report(self) -> tuple[RankDevice, ...]:
+        """Every rank's device and memory (one entry without tensor parallelism)."""
+        if self.tp is not None:
+            return tuple(RankDevice(**d) for d in self.tp.statuses())
+        free, total = self.plugin.mem_info()
+        return (RankDevice(0, 0, self.plugin.name, self.plugin.index, free, total,
+                           self.pool.num_bytes if self.pool.storage is not None else 0, os.getpid()),)
+
     def shutdown(self) -> None:
         self.pool.release()
-        self.plugin.destroy()
+        if self.tp is not None:
+            self.tp.stop()       # destroys rank 0's device too
+        else:
+            self.plugin.destroy()

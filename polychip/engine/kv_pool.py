@@ -70,6 +70,10 @@ class KVPool:
         return 2 * num_layers * page_size * kv_heads * head_dim * dtype.itemsize
 
     @property
+    def num_bytes(self) -> int:
+        return 0 if self.storage is None else self.storage.numel() * self.storage.element_size()
+
+    @property
     def num_tokens(self) -> int:
         return self.num_pages * self.page_size
 

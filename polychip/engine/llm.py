@@ -1,7 +1,6 @@
 """The offline API: ``LLM(model_path).generate(...)`` and ``.chat(...)``."""
 from __future__ import annotations
 
-import copy
 import dataclasses
 
 from tqdm import tqdm
@@ -47,11 +46,8 @@ class LLM:
             raise InvalidRequestError(f"{len(prompts)} prompts but {len(params)} sampling params")
         groups = []
         for i, (prompt, sp) in enumerate(zip(prompts, params)):
-            ids = []
-            for j in range(sp.n):
-                child = sp if sp.n == 1 else dataclasses.replace(
-                    copy.copy(sp), n=1, seed=None if sp.seed is None else sp.seed + j)
-                ids.append(self.engine.add_request(prompt, child, priority=(priority or [0] * len(prompts))[i]))
+            ids = [self.engine.add_request(prompt, child, priority=(priority or [0] * len(prompts))[i])
+                   for child in sp.choices()]
             groups.append((prompt, ids))
         done = {}
         bar = tqdm(total=sum(len(g) for _, g in groups), disable=not use_tqdm, desc="generate")

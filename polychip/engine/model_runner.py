@@ -13,12 +13,26 @@ from polychip.devices.ops import AttentionMetadata, PrefillSegment
 
 
 @dataclass
+class HostBatch:
+    """A step's inputs as host arrays: what rank 0 broadcasts under tensor parallelism."""
+
+    input_ids: np.ndarray
+    positions: np.ndarray
+    slot_mapping: np.ndarray
+    sample_rows: np.ndarray
+    prefills: list[tuple[int, int, int, np.ndarray]]   # (start, q_len, kv_len, pages)
+    decode_pages: np.ndarray | None = None             # [B, width] page table of the decodes
+    decode_lens: np.ndarray | None = None
+
+
+@dataclass
 class Batch:
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
     sample_rows: torch.Tensor        # rows whose hidden state is sampled
     sample_reqs: list[Request]
+    host: HostBatch | None = None
 
 
 class ModelRunner:
@@ -30,6 +44,12 @@ class ModelRunner:
         return self.plugin.to_device(torch.from_numpy(array))
 
     def prepare(self, scheduled: list[tuple[Request, int]]) -> Batch:
+        host, sample_reqs = self.prepare_host(scheduled)
+        batch = self.to_device(host)
+        batch.sample_reqs = sample_reqs
+        return batch
+
+    def prepare_host(self, scheduled: list[tuple[Request, int]]) -> tuple[HostBatch, list[Request]]:
         ids, pos, slots, rows, sample_reqs = [], [], [], [], []
         prefills = []
         dec_pages, dec_lens = [], []
@@ -46,25 +66,35 @@ class ModelRunner:
                 dec_pages.append(pages[:used])
                 dec_lens.append(c + 1)
             else:
-                prefills.append(PrefillSegment(start, n, c + n, self._dev(pages[:used])))
+                prefills.append((start, n, c + n, pages[:used]))
             if c + n == req.num_tokens:
                 rows.append(start + n - 1)
                 sample_reqs.append(req)
             start += n
-        meta = AttentionMetadata(slot_mapping=self._dev(np.concatenate(slots)), prefills=prefills)
+        host = HostBatch(np.concatenate(ids), np.concatenate(pos), np.concatenate(slots),
+                         np.asarray(rows, dtype=np.int64), prefills)
         if dec_pages:
             width = max(len(p) for p in dec_pages)
             table = np.zeros((len(dec_pages), width), dtype=np.int64)
             for i, p in enumerate(dec_pages):
                 table[i, :len(p)] = p
-            lens = np.asarray(dec_lens, dtype=np.int64)
-            mask = np.arange(width * self.page)[None, :] < lens[:, None]
-            meta.num_decodes = len(dec_pages)
-            meta.decode_pages = self._dev(table)
-            meta.decode_lens = self._dev(lens)
+            host.decode_pages, host.decode_lens = table, np.asarray(dec_lens, dtype=np.int64)
+        return host, sample_reqs
+
+    def to_device(self, host: HostBatch) -> Batch:
+        """The step's tensors on this process's device (every rank runs this on the same HostBatch)."""
+        meta = AttentionMetadata(slot_mapping=self._dev(host.slot_mapping),
+                                 prefills=[PrefillSegment(s, q, kv, self._dev(pages))
+                                           for s, q, kv, pages in host.prefills])
+        if host.decode_pages is not None:
+            width = host.decode_pages.shape[1]
+            mask = np.arange(width * self.page)[None, :] < host.decode_lens[:, None]
+            meta.num_decodes = len(host.decode_pages)
+            meta.decode_pages = self._dev(host.decode_pages)
+            meta.decode_lens = self._dev(host.decode_lens)
             meta.decode_mask = self._dev(mask[:, None, None, :])
-        return Batch(self._dev(np.concatenate(ids)), self._dev(np.concatenate(pos)), meta,
-                     self._dev(np.asarray(rows, dtype=np.int64)), sample_reqs)
+        return Batch(self._dev(host.input_ids), self._dev(host.positions), meta, self._dev(host.sample_rows),
+                     [], host)
 
     def _pages_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page)

@@ -1,6 +1,7 @@
 """SamplingParams: what a request asks of the sampler and the stop checker."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -85,6 +86,14 @@ class SamplingParams:
                                         f"got {bias} for token {tok}")
         if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
             self._bad("grammar", f"must be a GrammarSpec, got {type(self.grammar).__name__}")
+
+    def choices(self) -> list["SamplingParams"]:
+        """The ``n`` choices as ``n`` one-choice params (the engine runs one sequence each);
+        choice ``j`` samples with ``seed + j``, so each choice is reproducible on its own."""
+        if self.n == 1:
+            return [self]
+        return [dataclasses.replace(self, n=1, seed=None if self.seed is None else self.seed + j)
+                for j in range(self.n)]
 
     @property
     def greedy(self) -> bool:

@@ -26,6 +26,21 @@ class StageTimer:
 
 
 @dataclass(frozen=True)
+class RankDevice:
+    """One rank's device and memory (the engine's only one without tensor parallelism); ranks
+    other than 0 as of their last heartbeat."""
+
+    rank: int
+    node: int
+    plugin: str
+    device: int                       # the plugin's device index
+    free_memory: int                  # bytes
+    total_memory: int
+    kv_pool_bytes: int
+    pid: int
+
+
+@dataclass(frozen=True)
 class EngineStats:
     """A snapshot of the queue, the KV pool, the prefix cache, the counters since start and
     device memory, from ``Engine.stats()``."""
@@ -34,6 +49,7 @@ class EngineStats:
     num_running: int
     page_size: int                    # tokens per KV page
     pages_total: int
+    kv_pool_bytes: int                # bytes allocated for the pool
     pages_free: int
     pages_cached: int                 # held by the prefix cache
     pages_evictable: int              # cached and held by no running request
@@ -49,3 +65,4 @@ class EngineStats:
     prompt_tokens_cached: int         # of those, served from the prefix cache
     stage_seconds: tuple[tuple[str, float], ...]          # (stage, seconds), in STAGES order
     device_memory: tuple[tuple[str, int, int], ...]       # (device label, free bytes, total bytes)
+    ranks: tuple[RankDevice, ...] = ()                    # every tensor-parallel rank's device

@@ -44,10 +44,22 @@ def streamable_len(req: Request) -> int:
     a tail that could still grow into a stop string."""
     if req.finish_reason is not None or not req.params.stop:
         return len(req.text)
+    return len(req.text) - held_back(req.text, req.params.stop)
+
+
+def held_back(text: str, stops: list[str]) -> int:
+    """Length of the longest end of ``text`` that is a proper beginning of a stop string. Looks only
+    at the last ``len(stop) - 1`` characters, with C-level string searches, so its cost depends on
+    the stop strings, never on the length of the output."""
     hold = 0
-    for s in req.params.stop:
-        for k in range(min(len(s) - 1, len(req.text)), hold, -1):
-            if req.text.endswith(s[:k]):
-                hold = k
+    for s in stops:
+        if len(s) < 2:
+            continue
+        tail = text[len(text) - min(len(text), len(s) - 1):]
+        i = tail.find(s[0])
+        while i != -1 and len(tail) - i > hold:      # the first fitting start is the longest end
+            if s.startswith(tail[i:]):
+                hold = len(tail) - i
                 break
-    return len(req.text) - hold
+            i = tail.find(s[0], i + 1)
+    return hold

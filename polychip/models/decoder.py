@@ -180,6 +180,7 @@ class DecoderModel(nn.Module):
         self.register_buffer("inv_freq", torch.empty(cfg.head_dim // 2), persistent=False)
         self.rope_cos: torch.Tensor | None = None
         self.rope_sin: torch.Tensor | None = None
+        self.logits_gather = None     # set by the tensor-parallel shard pass: this rank's vocab -> all
 
     def build_rope_cache(self, max_positions: int, dtype: torch.dtype) -> None:
         pos = torch.arange(max_positions, device=self.inv_freq.device, dtype=torch.float32)
@@ -197,5 +198,10 @@ class DecoderModel(nn.Module):
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return self.ops.linear(hidden, w, None).float()
+        if self.lm_head is not None:     # untied, or an int8 copy of a tied embedding
+            logits = self.lm_head(hidden)
+        else:
+            logits = self.ops.linear(hidden, self.embed_tokens.weight, None)
+        if self.logits_gather is not None:
+            logits = self.logits_gather(logits)
+        return logits.float()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import unicodedata
 from datetime import datetime
 
 import jinja2
@@ -19,6 +20,30 @@ def _token_str(v):
 
 def _raise(msg):
     raise jinja2.exceptions.TemplateError(msg)
+
+
+_UNICODE_FORMS = frozenset({"NFC", "NFKC", "NFD", "NFKD"})
+
+
+def _normal_forms(normalizer) -> tuple[str, ...] | None:
+    """The Unicode normal forms a normaliser applies, in order, when that is all it does that can
+    shorten text (Prepend only adds); None for any other normaliser."""
+    if normalizer is None:
+        return ()
+    state = json.loads(normalizer.__getstate__())
+    kinds = [n["type"] for n in state.get("normalizers", [state])]
+    if not set(kinds) <= _UNICODE_FORMS | {"Prepend"}:
+        return None
+    return tuple(k for k in kinds if k in _UNICODE_FORMS)
+
+
+def check_utf8(text: str) -> None:
+    """Text with lone surrogates (e.g. from a JSON ``\\ud800`` escape) has no UTF-8 form."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidRequestError(f"text is not valid UTF-8: {e.reason} (U+{ord(text[e.start]):04X}) at "
+                                  f"character {e.start}") from None
 
 
 class Tokenizer:
@@ -39,7 +64,11 @@ class Tokenizer:
         self.add_bos = bool(config.get("add_bos_token", False)) and self.bos_token_id is not None
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
         self.special_ids = frozenset(i for i, t in tok.get_added_tokens_decoder().items() if t.special)
+        self.special_tokens = tuple(t.content for t in tok.get_added_tokens_decoder().values() if t.special)
         self._template = None
+        self._plain = None                    # a copy that reads special-token text as plain text
+        self._forms = _normal_forms(tok.normalizer)
+        self._longest: int | None = None       # characters of the longest vocabulary entry
 
     @classmethod
     def from_dir(cls, path: str, eos_token_ids: tuple[int, ...] = ()) -> "Tokenizer":
@@ -61,11 +90,39 @@ class Tokenizer:
                 config["chat_template"] = f.read()
         return cls(tok, config, eos_token_ids)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self.tok.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, add_special_tokens: bool = True, special_tokens_as_text: bool = False) -> list[int]:
+        """Token ids of ``text``. ``special_tokens_as_text`` reads e.g. ``<|im_end|>`` as the plain
+        characters, not the control token. Refuses text that is not valid UTF-8."""
+        check_utf8(text)
+        tok = self._plain_tokenizer() if special_tokens_as_text else self.tok
+        # encode_batch releases the GIL while the Rust side works (encode does not), so a long
+        # text tokenised in a worker thread does not stall the event loop or the engine thread
+        ids = tok.encode_batch([text], add_special_tokens=False)[0].ids
         if add_special_tokens and self.add_bos and (not ids or ids[0] != self.bos_token_id):
             ids = [self.bos_token_id] + ids
         return ids
+
+    def _plain_tokenizer(self) -> HFTokenizer:
+        if self._plain is None:
+            plain = HFTokenizer.from_str(self.tok.to_str())
+            plain.encode_special_tokens = True
+            self._plain = plain
+        return self._plain
+
+    def min_tokens(self, text: str) -> int | None:
+        """A lower bound on ``len(encode(text))`` without tokenising: no token covers more input
+        than the longest vocabulary entry (a byte-level entry has one character per byte). None when
+        the normaliser may drop text, so no such bound exists. Costs O(1) for ASCII text."""
+        if self._forms is None:
+            return None
+        if self._longest is None:
+            self._longest = max(map(len, self.tok.get_vocab(with_added_tokens=True)))
+        n = len(text)
+        if self._forms and not text.isascii():          # normal forms leave ASCII as it is
+            for form in self._forms:
+                text = unicodedata.normalize(form, text)
+            n = len(text)
+        return -(-n // self._longest)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True,
                spaces_between_special_tokens: bool = False) -> str:

@@ -1,6 +1,8 @@
 """Native PyTorch reference implementations of every op the models call."""
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -9,6 +11,37 @@ from polychip.ops.attention import paged_attention
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     return F.linear(x, weight, bias)
+
+
+def linear_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ (qweight int8 [N, K] * scales [N])^T (+ bias), in x's dtype: torch's int8
+    weight-only kernel (``aten._weight_int8pack_mm``, 2-D input, scales in x's dtype) where the
+    device has one, else dequantise and matmul. On CPU torch's kernel is vectorised for bfloat16
+    and float16 input only; a plugin may register a faster float32 one."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    # torch 2.13's CPU kernel reads past each row for bfloat16 input unless K is a multiple of 16
+    # (garbage or a segfault, measured for K = 1..128); float32 and float16 are right for every K
+    fits = x.dtype != torch.bfloat16 or x.shape[-1] % 16 == 0
+    if fits and _has_kernel("aten::_weight_int8pack_mm", x.device.type):
+        out = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), qweight, scales.to(x.dtype))
+    else:
+        out = F.linear(x2, qweight.to(x.dtype)) * scales.to(x.dtype)
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*lead, qweight.shape[0])
+
+
+@functools.cache
+def _has_kernel(op: str, device_type: str) -> bool:
+    """Whether torch has a kernel for ``op`` on ``device_type``: a memo of torch's dispatch table
+    (~9 us a query). A kernel registered later is seen after a restart; until then the
+    dequantising path computes the same numbers."""
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(op, device_type.upper())
+    except RuntimeError:    # not a dispatch key name torch knows
+        return False
 
 
 def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -47,6 +80,7 @@ def rotary_embedding(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
 
 NATIVE_OPS = {
     "linear": linear,
+    "linear_int8": linear_int8,
     "embedding": embedding,
     "rms_norm": rms_norm,
     "add_rms_norm": add_rms_norm,

@@ -77,9 +77,12 @@ def _concat(tensors: list[torch.Tensor], plugin) -> torch.Tensor:
 
 
 def merge_linears(parts: list[nn.Module], plugin=None) -> nn.Module:
-    """One linear whose output is the parts' outputs concatenated (same class as the parts)."""
+    """One linear whose output is the parts' outputs concatenated (same class as the parts): each
+    of its per-output-row parameters (weight, bias, an int8 linear's weight_scale) concatenated."""
     first = parts[0]
     n_in = first.weight.shape[1]
+    if any(type(p) is not type(first) for p in parts):
+        raise ValueError("cannot merge linears of different kinds")
     if any(p.weight.shape[1] != n_in or p.weight.dtype != first.weight.dtype for p in parts):
         raise ValueError("cannot merge linears with different input sizes or dtypes")
     if len({p.bias is None for p in parts}) != 1:
@@ -87,9 +90,9 @@ def merge_linears(parts: list[nn.Module], plugin=None) -> nn.Module:
     n_out = sum(p.weight.shape[0] for p in parts)
     with torch.device("meta"):
         merged = type(first)(first.ops, n_in, n_out, first.bias is not None)
-    merged.weight = nn.Parameter(_concat([p.weight.data for p in parts], plugin), requires_grad=False)
-    if first.bias is not None:
-        merged.bias = nn.Parameter(_concat([p.bias.data for p in parts], plugin), requires_grad=False)
+    for name, _ in first.named_parameters(recurse=False):
+        merged.register_parameter(name, nn.Parameter(_concat([getattr(p, name).data for p in parts], plugin),
+                                                     requires_grad=False))
     return merged
 
 

@@ -11,8 +11,9 @@ As pytest parametrisation::
     def test_mychip(target, check):
         conformance.run_check(target, check)
 
-Checks: the contract methods, allocator limits, op numerics against native, and greedy
-generation on a small random model compared with the cpu plugin.
+Checks: the contract methods, allocator limits, op numerics against native, greedy
+generation on a small random model compared with the cpu plugin, and the collectives on the
+backend the plugin names.
 """
 from __future__ import annotations
 
@@ -217,6 +218,23 @@ def check_generation(target: Target) -> str:
     return f"{len(got)} prompts x 12 greedy tokens equal to the cpu plugin's"
 
 
+def check_collective(target: Target) -> str:
+    """all_reduce and all_gather over the backend the plugin names, one process per device: the
+    spec's devices when it declares several, else one rank on the target's device (world size 1)."""
+    from polychip.devices.spec import load_spec
+    from polychip.distributed.collective_check import run_collective_check
+    p = target.open()
+    name, index = p.name, p.index
+    p.destroy()
+    spec = load_spec(target.device_config) if target.device_config else None
+    ids = list(spec.device_ids) if spec is not None and len(spec.device_ids) > 1 else [index]
+    res = run_collective_check(name, ids, target.plugins, target.device_config, nbytes=2**20, iters=2,
+                               timeout_s=120)
+    _require(res.ok, "collectives failed: " + "; ".join(res.lines))
+    bus = ", ".join(f"{b.op} {b.busbw / 1e9:.2f} GB/s" for b in res.bandwidth)
+    return f"all_reduce and all_gather over {res.backend} on {len(ids)} rank(s); bus bandwidth {bus}"
+
+
 # what a plugin may import from polychip: the plugin API, specs and errors
 PUBLIC_MODULES = ("polychip.devices", "polychip.devices.plugin", "polychip.devices.ops", "polychip.devices.spec",
                   "polychip.errors")
@@ -263,6 +281,7 @@ CHECKS: dict[str, Callable[[Target], str]] = {
     "copy_stream_event": check_copy_stream_event,
     "op_numerics": check_op_numerics,
     "generation": check_generation,
+    "collective": check_collective,
 }
 
 

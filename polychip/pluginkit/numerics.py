@@ -71,6 +71,10 @@ def sample_inputs(name: str, dtype: str, device_put: Callable, seed: int = 0) ->
     t, hid = 5, 32
     if name == "linear":
         return r(t, hid), r(24, hid), r(24)
+    if name == "linear_int8":       # int8 weights with per-row scales, activations in dtype
+        q = device_put(torch.randint(-127, 128, (24, hid), generator=g, dtype=torch.int8))
+        scales = device_put((torch.rand(24, generator=g) * 0.02 + 0.001).to(tdt))
+        return r(t, hid), q, scales, r(24)
     if name == "embedding":
         return device_put(torch.randint(0, 50, (t,), generator=g)), r(50, hid)
     if name == "rms_norm":

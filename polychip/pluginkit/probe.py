@@ -171,7 +171,7 @@ class _Probe:
                  f"fusions: {list(p.fusions())}"])
 
     def device_check(self):
-        infos = self.record.plugin.discover()
+        infos = self.record.plugin.discover_for(self.spec)
         check_against_devices(self.spec, self.record.plugin.name, infos)
         declared = [i for i in infos if i.index in self.spec.device_ids]
         return f"the declared devices are among the {len(infos)} that {self.record.plugin.name} reports", [
@@ -210,12 +210,13 @@ class _Probe:
         return f"{len(checks)} registered op(s) match the native reference", details
 
     def collective(self):
-        from polychip.distributed.communicator import selftest
-        res = selftest(self.spec.device_type, self.spec.device_ids, self.plugins, self.path)
+        from polychip.distributed.collective_check import run_collective_check
+        res = run_collective_check(self.spec.device_type, self.spec.device_ids, self.plugins, self.path)
         if not res.ok:
-            raise StepFailed("all_reduce self-test failed: " + "; ".join(res.lines), res.lines)
-        return (f"all_reduce across {res.world_size} processes over "
-                f"{self.record.plugin.communicator_backend()} ({res.seconds:.1f}s)", res.lines)
+            raise StepFailed("collective check failed: " + "; ".join(res.lines), res.lines)
+        bus = ", ".join(f"{b.op} {b.busbw / 1e9:.2f} GB/s" for b in res.bandwidth)
+        return (f"all_reduce and all_gather across {res.world_size} processes over {res.backend}; "
+                f"bus bandwidth {bus}", res.lines + [b.line() for b in res.bandwidth])
 
     def close(self):
         for p in self.devices:

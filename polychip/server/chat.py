@@ -10,50 +10,48 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from polychip.config import RESERVED_TEMPLATE_ARGS
 from polychip.errors import InvalidRequestError
+from polychip.server.chat_template import render_and_encode
 from polychip.server.fields import CHAT, check_fields, log_identity
 from polychip.server.protocol import ChatCompletionRequest, usage
 from polychip.server.reasoning import PARSERS
-from polychip.server.serving import (ServerState, chat_logprobs, check_stop_token_ids, collect, finish_reason,
-                                     resolve_max_tokens, sse, sse_guard, sub_requests, submit)
+from polychip.server.serving import (ServerState, chat_logprobs, collect, engine_requests, finish_reason,
+                                     request_params, submit, with_max_tokens)
+from polychip.server.streaming import ChunkBuilder, sse, sse_guard
 from polychip.server.tool_calls import ReplyParser, plan_tools, request_grammar, template_messages
 
 
-def render_prompt(state: ServerState, req: ChatCompletionRequest) -> tuple[str, list[int]]:
+async def render_prompt(state: ServerState, req: ChatCompletionRequest) -> tuple[str, list[int]]:
+    """(prompt text, ids), rendered, size-checked and tokenised in the engine's tokenizer threads,
+    off the event loop."""
     if not req.messages:
         raise InvalidRequestError("messages must not be empty")
     msgs = template_messages([m.for_template() for m in req.messages])
     clash = sorted(set(RESERVED_TEMPLATE_ARGS) & set(req.chat_template_kwargs or {}))
     if clash:
         raise InvalidRequestError(f"chat_template_kwargs cannot set {clash}")
-    kwargs = {**state.chat_defaults, **(req.chat_template_kwargs or {})}   # the request wins
+    kwargs = {**state.config.chat_template_defaults(), **(req.chat_template_kwargs or {})}   # the request wins
     if req.tools:
         kwargs["tools"] = req.tools
-    tok = state.tokenizer
-    try:
-        text = tok.apply_chat_template(msgs, add_generation_prompt=req.add_generation_prompt, **kwargs)
-    except InvalidRequestError:
-        raise
-    except Exception as e:   # a template may fail in any way on odd input; that is the request's fault
-        raise InvalidRequestError(f"messages: the chat template failed: {type(e).__name__}: {e}") from None
-    return text, tok.encode(text, add_special_tokens=False)
+    size_check = lambda text: state.engine.check_prompt_size(text, "messages")   # noqa: E731
+    return await state.engine.run_tokenizer(render_and_encode, state.tokenizer, msgs, req.add_generation_prompt,
+                                            kwargs, not state.config.special_tokens_in_content, size_check)
 
 
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, request: Request) -> Response:
     state.check_model(req.model)
     check_fields(req, CHAT)
-    check_stop_token_ids(state, req.stop_token_ids)
     rid = request.state.request_id
     log_identity(req, rid)
-    prompt_text, ids = render_prompt(state, req)
-    plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, state.tool_call_parser,
+    params = request_params(state, req, req.requested_max_tokens, req.num_logprobs())
+    prompt_text, ids = await render_prompt(state, req)
+    params = with_max_tokens(state, params, [ids], req.requested_max_tokens)
+    plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, state.config.tool_call_parser,
                       state.tokenizer.chat_template, prompt_text)
     grammar = await request_grammar(state.grammar, req.grammar_spec(), plan)
-    max_tokens = resolve_max_tokens(state, len(ids), req.requested_max_tokens, "messages")
-    params = req.sampling_params(max_tokens, req.num_logprobs())
     if grammar is not None or (plan is not None and plan.stop):
         params = dataclasses.replace(params, grammar=grammar, stop=params.stop + (plan.stop if plan else []))
-    stream = await submit(state, sub_requests(rid, [ids], params, req.priority))
-    reasoning_cls = PARSERS.get(state.reasoning_parser) if req.separate_reasoning else None
+    stream = await submit(state, engine_requests(rid, [ids], params, req.priority))
+    reasoning_cls = PARSERS.get(state.config.reasoning_parser) if req.separate_reasoning else None
 
     def reply_parser() -> ReplyParser:
         return ReplyParser(reasoning_cls(prompt_text) if reasoning_cls else None, plan)
@@ -84,20 +82,9 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
 async def _stream_events(state, req, stream, meta, prompt_len, reply_parser):
     n = req.n
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    want_logprobs = req.logprobs
-    base = {**meta, "object": "chat.completion.chunk"}
-
-    def chunk(i, delta, finish=None, logprobs=None, stop_reason=None):
-        c = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-        if finish is not None:
-            c["stop_reason"] = stop_reason
-        body = {**base, "choices": [c]}
-        if include_usage:
-            body["usage"] = None
-        return sse(body)
-
+    chunks = ChunkBuilder(meta, "chat.completion.chunk", "delta", include_usage)
     for i in range(n):
-        yield chunk(i, {"role": "assistant", "content": ""})
+        yield chunks.choice(i, {"role": "assistant", "content": ""})
     parsers = [reply_parser() for _ in range(n)]
     seen = [0] * n
     completion_tokens, cached = 0, 0
@@ -105,15 +92,15 @@ async def _stream_events(state, req, stream, meta, prompt_len, reply_parser):
         o = out.outputs[0]
         delta = parsers[i].feed(o.delta_text, final=out.finished)
         lp = None
-        if want_logprobs and len(o.token_ids) > seen[i]:
+        if req.logprobs and len(o.token_ids) > seen[i]:
             lp = {"content": chat_logprobs(state.tokenizer, (o.logprobs or [])[seen[i]:])}
         seen[i] = len(o.token_ids)
         if delta or lp:
-            yield chunk(i, delta, logprobs=lp)
+            yield chunks.choice(i, delta, logprobs=lp)
         if out.finished:
             completion_tokens += len(o.token_ids)
             cached = out.num_cached_tokens if i == 0 else cached
-            yield chunk(i, {}, finish=parsers[i].finish_reason(o.finish_reason), stop_reason=o.stop_reason)
+            yield chunks.choice(i, {}, parsers[i].finish_reason(o.finish_reason), stop_reason=o.stop_reason)
     if include_usage:
-        yield sse({**base, "choices": [], "usage": usage(prompt_len, completion_tokens, cached)})
+        yield chunks.usage(usage(prompt_len, completion_tokens, cached))
     yield sse("[DONE]")

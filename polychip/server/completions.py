@@ -10,8 +10,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from polychip.errors import InvalidRequestError
 from polychip.server.fields import COMPLETIONS, check_fields, log_identity
 from polychip.server.protocol import MAX_TOP_LOGPROBS, CompletionRequest, usage
-from polychip.server.serving import (ServerState, check_stop_token_ids, collect, completion_logprobs,
-                                     finish_reason, resolve_max_tokens, sse, sse_guard, sub_requests, submit)
+from polychip.server.serving import (ServerState, collect, completion_logprobs, engine_requests, finish_reason,
+                                     request_params, submit, with_max_tokens)
+from polychip.server.streaming import ChunkBuilder, sse, sse_guard
 from polychip.server.structured import compile_off_loop
 
 
@@ -29,27 +30,36 @@ def _check_unsupported(req: CompletionRequest) -> int | None:
     return req.logprobs
 
 
+async def tokenize_prompts(state: ServerState, prompts: list[str | list[int]]) -> list[list[int]]:
+    """Token ids of every prompt; texts are size-checked, then tokenised off the event loop."""
+    texts = [p for p in prompts if isinstance(p, str)]
+    for t in texts:
+        state.engine.check_prompt_size(t, "prompt")
+    encode = state.tokenizer.encode
+    encoded = iter(await state.engine.run_tokenizer(lambda: [encode(t) for t in texts]) if texts else [])
+    ids = [next(encoded) if isinstance(p, str) else p for p in prompts]
+    if any(not x for x in ids):
+        raise InvalidRequestError("prompt is empty after tokenisation")
+    return ids
+
+
 async def create_completion(state: ServerState, req: CompletionRequest, request: Request) -> Response:
     state.check_model(req.model)
-    check_stop_token_ids(state, req.stop_token_ids)
     logprobs = _check_unsupported(req)
-    log_identity(req, request.state.request_id)
-    grammar = await compile_off_loop(state.grammar, req.grammar_spec())
+    rid = request.state.request_id
+    log_identity(req, rid)
     tok = state.tokenizer
-    prompts = [tok.encode(p) if isinstance(p, str) else p for p in req.prompts()]
-    if any(not ids for ids in prompts):
-        raise InvalidRequestError("prompt is empty after tokenisation")
-    # one max_tokens for all prompts: the requested one if every prompt leaves room for it;
-    # null means the context left after the longest prompt
-    max_tokens = min(resolve_max_tokens(state, len(ids), req.max_tokens, "prompt") for ids in prompts)
-    params = req.sampling_params(max_tokens, logprobs)
+    params = request_params(state, req, req.max_tokens, logprobs, len(req.prompts()))
+    grammar = await compile_off_loop(state.grammar, req.grammar_spec())
+    prompts = await tokenize_prompts(state, req.prompts())
+    params = with_max_tokens(state, params, prompts, req.max_tokens)
     if grammar is not None:
         params = dataclasses.replace(params, grammar=grammar)
     best_of = req.best_of if req.best_of is not None and req.best_of > params.n else None
     if best_of is not None:   # candidates carry their chosen-token logprobs to be ranked
+        state.engine.check_group_size(len(prompts) * best_of)
         params = dataclasses.replace(params, n=best_of, logprobs=logprobs or 0)
-    rid = request.state.request_id
-    stream = await submit(state, sub_requests(rid, prompts, params, req.priority))
+    stream = await submit(state, engine_requests(rid, prompts, params, req.priority))
     echoes = [(p if isinstance(p, str) else tok.decode(ids)) if req.echo else ""
               for p, ids in zip(req.prompts(), prompts)]
     count = len(prompts) * params.n
@@ -78,7 +88,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
 
 
 def best_of_n(finals: list, best_of: int, n: int) -> list:
-    """Per prompt, the n of ``best_of`` candidates with the highest cumulative logprob (in order)."""
+    """Per prompt, the n of ``best_of`` candidates with the highest cumulative logprob, best first."""
     out = []
     for start in range(0, len(finals), best_of):
         group = finals[start:start + best_of]
@@ -90,22 +100,12 @@ def best_of_n(finals: list, best_of: int, n: int) -> list:
 async def _stream_events(state, req, stream, meta, echoes, prompt_tokens):
     n = req.n
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    base = {**meta, "object": "text_completion"}
-
-    def chunk(i, text, finish=None, logprobs=None, stop_reason=None):
-        c = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish}
-        if finish is not None:
-            c["stop_reason"] = stop_reason
-        body = {**base, "choices": [c]}
-        if include_usage:
-            body["usage"] = None
-        return sse(body)
-
+    chunks = ChunkBuilder(meta, "text_completion", "text", include_usage)
     count = len(echoes) * n
     seen, offsets = [0] * count, [0] * count
     for i in range(count):
         if echoes[i // n]:
-            yield chunk(i, echoes[i // n])
+            yield chunks.choice(i, echoes[i // n])
     completion_tokens = 0
     async for i, out in stream:
         o = out.outputs[0]
@@ -115,10 +115,10 @@ async def _stream_events(state, req, stream, meta, echoes, prompt_tokens):
             offsets[i] += sum(len(t) for t in lp["tokens"])
         seen[i] = len(o.token_ids)
         if o.delta_text or lp:
-            yield chunk(i, o.delta_text, logprobs=lp)
+            yield chunks.choice(i, o.delta_text, logprobs=lp)
         if out.finished:
             completion_tokens += len(o.token_ids)
-            yield chunk(i, "", finish=o.finish_reason, stop_reason=o.stop_reason)
+            yield chunks.choice(i, "", o.finish_reason, stop_reason=o.stop_reason)
     if include_usage:
-        yield sse({**base, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+        yield chunks.usage(usage(prompt_tokens, completion_tokens))
     yield sse("[DONE]")

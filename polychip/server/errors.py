@@ -1,7 +1,6 @@
 """Every failure becomes an OpenAI-style error body: {"error": {message, type, param, code}}."""
 from __future__ import annotations
 
-import json
 import logging
 import re
 
@@ -67,11 +66,26 @@ def to_response(err: Exception, known_params: frozenset[str] = frozenset()) -> J
 _TYPE_TAG = re.compile(r"^(str|int|float|bool|[A-Za-z_]+\[.*\]|[A-Z][A-Za-z]+)$")
 
 
+# what pydantic's JSON parser says -> the cause in words a client can act on
+_JSON_CAUSES = (
+    ("recursion limit", "it is nested too deeply"),
+    ("number out of range", "a number has too many digits"),
+    ("surrogate", "a \\uD800-\\uDFFF escape is not part of a surrogate pair, so it is not text"),
+    ("hex escape", "a \\uD800-\\uDFFF escape is not part of a surrogate pair, so it is not text"),
+    ("invalid unicode code point", "it is not valid UTF-8"),
+)
+
+
+def json_error_message(detail: str) -> str:
+    cause = next((why for key, why in _JSON_CAUSES if key in detail), None)
+    return f"invalid JSON body: {detail}" + (f" ({cause})" if cause else "")
+
+
 def validation_message(errors: list[dict]) -> tuple[str, str | None]:
     """(message, param) for pydantic errors; a union mismatch names the accepted types."""
     first = errors[0] if errors else {}
     if first.get("type") == "json_invalid":
-        return f"invalid JSON body: {first.get('ctx', {}).get('error', 'cannot parse')}", None
+        return json_error_message(str(first.get("ctx", {}).get("error", "cannot parse"))), None
     loc = [x for x in first.get("loc", ()) if x != "body"]
     if not loc and first.get("type") in ("missing", "model_type", "model_attributes_type", "dict_type"):
         return "the body must be a JSON object", None
@@ -87,15 +101,11 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None]:
 
 
 def parse_body(raw: bytes, model: type[BaseModel]):
-    """JSON (whatever the content-type says) -> the request model, or a 400 APIError."""
+    """The request model from a JSON body, or a 400 APIError naming the cause. pydantic's own JSON
+    parser reads the bytes: its depth, number-size and UTF-8 limits turn every malformed body into a
+    validation error, where the standard library raised RecursionError or ValueError."""
     try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"invalid JSON body: {e}", "invalid_request_error") from None
-    if not isinstance(data, dict):
-        raise APIError(400, "the body must be a JSON object", "invalid_request_error")
-    try:
-        return model.model_validate(data)
+        return model.model_validate_json(raw)
     except ValidationError as e:
         msg, param = validation_message(e.errors())
         raise APIError(400, msg, "invalid_request_error", param) from None
@@ -111,10 +121,6 @@ def install_error_handlers(app: FastAPI, known_params: frozenset[str]) -> None:
     async def _http(request: Request, exc: StarletteHTTPException):
         kind = {404: "not_found_error", 405: "invalid_request_error"}.get(exc.status_code, "invalid_request_error")
         return error_response(exc.status_code, str(exc.detail), kind, headers=getattr(exc, "headers", None))
-
-    @app.exception_handler(json.JSONDecodeError)
-    async def _json(request: Request, exc: json.JSONDecodeError):
-        return error_response(400, f"invalid JSON body: {exc}", "invalid_request_error")
 
     for cls in (APIError, PolychipError, Exception):
         app.add_exception_handler(cls, lambda request, exc: to_response(exc, known_params))

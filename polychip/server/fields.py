@@ -8,13 +8,13 @@ fields; every field of OpenAI's request and of the vLLM / SGLang extensions is l
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from pydantic import BaseModel
 
 from polychip.errors import InvalidRequestError
+from polychip.server.logs import printable
 
 log = logging.getLogger("polychip.server")
 
@@ -212,15 +212,12 @@ def check_fields(req: BaseModel, endpoint: str) -> None:
                                   "usage comes in the last chunk with include_usage")
 
 
-_UNSAFE = re.compile(r"[\x00-\x1f\x7f]")
-
-
 def log_identity(req: BaseModel, request_id: str) -> None:
     """``user`` and ``safety_identifier`` go to the log (control characters escaped)."""
     for name in ("user", "safety_identifier"):
         value = getattr(req, name, None)
         if value:
-            log.info("%s %s=%s", request_id, name, _UNSAFE.sub(lambda m: repr(m.group())[1:-1], str(value))[:256])
+            log.info("%s %s=%s", request_id, name, printable(str(value)[:256]))
 
 
 def markdown() -> str:

@@ -1,19 +1,15 @@
 """Prometheus metrics (prefix ``polychip_``), one registry per server, no module globals.
 
-Latency histograms are observed when a request finishes; everything else is read
-from the engine's published snapshot at scrape time by a custom collector.
+Latency histograms are observed when a request finishes; everything else comes from
+``Engine.stats()`` taken at scrape time, through a custom collector.
 """
 from __future__ import annotations
-
-import logging
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from polychip.engine.async_engine import AsyncEngine
 from polychip.engine.request import RequestOutput
-
-log = logging.getLogger("polychip.metrics")
+from polychip.engine.stats import EngineStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
@@ -21,7 +17,7 @@ TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0
 
 
 class ServerMetrics:
-    def __init__(self, async_engine: AsyncEngine, model_name: str):
+    def __init__(self, model_name: str):
         self.registry = CollectorRegistry()
         r, labels = self.registry, ["model_name"]
         self.model_name = model_name
@@ -37,9 +33,8 @@ class ServerMetrics:
                                 ["reason"], registry=r)
         self.http = Counter("polychip_http_requests", "HTTP requests by route and status",
                             ["method", "route", "status"], registry=r)
-        self.queried_tokens = 0          # written by the engine thread only
-        self.hit_tokens = 0
-        r.register(_EngineCollector(async_engine, model_name, self))
+        self._collector = _EngineCollector(model_name)
+        r.register(self._collector)
 
     def observe_finished(self, out: RequestOutput) -> None:
         """Called in the engine thread for each finished request (prometheus_client is thread-safe)."""
@@ -50,22 +45,24 @@ class ServerMetrics:
         if out.e2e is not None:
             self.e2e.observe(out.e2e)
         self.finished.labels(self.model_name, out.finish_reason or "unknown").inc()
-        self.queried_tokens += len(out.prompt_token_ids)
-        self.hit_tokens += out.num_cached_tokens
 
-    def render(self) -> bytes:
+    def render(self, stats: EngineStats) -> bytes:
+        """The exposition text, the engine figures from ``stats`` (an ``Engine.stats()``)."""
+        self._collector.stats = stats
         return generate_latest(self.registry)
 
 
 class _EngineCollector:
     """Queue, pool, cache, token and per-stage figures from the engine snapshot; device memory."""
 
-    def __init__(self, async_engine: AsyncEngine, model_name: str, metrics: ServerMetrics):
-        self.ae, self.model_name, self.metrics = async_engine, model_name, metrics
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.stats: EngineStats | None = None               # set by ServerMetrics.render
 
     def collect(self):
-        s, m = self.ae.stats, [self.model_name]
-        plugin = self.ae.engine.plugin
+        s, m = self.stats, [self.model_name]
+        if s is None:
+            return
 
         def gauge(name, doc, value):
             g = GaugeMetricFamily(name, doc, labels=["model_name"])
@@ -79,41 +76,33 @@ class _EngineCollector:
 
         yield gauge("polychip_num_requests_waiting", "Requests waiting in the scheduler queue", s.num_waiting)
         yield gauge("polychip_num_requests_running", "Requests running in the batch", s.num_running)
-        yield gauge("polychip_kv_pool_pages_total", "Pages in the KV pool", s.pool_pages)
-        yield gauge("polychip_kv_pool_pages_free", "Free pages in the KV pool", s.pool_free_pages)
-        yield gauge("polychip_kv_pool_usage_ratio", "Fraction of KV pages in use (running or cached)",
-                    1 - s.pool_free_pages / s.pool_pages if s.pool_pages else 0.0)
-        yield gauge("polychip_prefix_cache_pages", "KV pages held by the prefix cache", s.cached_pages)
-        queried, hit = self.metrics.queried_tokens, self.metrics.hit_tokens
-        yield counter("polychip_prefix_cache_queried_tokens", "Prompt tokens of finished requests", queried)
-        yield counter("polychip_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache", hit)
-        yield gauge("polychip_prefix_cache_hit_rate", "Cached / queried prompt tokens over finished requests",
-                    hit / queried if queried else 0.0)
-        c = s.counters
-        yield counter("polychip_prompt_tokens", "Prompt tokens computed (prefix-cache hits excluded)",
-                      c.get("prompt_tokens", 0))
-        yield counter("polychip_generation_tokens", "Tokens generated", c.get("generation_tokens", 0))
-        yield counter("polychip_requests_added", "Engine requests added", c.get("requests_added", 0))
-        yield counter("polychip_requests_aborted", "Engine requests aborted", c.get("requests_aborted", 0))
-        yield counter("polychip_engine_steps", "Engine steps run", c.get("steps", 0))
+        yield gauge("polychip_kv_pool_pages_total", "Pages in the KV pool", s.pages_total)
+        yield gauge("polychip_kv_pool_pages_free", "Free pages in the KV pool", s.pages_free)
+        yield gauge("polychip_kv_pool_usage_ratio", "Fraction of KV pages in use (running or cached)", s.kv_usage)
+        yield gauge("polychip_prefix_cache_pages", "KV pages held by the prefix cache", s.pages_cached)
+        yield counter("polychip_prefix_cache_queried_tokens", "Prompt tokens of admitted requests",
+                      s.prompt_tokens_queried)
+        yield counter("polychip_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
+                      s.prompt_tokens_cached)
+        yield gauge("polychip_prefix_cache_hit_rate", "Cached / queried prompt tokens", s.prefix_cache_hit_rate)
+        yield counter("polychip_prompt_tokens", "Prompt tokens computed (prefix-cache hits excluded)", s.prompt_tokens)
+        yield counter("polychip_generation_tokens", "Tokens generated", s.generation_tokens)
+        yield counter("polychip_requests_added", "Engine requests added", s.requests_added)
+        yield counter("polychip_requests_aborted", "Engine requests aborted", s.requests_aborted)
+        yield counter("polychip_engine_steps", "Engine steps run", s.steps)
         stage = CounterMetricFamily("polychip_engine_stage_seconds", "Engine step time by stage",
                                     labels=["model_name", "stage"])
-        for name, secs in sorted(s.stage_seconds.items()):
+        for name, secs in s.stage_seconds:
             stage.add_metric(m + [name], secs)
         yield stage
-        mem = GaugeMetricFamily("polychip_device_memory_bytes", "Device memory (free, total, used)",
-                                labels=["plugin", "device", "kind"])
-        try:
-            free, total = plugin.mem_info()
-            dev = str(plugin.index)
-            for kind, v in (("free", free), ("total", total), ("used", total - free)):
-                mem.add_metric([plugin.name, dev, kind], v)
-        except Exception as e:  # a plugin's memory query must never break a scrape
-            log.warning("mem_info of plugin %s failed: %s", plugin.name, e)
+        mem = GaugeMetricFamily("polychip_device_memory_bytes", "Device memory (free, total, used) of every rank",
+                                labels=["plugin", "device", "rank", "node", "kind"])
+        kv = GaugeMetricFamily("polychip_kv_pool_bytes", "Bytes allocated for the KV pool on every rank",
+                               labels=["model_name", "plugin", "device", "rank", "node"])
+        for r in s.ranks:
+            where = [r.plugin, str(r.device), str(r.rank), str(r.node)]
+            for kind, v in (("free", r.free_memory), ("total", r.total_memory), ("used", r.total_memory - r.free_memory)):
+                mem.add_metric(where + [kind], v)
+            kv.add_metric(m + where, r.kv_pool_bytes)
         yield mem
-        pool = self.ae.engine.pool
-        kv = GaugeMetricFamily("polychip_kv_pool_bytes", "Bytes allocated for the KV pool",
-                               labels=["plugin", "device"])
-        if pool.storage is not None:
-            kv.add_metric([plugin.name, str(plugin.index)], pool.storage.numel() * pool.storage.element_size())
         yield kv

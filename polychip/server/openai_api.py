@@ -1,6 +1,11 @@
-"""The FastAPI app: OpenAI routes, health, models, metrics, and SGLang's native worker routes
-(server/sglang_api.py: /generate, /model_info, /server_info with the KV pool state and an integrity
-check, /flush_cache, /health_generate)."""
+"""The FastAPI app: OpenAI routes, health, models, metrics, two operator endpoints
+(``/server_info`` with the KV pool state and an integrity check, ``/flush_cache``), and SGLang's
+native worker routes (server/sglang_api.py: /generate, /model_info, /health_generate).
+
+The routes are module-level handlers on one APIRouter; each finds the server's state on
+``request.app.state.polychip``. Errors are turned into OpenAI error bodies by the app's exception
+handlers (``errors.install_error_handlers``), not per route.
+"""
 from __future__ import annotations
 
 import asyncio
@@ -8,94 +13,116 @@ import contextlib
 import logging
 import os
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-import polychip
 from polychip.config import ServerConfig
 from polychip.engine.async_engine import AsyncEngine
-from polychip.engine.engine import Engine
-from polychip.server import chat, completions, sglang_api
-from polychip.server.errors import error_response, install_error_handlers, parse_body, to_response
-from polychip.server.metrics import CONTENT_TYPE, ServerMetrics
+from polychip.engine.engine import COUNTERS, Engine
 from polychip.models.gguf import default_gguf_path
+from polychip.server import chat, completions, server_info, sglang_api
+from polychip.server.errors import error_response, install_error_handlers, parse_body
+from polychip.server.metrics import CONTENT_TYPE, ServerMetrics
 from polychip.server.middleware import Gate
 from polychip.server.protocol import ChatCompletionRequest, CompletionRequest, model_card
-from polychip.server.serving import ServerState
+from polychip.server.serving import ServerState, state_of
 
 log = logging.getLogger("polychip.server")
 
 KNOWN_PARAMS = frozenset(ChatCompletionRequest.model_fields) | frozenset(CompletionRequest.model_fields) | {
     "top_logprobs", "logprobs"}
 
+router = APIRouter()
 
-def default_model_name(engine: Engine) -> str:
-    cfg = engine.config
-    if cfg.served_model_name:
-        return cfg.served_model_name
-    if cfg.model_path:
-        return cfg.model_path
+@router.get("/health")
+async def health(request: Request):
+    ae = state_of(request).engine
+    if ae.fault is not None:
+        return JSONResponse({"status": f"engine failed: {ae.fault}"}, status_code=503)
+    if ae.alive:
+        return JSONResponse({"status": "ok"})
+    why = "crashed" if ae.error is not None else "not running"
+    return JSONResponse({"status": f"engine {why}"}, status_code=503)
+
+
+@router.get("/v1/models")
+async def models(request: Request):
+    s = state_of(request)
+    return {"object": "list", "data": [model_card(s.model_name, s.created, s.max_model_len, s.engine.model_dir)]}
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request):
+    req = parse_body(await request.body(), ChatCompletionRequest)
+    return await chat.create_chat_completion(state_of(request), req, request)
+
+
+@router.post("/v1/completions")
+async def text_completions(request: Request):
+    req = parse_body(await request.body(), CompletionRequest)
+    return await completions.create_completion(state_of(request), req, request)
+
+
+async def pool_info(ae: AsyncEngine) -> dict:
+    s = await ae.current_stats()
+    return {"kv_pool": {"num_pages": s.pages_total, "free_pages": s.pages_free, "cached_pages": s.pages_cached,
+                        "page_size": s.page_size, "integrity": await ae.call(server_info.integrity)},
+            "num_waiting": s.num_waiting, "num_running": s.num_running,
+            "counters": {name: getattr(s, name) for name in COUNTERS}}
+
+
+@router.api_route("/flush_cache", methods=["GET", "POST"])     # SGLang's methods; always 200 here:
+async def flush_cache(request: Request):                          # only pages no request holds are freed
+    ae = state_of(request).engine
+    released = await ae.flush_prefix_cache()
+    return {"message": "Cache flushed.", "released_pages": released, **await pool_info(ae)}
+
+
+@router.get("/metrics")
+async def prometheus(request: Request):
+    s = state_of(request)
+    if s.metrics is None:
+        return error_response(404, "metrics are off; start the server with --enable-metrics", "not_found_error")
+    return Response(s.metrics.render(await s.engine.current_stats()), media_type=CONTENT_TYPE)
+
+
+def default_model_name(config) -> str:
+    if config.served_model_name:
+        return config.served_model_name
+    if config.model_path:
+        return config.model_path
     return os.path.splitext(os.path.basename(default_gguf_path()))[0]
+
+
+@contextlib.asynccontextmanager
+async def lifespan(app: FastAPI):
+    state: ServerState = app.state.polychip
+    ae = state.engine
+    ae.start(asyncio.get_running_loop())
+    yield
+    left = ae.stats.num_running + ae.stats.num_waiting
+    log.info("stopping the engine%s", f" (aborting {left} request(s))" if left else "")
+    await asyncio.to_thread(ae.shutdown, state.config.graceful_shutdown_timeout)
 
 
 def build_app(engine: Engine, cfg: ServerConfig | None = None) -> tuple[Gate, ServerState]:
     """(ASGI app, ServerState) serving ``engine``: the FastAPI app behind the Gate middleware."""
     cfg = cfg or ServerConfig()
-    name = default_model_name(engine)
     ae = AsyncEngine(engine, max_waiting=cfg.max_waiting_requests)
-    metrics = ServerMetrics(ae, name) if cfg.enable_metrics else None
+    name = default_model_name(ae.config)
+    metrics = ServerMetrics(name) if cfg.enable_metrics else None
     if metrics is not None:
         ae.on_finish = metrics.observe_finished
-    state = ServerState(ae, name, engine.loaded.model_dir, engine.max_model_len, cfg.reasoning_parser, metrics,
-                        chat_defaults=cfg.chat_template_defaults(), tool_call_parser=cfg.tool_call_parser)
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI):
-        ae.start(asyncio.get_running_loop())
-        yield
-        left = ae.stats.num_running + ae.stats.num_waiting
-        log.info("stopping the engine%s", f" (aborting {left} request(s))" if left else "")
-        await asyncio.to_thread(ae.shutdown, cfg.graceful_shutdown_timeout)
-
+    state = ServerState(ae, cfg, name, metrics)
+    if not cfg.special_tokens_in_content:     # build the plain-text tokenizer now, not on a request
+        ae.tokenizer.encode("", special_tokens_as_text=True)
     app = FastAPI(title="polychip", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.polychip = state
     install_error_handlers(app, KNOWN_PARAMS)
-
-    @app.get("/health")
-    async def health():
-        if ae.alive:
-            return JSONResponse({"status": "ok"})
-        why = "crashed" if ae.error is not None else "not running"
-        return JSONResponse({"status": f"engine {why}"}, status_code=503)
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [model_card(name, state.created, state.max_model_len, state.model_root)]}
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        try:
-            req = parse_body(await request.body(), ChatCompletionRequest)
-            return await chat.create_chat_completion(state, req, request)
-        except Exception as e:
-            return to_response(e, KNOWN_PARAMS)
-
-    @app.post("/v1/completions")
-    async def text_completions(request: Request):
-        try:
-            req = parse_body(await request.body(), CompletionRequest)
-            return await completions.create_completion(state, req, request)
-        except Exception as e:
-            return to_response(e, KNOWN_PARAMS)
-
-    app.include_router(sglang_api.make_router(state, cfg, polychip.__version__))
-
-    @app.get("/metrics")
-    async def prometheus():
-        if metrics is None:
-            return error_response(404, "metrics are off; start the server with --enable-metrics", "not_found_error")
-        return Response(metrics.render(), media_type=CONTENT_TYPE)
-
+    app.include_router(router)
+    app.include_router(server_info.router)     # /server_info, /get_server_info
+    app.include_router(sglang_api.router)      # /generate, /model_info, /get_model_info, /health_generate
     on_response = (lambda m, r, s: metrics.http.labels(m, r, str(s)).inc()) if metrics is not None else None
-    gate = Gate(app, api_key=cfg.api_key, max_body_bytes=cfg.max_request_body_bytes, on_response=on_response)
+    gate = Gate(app, api_key=cfg.api_key, max_body_bytes=cfg.max_request_body_bytes,
+                body_timeout=cfg.timeout_request_body, on_response=on_response)
     return gate, state

@@ -1,7 +1,8 @@
 """OpenAI request bodies (plus the vLLM / SGLang extension fields) as pydantic models.
 
-Unknown fields are ignored, as OpenAI-compatible servers do; wrong types are a 400.
-Range checks live in ``SamplingParams`` so the offline API and the server agree.
+Unknown fields are ignored, as OpenAI-compatible servers do; wrong types are a 400. The models are
+strict, as OpenAI's API is: a string is not a number and 1 is not a boolean (an integer is still a
+valid float). Range checks live in ``SamplingParams`` so the offline API and the server agree.
 """
 from __future__ import annotations
 
@@ -15,22 +16,25 @@ from polychip.server.fields import RefusedFields
 from polychip.server.structured import StructuredFields
 
 MAX_TOP_LOGPROBS = 20
-GREEDY_BELOW = 1e-5       # temperatures this small mean greedy (as vLLM), not overflowing logits
 # integers the engine hands to torch must fit in int64; seeds leave room for seed + j (n choices)
 Int64 = Annotated[int, Field(ge=-2**63, le=2**63 - 1)]
 Seed = Annotated[int, Field(ge=-2**63, le=2**63 - 1 - MAX_N)]
 
 
-class StreamOptions(BaseModel):
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(_Strict):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class _Sampling(RefusedFields, StructuredFields):
+class _Sampling(_Strict, RefusedFields, StructuredFields):
     """Fields shared by chat and text completions (the structured-output ones and the refused ones
     come from their owners: server/structured.py, server/fields.py)."""
 
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
     n: Int64 = 1
@@ -57,11 +61,8 @@ class _Sampling(RefusedFields, StructuredFields):
     priority: Int64 = 0
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        temperature = 1.0 if self.temperature is None else self.temperature
-        if 0 <= temperature < GREEDY_BELOW:
-            temperature = 0.0
         return SamplingParams(
-            n=self.n, temperature=temperature,
+            n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p, top_k=-1 if self.top_k is None else self.top_k,
             min_p=self.min_p or 0.0, seed=self.seed,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
@@ -85,13 +86,13 @@ class _Sampling(RefusedFields, StructuredFields):
         return out
 
 
-class ContentPart(BaseModel):
+class ContentPart(_Strict):
     model_config = ConfigDict(extra="allow")
     type: str
     text: str | None = None
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(_Strict):
     model_config = ConfigDict(extra="allow")   # name, tool_calls, tool_call_id, reasoning_content...
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None

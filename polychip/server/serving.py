@@ -1,22 +1,22 @@
-"""What chat and text completions share: server state, limits, submission, collection, logprobs, SSE."""
+"""What chat and text completions share: server state, request limits, submission, collection,
+logprobs."""
 from __future__ import annotations
 
 import asyncio
-import copy
 import dataclasses
-import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator
 
 from fastapi import Request
 
+from polychip.config import ServerConfig
 from polychip.engine.async_engine import AsyncEngine, RequestStream, SubRequest
 from polychip.engine.request import RequestOutput, TokenLogprob
 from polychip.engine.sampling_params import SamplingParams
 from polychip.errors import InvalidRequestError
-from polychip.server.errors import APIError, error_body, message_of, to_response
+from polychip.server.errors import APIError
+from polychip.server.protocol import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger("polychip.server")
 
@@ -24,18 +24,18 @@ log = logging.getLogger("polychip.server")
 @dataclass
 class ServerState:
     engine: AsyncEngine
+    config: ServerConfig
     model_name: str
-    model_root: str
-    max_model_len: int
-    reasoning_parser: str | None = None
     metrics: object | None = None          # ServerMetrics when --enable-metrics
-    chat_defaults: dict = dataclasses.field(default_factory=dict)   # server-wide chat_template_kwargs
-    tool_call_parser: str | None = None
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
     @property
     def tokenizer(self):
-        return self.engine.engine.tokenizer
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
 
     @property
     def grammar(self):
@@ -52,40 +52,64 @@ class ServerState:
             self.metrics.rejected.labels(reason).inc()
 
 
-def resolve_max_tokens(state: ServerState, prompt_len: int, requested: int | None, what: str) -> int:
-    """The request's max_tokens, checked against the context; None means 'the rest of the context'."""
-    ctx = state.max_model_len
-    if prompt_len >= ctx:
-        raise InvalidRequestError(f"{what} has {prompt_len} tokens; the model's context is {ctx} tokens and "
-                                  "at least one must be left to generate")
-    if requested is None:
-        return ctx - prompt_len
-    if requested < 1:
-        raise InvalidRequestError(f"max_tokens must be >= 1, got {requested}")
-    if prompt_len + requested > ctx:
-        raise InvalidRequestError(
-            f"max_tokens is too large: this model's maximum context length is {ctx} tokens, but you requested "
-            f"{prompt_len + requested} tokens ({prompt_len} in the {what}, {requested} in the completion)")
-    return requested
+def state_of(request: Request) -> ServerState:
+    return request.app.state.polychip
 
 
-def check_stop_token_ids(state: ServerState, ids: list[int] | None) -> None:
-    vocab = state.engine.engine.model_config.vocab_size
-    bad = [i for i in ids or [] if not 0 <= i < vocab]
-    if bad:
-        raise InvalidRequestError(f"stop_token_ids has ids outside [0, {vocab}): {bad[:5]}")
+def max_tokens_for(state: ServerState, prompt_len: int, requested: int | None) -> int:
+    """The request's max_tokens against the context. None: ``--max-tokens-default``, else the rest
+    of the context. A prompt that leaves no room is refused by ``Engine.check_request``."""
+    room = state.max_model_len - prompt_len
+    if requested is not None:
+        if requested > room > 0:
+            raise InvalidRequestError(
+                f"max_tokens is too large: this model's maximum context length is {state.max_model_len} tokens, "
+                f"but you requested {prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} in "
+                "the completion)")
+        return requested
+    default = state.config.max_tokens_default
+    room = max(room, 1)
+    return room if default is None else min(default, room)
 
 
-def sub_requests(request_id: str, prompts: list[list[int]], params: SamplingParams, priority: int
-                 ) -> list[SubRequest]:
-    """n choices per prompt as n engine requests (seeds seed + j, as ``LLM.generate`` does)."""
-    subs = []
-    for i, ids in enumerate(prompts):
-        for j in range(params.n):
-            child = dataclasses.replace(copy.copy(params), n=1,
-                                        seed=None if params.seed is None else params.seed + j)
-            subs.append(SubRequest(f"{request_id}-{i * params.n + j}", ids, child, priority))
-    return subs
+def check_stop_limits(cfg: ServerConfig, stop: list[str], stop_token_ids: list[int]) -> None:
+    """Stop strings are matched at every step on the engine thread: bound what one request brings."""
+    if len(stop) > cfg.max_stop_strings:
+        raise InvalidRequestError(f"stop has {len(stop)} strings; this server allows at most "
+                                  f"{cfg.max_stop_strings} (--max-stop-strings)")
+    chars = sum(map(len, stop))
+    if chars > cfg.max_stop_chars:
+        raise InvalidRequestError(f"stop strings have {chars} characters in all; this server allows at most "
+                                  f"{cfg.max_stop_chars} (--max-stop-chars)")
+    if len(stop_token_ids) > cfg.max_stop_strings:
+        raise InvalidRequestError(f"stop_token_ids has {len(stop_token_ids)} ids; this server allows at most "
+                                  f"{cfg.max_stop_strings} (--max-stop-strings)")
+
+
+def request_params(state: ServerState, req: ChatCompletionRequest | CompletionRequest, requested: int | None,
+                   logprobs: int | None, num_prompts: int = 1) -> SamplingParams:
+    """The request's sampling params, every field checked before its prompt is tokenised (so a bad
+    request costs no tokenisation); ``with_max_tokens`` fixes max_tokens once the prompts are known."""
+    params = req.sampling_params(state.max_model_len if requested is None else requested, logprobs)
+    check_stop_limits(state.config, params.stop, params.stop_token_ids)
+    state.engine.check_group_size(num_prompts * params.n)
+    return params
+
+
+def with_max_tokens(state: ServerState, params: SamplingParams, prompts: list[list[int]],
+                    requested: int | None) -> SamplingParams:
+    """One max_tokens for all prompts: the requested one if every prompt leaves room for it;
+    None means ``--max-tokens-default`` or the context left after the longest prompt."""
+    max_tokens = min(max_tokens_for(state, len(ids), requested) for ids in prompts)
+    return dataclasses.replace(params, max_tokens=max_tokens)
+
+
+def engine_requests(request_id: str, prompts: list[list[int]], params: SamplingParams, priority: int
+                    ) -> list[SubRequest]:
+    """One engine request per (prompt, choice), ids ``<request_id>-<k>`` in choice order."""
+    choices = params.choices()
+    return [SubRequest(f"{request_id}-{i * len(choices) + j}", ids, child, priority)
+            for i, ids in enumerate(prompts) for j, child in enumerate(choices)]
 
 
 async def submit(state: ServerState, subs: list[SubRequest]) -> RequestStream:
@@ -150,26 +174,3 @@ def completion_logprobs(tokenizer, lps: list[TokenLogprob], offset: int) -> dict
 
 def finish_reason(out: RequestOutput) -> str | None:
     return out.outputs[0].finish_reason
-
-
-def sse(data: dict | str) -> str:
-    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
-    return f"data: {text}\n\n"
-
-
-async def sse_guard(events: AsyncIterator[str], stream: RequestStream, request_id: str) -> AsyncIterator[str]:
-    """Runs an event generator; an engine failure mid-stream becomes an error event; leaving
-    early (client disconnect, shutdown) aborts the requests."""
-    try:
-        async for ev in events:
-            yield ev
-    except asyncio.CancelledError:
-        log.info("%s: stream cancelled (client gone or shutdown); aborting", request_id)
-        raise
-    except Exception as e:
-        resp = to_response(e)
-        log.warning("%s: stream ended by error: %s", request_id, message_of(e))
-        yield sse(json.loads(resp.body) if resp.body else error_body(str(e), "internal_error"))
-        yield sse("[DONE]")
-    finally:
-        stream.close()

@@ -3,7 +3,6 @@ response shapes (``text``, ``output_ids``, ``meta_info``; cumulative text when s
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import time
 from typing import Any
@@ -16,7 +15,8 @@ from polychip.engine.async_engine import SubRequest
 from polychip.engine.grammar import GrammarSpec
 from polychip.engine.sampling_params import SamplingParams
 from polychip.errors import InvalidRequestError
-from polychip.server.serving import ServerState, collect, resolve_max_tokens, sse, sse_guard, submit
+from polychip.server.serving import ServerState, check_stop_limits, collect, max_tokens_for, submit
+from polychip.server.streaming import sse, sse_guard
 
 DEFAULT_MAX_NEW_TOKENS = 128        # SGLang's default
 
@@ -133,11 +133,15 @@ class GenerateRequest(BaseModel):
         if not 0 <= self.top_logprobs_num <= 20:
             raise InvalidRequestError(f"top_logprobs_num must be in [0, 20], got {self.top_logprobs_num}")
 
-    def prompts(self, tokenizer) -> tuple[list[list[int]], bool]:
-        """(token ids per prompt, whether the request is a batch)."""
+    async def prompts(self, state: ServerState) -> tuple[list[list[int]], bool]:
+        """(token ids per prompt, whether the request is a batch); texts are size-checked and
+        tokenised off the event loop."""
         if self.text is not None:
             texts = [self.text] if isinstance(self.text, str) else self.text
-            return [tokenizer.encode(t) for t in texts], not isinstance(self.text, str)
+            for t in texts:
+                state.engine.check_prompt_size(t, "text")
+            encode = state.tokenizer.encode
+            return await state.engine.run_tokenizer(lambda: [encode(t) for t in texts]), not isinstance(self.text, str)
         ids = self.input_ids
         if ids and isinstance(ids[0], list):
             return [list(p) for p in ids], True
@@ -195,7 +199,7 @@ def result(out, meta_id: str, text: str, started: float, req: GenerateRequest, t
 async def generate(state: ServerState, req: GenerateRequest, request: Request) -> Response:
     req.check()
     tok = state.tokenizer
-    prompts, batch = req.prompts(tok)
+    prompts, batch = await req.prompts(state)
     if not prompts or any(not p for p in prompts):
         raise InvalidRequestError("the prompt is empty")
     rid = req.rid if isinstance(req.rid, str) else request.state.request_id
@@ -205,17 +209,17 @@ async def generate(state: ServerState, req: GenerateRequest, request: Request) -
     subs, meta_ids = [], []
     for i, ids in enumerate(prompts):
         sp = req.params_for(i)
-        wanted = sp.max_new_tokens
-        max_tokens = resolve_max_tokens(state, len(ids), wanted, "input")
+        max_tokens = max_tokens_for(state, len(ids), sp.max_new_tokens)
         grammar = sp.grammar_spec()
         if grammar is not None:
             grammar = await asyncio.to_thread(state.grammar.compiled, grammar)
         params = sp.to_params(max_tokens, req.top_logprobs_num if req.return_logprob else None, grammar)
+        check_stop_limits(state.config, params.stop, params.stop_token_ids)
         base = rids[i] if rids is not None else (rid if not batch else f"{rid}-{i}")
-        for j in range(params.n):
-            child = dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + j)
+        for j, child in enumerate(params.choices()):
             meta_ids.append(base if params.n == 1 else f"{base}-{j}")
             subs.append(SubRequest(f"{request.state.request_id}-g{len(subs)}", ids, child))
+    state.engine.check_group_size(len(subs))
     many = batch or len(subs) > 1
     started = time.monotonic()
     stream = await submit(state, subs)

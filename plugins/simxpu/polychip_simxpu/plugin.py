@@ -21,6 +21,9 @@ CARD_MEMORY = 16 * 2**30              # bytes per card
 CARD_DTYPES = ("float32", "bfloat16", "int8")
 COMPUTE = {"tflops_fp32": 25.0, "tflops_bf16": 100.0, "tops_int8": 200.0}
 DEFAULT_ALIGNMENT, DEFAULT_GRANULARITY = 256, 2 * 2**20
+# the simulated software stack; a spec's custom_attributes.versions overrides any entry
+VERSIONS = {"driver": "simxpu-driver 1.4.0", "runtime": "simxpu-rt 2.1.0", "collective": "gloo",
+            "firmware": "simxpu-fw 0.9.3"}
 
 
 class SimStream(Stream):
@@ -81,6 +84,7 @@ class SimXpuPlugin(DevicePlugin):
         self._streams_in_use: list[SimStream] = []
         self._streams = weakref.WeakSet([self._default_stream])
         self.bytes_copied = 0
+        self._versions = dict(VERSIONS)
 
     # discovery
     def is_available(self) -> Availability:
@@ -118,6 +122,11 @@ class SimXpuPlugin(DevicePlugin):
         for key, val in (("alignment", alignment), ("granularity", granularity)):
             if isinstance(val, bool) or not isinstance(val, int):
                 raise PluginError(f"custom_attributes.{key} must be an integer number of bytes, got {val!r}")
+        versions = attrs.get("versions", {})
+        if not isinstance(versions, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                     for k, v in versions.items()):
+            raise PluginError(f"custom_attributes.versions must map names to version strings, got {versions!r}")
+        self._versions = {**VERSIONS, **versions}
         try:
             self.allocator = SimAllocator(spec.memory.total if spec else CARD_MEMORY, alignment, granularity)
         except ValueError as e:
@@ -205,6 +214,9 @@ class SimXpuPlugin(DevicePlugin):
     # ops, communication
     def register_ops(self, registry) -> None:
         kernels.register(registry, self.spec.supported_dtypes if self.spec else CARD_DTYPES)
+
+    def versions(self) -> dict[str, str]:
+        return dict(self._versions)
 
     def communicator_backend(self) -> str:
         return "gloo"

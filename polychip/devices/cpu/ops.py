@@ -13,6 +13,10 @@ PyTorch ops, the native ops everywhere else.
   Both hand out work dynamically: multi-threaded BLAS splits the matrix statically and stalls
   for whole scheduler time slices (12-16 ms a call at batch 16) whenever another process
   holds a core; quiet, it is ~3-5% faster on an 800-token prefill (A/B in one process).
+* ``linear_int8`` (int8 weights, per-row scales, float32 x): the same split, with the tiles
+  widening int8 to float32 in registers and the blocks dequantising a block of rows before BLAS;
+  torch's own int8 kernel (the native op) is vectorised only for bfloat16/float16 input here
+  (bench/linear_int8_kernels.py has the measured ratios);
 * the row ops of ``row_ops`` (rms_norm, add_rms_norm, silu_mul, rotary_embedding).
 """
 from __future__ import annotations
@@ -60,7 +64,30 @@ def make_ops(kernels, native: Callable[[str], Callable]) -> dict:
     return {"attention": attention, "linear": linear}
 
 
-OPS = ("linear", "attention") + row_ops.ROW_OPS
+def make_int8_ops(kernels, native: Callable[[str], Callable]) -> dict:
+    """{"linear_int8": function} for float32 activations; anything else goes to the native op."""
+    native_linear_int8 = native("linear_int8")
+
+    def linear_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+        if not (x.dtype == torch.float32 and scales.dtype == torch.float32 and qweight.dtype == torch.int8
+                and x.device.type == "cpu" and qweight.device.type == "cpu" and not torch.is_grad_enabled()
+                and (bias is None or bias.dtype == torch.float32)):
+            return native_linear_int8(x, qweight, scales, bias)
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        qweight, scales = qweight.contiguous(), scales.contiguous()
+        bias = None if bias is None else bias.contiguous()
+        if x2.shape[0] <= TILES_MAX_M:
+            out = kernels.linear_int8_tiles(x2, qweight, scales, bias)
+        else:
+            out = kernels.linear_int8_blocks(x2, qweight, scales, bias, BLOCK_ROWS_PREFILL)
+        return out.reshape(*lead, qweight.shape[0])
+
+    return {"linear_int8": linear_int8}
+
+
+OPS = ("linear", "attention", "linear_int8") + row_ops.ROW_OPS
 
 
 def register(registry: OpRegistrar) -> None:
@@ -70,6 +97,7 @@ def register(registry: OpRegistrar) -> None:
         for name in OPS:
             registry.register_unavailable(name, cpu_kernels.unavailable_reason())
         return
-    ops = make_ops(kernels, registry.native) | row_ops.make_ops(kernels, registry.native)
+    ops = make_ops(kernels, registry.native) | row_ops.make_ops(kernels, registry.native) | \
+        make_int8_ops(kernels, registry.native)
     for name, fn in ops.items():
         registry.register(name, 1, "float32", fn)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import os
 import platform
+import re
 
 import torch
 
@@ -11,6 +12,15 @@ from polychip.devices.cpu.memory import HugePageAllocator
 from polychip.devices.plugin import Availability, DeviceInfo, DevicePlugin, Event, Stream
 
 log = logging.getLogger("polychip.devices.cpu")
+
+
+def blas_version() -> str:
+    """The BLAS torch was built with, e.g. 'mkl 2024.2' (from torch's build configuration)."""
+    config = torch.__config__.show()
+    m = re.search(r"BLAS_INFO=(\w+)", config)
+    name = m.group(1) if m else "unknown"
+    v = re.search(r"Math Kernel Library Version (\S+?)-", config) if name == "mkl" else None
+    return f"{name} {v.group(1)}" if v else name
 
 
 def _meminfo() -> tuple[int, int]:
@@ -55,15 +65,28 @@ class CpuPlugin(DevicePlugin):
     def is_available(self) -> Availability:
         return Availability(True)
 
+    @staticmethod
+    def _parts(spec) -> list[int]:
+        """Device ids: one (the host), or the ids a spec declares, at most one per core, each an equal
+        share of the host's cores and memory (how tensor parallelism runs several ranks on one CPU)."""
+        if spec is None:
+            return [0]
+        return list(spec.device_ids)[:os.cpu_count() or 1]
+
     def discover(self) -> list[DeviceInfo]:
+        return self.discover_for(self.spec)
+
+    def discover_for(self, spec) -> list[DeviceInfo]:
         free, total = _meminfo()
+        ids = self._parts(spec)
+        cores = os.cpu_count() or 1
         return [DeviceInfo(
-            index=0, name=platform.processor() or platform.machine(),
-            total_memory=total, free_memory=free,
+            index=i, name=platform.processor() or platform.machine(),
+            total_memory=total // len(ids), free_memory=free // len(ids),
             dtypes=("float32", "bfloat16", "float16", "int8"),
-            compute={"threads": float(torch.get_num_threads()), "cores": float(os.cpu_count() or 1)},
+            compute={"threads": float(max(1, cores // len(ids))), "cores": float(cores)},
             topology={"p2p_enabled": False, "numa_nodes": 1},
-        )]
+        ) for i in ids]
 
     def device_handle(self, index: int | None = None) -> torch.device:
         return torch.device("cpu")
@@ -75,8 +98,11 @@ class CpuPlugin(DevicePlugin):
     def init(self, spec=None, index: int = 0, num_threads: int | None = None) -> None:
         """``num_threads``: torch's intra-op threads, which run the kernels and the native ops."""
         super().init(spec, index)
+        parts = len(self._parts(self.spec))
         if num_threads is not None:
             torch.set_num_threads(num_threads)
+        elif parts > 1:   # one device of several: its share of the cores
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // parts))
         if not self.memory.enabled:
             log.info("cpu: %s", self.memory.reason)
 
@@ -87,7 +113,9 @@ class CpuPlugin(DevicePlugin):
         return self.memory.empty(shape, dtype)
 
     def mem_info(self) -> tuple[int, int]:
-        return _meminfo()
+        free, total = _meminfo()
+        parts = len(self._parts(self.spec))
+        return free // parts, total // parts
 
     def synchronize(self) -> None:
         return None
@@ -102,6 +130,10 @@ class CpuPlugin(DevicePlugin):
         """float32 C++ fast paths (decode attention, linear, row ops) when they build."""
         from polychip.devices.cpu import ops
         ops.register(registry)
+
+    def versions(self) -> dict[str, str]:
+        return {"runtime": f"torch {torch.__version__}", "blas": blas_version(),
+                "collective": f"gloo (torch {torch.__version__})"}
 
     def fusions(self) -> tuple[str, ...]:
         return ("qkv", "gate_up", "add_rms_norm")

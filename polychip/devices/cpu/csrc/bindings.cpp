@@ -8,6 +8,10 @@ void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tens
                              torch::Tensor segments, torch::Tensor block_table, double scale);
 torch::Tensor linear_tiles(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
 torch::Tensor linear_blocks(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, int64_t block);
+torch::Tensor linear_int8_tiles(torch::Tensor x, torch::Tensor w, torch::Tensor scales,
+                                c10::optional<torch::Tensor> bias);
+torch::Tensor linear_int8_blocks(torch::Tensor x, torch::Tensor w, torch::Tensor scales,
+                                 c10::optional<torch::Tensor> bias, int64_t block);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up);
@@ -19,6 +23,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "causal paged attention for prefill chunks, written into out's rows (float32)");
   m.def("linear_tiles", &linear_tiles, "x w^T + b for decode-sized batches, register tiles (float32)");
   m.def("linear_blocks", &linear_blocks, "x w^T + b, weight-row blocks on the intra-op threads (float32)");
+  m.def("linear_int8_tiles", &linear_int8_tiles,
+        "(x q^T) * scales + b, int8 weights widened in registers, decode-sized batches (float32 x)");
+  m.def("linear_int8_blocks", &linear_int8_blocks,
+        "(x q^T) * scales + b, int8 weight-row blocks dequantised then BLAS (float32 x)");
   m.def("rms_norm", &rms_norm, "rms_norm over the last dimension (float32)");
   m.def("add_rms_norm", &add_rms_norm, "(rms_norm(residual + x), residual + x) (float32)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up (float32)");

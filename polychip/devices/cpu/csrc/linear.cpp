@@ -1,15 +1,27 @@
-// Linear kernels (float32), y = x w^T (+ b), weight [N, K] row-major (nn.Linear's layout):
+// Linear kernels (float32 x), y = x w^T (+ b), weight [N, K] row-major (nn.Linear's layout):
 // linear_tiles: decode-sized M (1..64). Register tiles of MR x rows by NR weight rows (dot-product
 //   form: MR*NR vector accumulators, horizontal sums at the end); chunks of weight rows handed out
 //   dynamically to the intra-op threads. AVX-512 (AVX2 builds: narrower tiles); elsewhere BLAS.
 // linear_blocks: blocks of weight rows on the intra-op threads, one single-threaded BLAS call each.
+// linear_int8_tiles / linear_int8_blocks: the same with int8 weights and one float32 scale per
+//   weight row (y = (x q^T) * scale (+ b)): the tiles widen int8 to float32 in registers (decode
+//   reads a quarter of the bytes); the blocks dequantise each block of rows, then one BLAS call.
 #include "common.h"
 
 using namespace polychip_cpu;
 
 torch::Tensor linear_blocks(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, int64_t block);
+torch::Tensor linear_int8_blocks(torch::Tensor x, torch::Tensor w, torch::Tensor scales,
+                                 c10::optional<torch::Tensor> bias, int64_t block);
 
 namespace {
+
+void check_int8_weight(const torch::Tensor& w, const torch::Tensor& scales) {
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == torch::kInt8 && w.is_contiguous(),
+              "weight must be a contiguous int8 CPU tensor");
+  check_f32(scales, "scales");
+  TORCH_CHECK(w.dim() == 2 && scales.dim() == 1 && scales.size(0) == w.size(0), "weight [N, K], scales [N]");
+}
 
 const float* bias_ptr(const c10::optional<torch::Tensor>& bias, int64_t N) {
   if (!bias.has_value() || !bias->defined()) return nullptr;
@@ -33,6 +45,9 @@ struct Vec {
   static V zero() { return _mm512_setzero_ps(); }
   static V load(const float* p) { return _mm512_loadu_ps(p); }
   static V load_first(const float* p, int64_t n) { return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p); }
+  static V load(const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
   static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static float sum(V a) { return _mm512_reduce_add_ps(a); }
   // the four horizontal sums of a0..a3
@@ -55,6 +70,9 @@ struct Vec {
     const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), idx));
   }
+  static V load(const int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
   static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
   static float sum(V a) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
@@ -68,11 +86,19 @@ struct Vec {
 };
 #endif
 
-// y[MR rows (stride N), NR] = x[MR rows, K] . w[NR rows, K]^T (+ b). Meanwhile prefetches pf_rows
+// the first n (< W) int8 weights of a row, zero-padded (only a row's tail comes here)
+inline Vec::V load_first(const int8_t* p, int64_t n) {
+  int8_t buf[Vec::W] = {};
+  std::copy(p, p + n, buf);
+  return Vec::load(buf);
+}
+inline Vec::V load_first(const float* p, int64_t n) { return Vec::load_first(p, n); }
+
+// y[MR rows (stride N), NR] = x[MR rows, K] . w[NR rows, K]^T (* scale) (+ b). Meanwhile prefetches pf_rows
 // rows from pf into L2 (into L1 they would evict x and the tile's weight rows).
-template <int MR, int NR>
-void tile(const float* __restrict x, const float* __restrict w, float* __restrict y, const float* b,
-          int64_t K, int64_t N, const float* pf, int pf_rows) {
+template <typename WT, int MR, int NR>
+void tile(const float* __restrict x, const WT* __restrict w, float* __restrict y, const float* b,
+          const float* scale, int64_t K, int64_t N, const WT* pf, int pf_rows) {
   using V = Vec::V;
   constexpr int W = Vec::W;
   V acc[MR][NR];
@@ -93,7 +119,7 @@ void tile(const float* __restrict x, const float* __restrict w, float* __restric
   }
   if (k < K) {
     V wv[NR];
-    for (int j = 0; j < NR; ++j) wv[j] = Vec::load_first(w + j * K + k, K - k);
+    for (int j = 0; j < NR; ++j) wv[j] = load_first(w + j * K + k, K - k);
     for (int i = 0; i < MR; ++i) {
       const V xv = Vec::load_first(x + i * K + k, K - k);
       for (int j = 0; j < NR; ++j) acc[i][j] = Vec::fma(xv, wv[j], acc[i][j]);
@@ -104,25 +130,31 @@ void tile(const float* __restrict x, const float* __restrict w, float* __restric
     int j = 0;
     for (; j + 4 <= NR; j += 4) {
       __m128 s = Vec::sum4(acc[i][j], acc[i][j + 1], acc[i][j + 2], acc[i][j + 3]);
+      if (scale) s = _mm_mul_ps(s, _mm_loadu_ps(scale + j));
       if (b) s = _mm_add_ps(s, _mm_loadu_ps(b + j));
       _mm_storeu_ps(yr + j, s);
     }
-    for (; j < NR; ++j) yr[j] = Vec::sum(acc[i][j]) + (b ? b[j] : 0.f);
+    for (; j < NR; ++j) yr[j] = Vec::sum(acc[i][j]) * (scale ? scale[j] : 1.f) + (b ? b[j] : 0.f);
   }
 }
 
-using TileFn = void (*)(const float*, const float*, float*, const float*, int64_t, int64_t, const float*, int);
-#define POLYCHIP_TILES(MR) {tile<MR, 1>, tile<MR, 2>, tile<MR, 3>, tile<MR, 4>, tile<MR, 5>, tile<MR, 6>, tile<MR, 7>, tile<MR, 8>}
-constexpr TileFn kTiles[4][8] = {POLYCHIP_TILES(1), POLYCHIP_TILES(2), POLYCHIP_TILES(3), POLYCHIP_TILES(4)};
+template <typename WT>
+struct Tiles {
+  using Fn = void (*)(const float*, const WT*, float*, const float*, const float*, int64_t, int64_t, const WT*, int);
+#define POLYCHIP_TILES(MR) {tile<WT, MR, 1>, tile<WT, MR, 2>, tile<WT, MR, 3>, tile<WT, MR, 4>, tile<WT, MR, 5>, \
+                            tile<WT, MR, 6>, tile<WT, MR, 7>, tile<WT, MR, 8>}
+  static constexpr Fn fns[4][8] = {POLYCHIP_TILES(1), POLYCHIP_TILES(2), POLYCHIP_TILES(3), POLYCHIP_TILES(4)};
 #undef POLYCHIP_TILES
-static_assert(Vec::MR <= 4 && Vec::NR <= 8 && Vec::NR1 <= 8, "tile shapes beyond kTiles");
+};
+static_assert(Vec::MR <= 4 && Vec::NR <= 8 && Vec::NR1 <= 8, "tile shapes beyond Tiles::fns");
 
 constexpr int64_t kAhead = 2;   // tiles of weight rows prefetched ahead
 
 // all M rows of x against weight rows [n0, n1), NR rows at a time. The first of the M/MR passes
 // over a tile loads it into L1; the passes share prefetching the tile kAhead tiles on.
-void tile_rows(const float* x, const float* w, float* y, const float* b, int64_t M, int64_t N, int64_t K,
-               int64_t n0, int64_t n1, int MR, int NR) {
+template <typename WT>
+void tile_rows(const float* x, const WT* w, float* y, const float* b, const float* scale, int64_t M, int64_t N,
+               int64_t K, int64_t n0, int64_t n1, int MR, int NR) {
   const int64_t passes = (M + MR - 1) / MR, per_pass = (NR + passes - 1) / passes;
   for (int64_t n = n0; n < n1; n += NR) {
     const int nr = static_cast<int>(std::min<int64_t>(NR, n1 - n));
@@ -131,10 +163,37 @@ void tile_rows(const float* x, const float* w, float* y, const float* b, int64_t
       const int mr = static_cast<int>(std::min<int64_t>(MR, M - m));
       const int64_t r0 = std::min<int64_t>(p * per_pass, NR);
       const int pf_rows = static_cast<int>(std::max<int64_t>(0, std::min({per_pass, NR - r0, N - pn - r0})));
-      kTiles[mr - 1][nr - 1](x + m * K, w + n * K, y + m * N + n, b ? b + n : nullptr, K, N,
-                             pf_rows > 0 ? w + (pn + r0) * K : w, pf_rows);
+      Tiles<WT>::fns[mr - 1][nr - 1](x + m * K, w + n * K, y + m * N + n, b ? b + n : nullptr,
+                                     scale ? scale + n : nullptr, K, N, pf_rows > 0 ? w + (pn + r0) * K : w, pf_rows);
     }
   }
+}
+
+// y [M, N] = x w^T (* scale) (+ b) by register tiles, chunks of weight rows on the intra-op threads
+template <typename WT>
+torch::Tensor tiles(const torch::Tensor& x, const WT* wp, const float* scale, const float* bp, int64_t N,
+                    const c10::optional<torch::Tensor>& bias) {
+  const int64_t M = x.size(0), K = x.size(1);
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  if (K == 0) {
+    if (bp) y.copy_(bias->view({1, N}).expand({M, N})); else y.zero_();
+    return y;
+  }
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int MR = static_cast<int>(std::min<int64_t>(M, Vec::MR));
+  const int NR = M == 1 ? Vec::NR1 : Vec::NR;
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  // chunks of weight rows (a multiple of NR): ~64 KiB at M=1, ~512 KiB above (each chunk's first
+  // tiles miss the prefetch), at least 4 per thread
+  const int64_t chunk_bytes = M == 1 ? 65536 : 524288;
+  int64_t rows = std::max<int64_t>(NR, (chunk_bytes / static_cast<int64_t>(sizeof(WT)) / K) / NR * NR);
+  rows = std::min(rows, std::max<int64_t>(NR, (N / (4 * threads)) / NR * NR));
+  for_each_chunk((N + rows - 1) / rows, [&](int64_t c) {
+    tile_rows<WT>(xp, wp, yp, bp, scale, M, N, K, c * rows, std::min(N, (c + 1) * rows), MR, NR);
+  });
+  return y;
 }
 
 }  // namespace
@@ -143,33 +202,25 @@ torch::Tensor linear_tiles(torch::Tensor x, torch::Tensor w, c10::optional<torch
   check_f32(x, "x");
   check_f32(w, "weight");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x [M, K], weight [N, K]");
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  const float* bp = bias_ptr(bias, N);
-  auto y = torch::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return y;
-  if (K == 0) {
-    if (bp) y.copy_(bias->view({1, N}).expand({M, N})); else y.zero_();
-    return y;
-  }
-  const float* xp = x.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const int MR = static_cast<int>(std::min<int64_t>(M, Vec::MR));
-  const int NR = M == 1 ? Vec::NR1 : Vec::NR;
-  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-  // chunks of weight rows (a multiple of NR): ~64 KiB at M=1, ~512 KiB above (each chunk's first
-  // tiles miss the prefetch), at least 4 per thread
-  const int64_t chunk_bytes = M == 1 ? 65536 : 524288;
-  int64_t rows = std::max<int64_t>(NR, (chunk_bytes / 4 / K) / NR * NR);
-  rows = std::min(rows, std::max<int64_t>(NR, (N / (4 * threads)) / NR * NR));
-  for_each_chunk((N + rows - 1) / rows, [&](int64_t c) {
-    tile_rows(xp, wp, yp, bp, M, N, K, c * rows, std::min(N, (c + 1) * rows), MR, NR);
-  });
-  return y;
+  const int64_t N = w.size(0);
+  return tiles<float>(x, w.data_ptr<float>(), nullptr, bias_ptr(bias, N), N, bias);
+}
+
+torch::Tensor linear_int8_tiles(torch::Tensor x, torch::Tensor w, torch::Tensor scales,
+                                c10::optional<torch::Tensor> bias) {
+  check_f32(x, "x");
+  check_int8_weight(w, scales);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == w.size(1), "x [M, K], weight [N, K]");
+  const int64_t N = w.size(0);
+  return tiles<int8_t>(x, w.data_ptr<int8_t>(), scales.data_ptr<float>(), bias_ptr(bias, N), N, bias);
 }
 #else
 torch::Tensor linear_tiles(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
   return linear_blocks(x, w, bias, 1024);
+}
+torch::Tensor linear_int8_tiles(torch::Tensor x, torch::Tensor w, torch::Tensor scales,
+                                c10::optional<torch::Tensor> bias) {
+  return linear_int8_blocks(x, w, scales, bias, 256);
 }
 #endif
 
@@ -191,6 +242,29 @@ torch::Tensor linear_blocks(torch::Tensor x, torch::Tensor w, c10::optional<torc
       at::addmm_out(out, bias->narrow(0, n0, len), x, w.narrow(0, n0, len).t());
     } else {
       at::mm_out(out, x, w.narrow(0, n0, len).t());
+    }
+  }, /*aten_state=*/true);
+  return y;
+}
+
+// y = (x q^T) * scale (+ b) for prefill-sized M: each block of weight rows dequantised to float32
+// (one pass over it, small next to the M-row matmul), then one single-threaded BLAS call.
+torch::Tensor linear_int8_blocks(torch::Tensor x, torch::Tensor w, torch::Tensor scales,
+                                 c10::optional<torch::Tensor> bias, int64_t block) {
+  check_f32(x, "x");
+  check_int8_weight(w, scales);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == w.size(1), "x [M, K], weight [N, K]");
+  const int64_t M = x.size(0), N = w.size(0);
+  const float* bp = bias_ptr(bias, N);
+  auto y = torch::empty({M, N}, x.options());
+  for_each_chunk((N + block - 1) / block, [&](int64_t c) {
+    const int64_t n0 = c * block, len = std::min(block, N - n0);
+    auto wf = w.narrow(0, n0, len).to(torch::kFloat32).mul_(scales.narrow(0, n0, len).unsqueeze(1));
+    auto out = y.narrow(1, n0, len);
+    if (bp) {
+      at::addmm_out(out, bias->narrow(0, n0, len), x, wf.t());
+    } else {
+      at::mm_out(out, x, wf.t());
     }
   }, /*aten_state=*/true);
   return y;

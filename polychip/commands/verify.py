@@ -1,0 +1,76 @@
+"""polychip verify PKG [--trusted-key PUB ...]: check a package without loading it, one line per
+check: manifest and format, signature, every file's sha256 and size (streamed), no missing or
+extra member, and that this machine has the target device type, plugin API and versions.
+Exits 0 only when every check passes (version differences warn unless --strict-versions; an
+unchecked signature is 'skip' unless --require-signature)."""
+from __future__ import annotations
+
+import argparse
+import resource
+import sys
+import time
+
+from polychip.commands.common import fail
+from polychip.errors import PolychipError
+
+
+def device_checks(manifest: dict, plugins: tuple[str, ...], device_config: str | None, strict: bool, path: str):
+    """Check lines for the package's target on this machine."""
+    from polychip.devices.discovery import open_device
+    from polychip.package.compat import check_target
+    from polychip.package.manifest import PackageError
+    from polychip.package.reader import Check
+    checks = []
+    for dtype in manifest["target"]["device_types"]:
+        try:
+            plugin = open_device(dtype, plugins, device_config)
+        except PolychipError as e:
+            checks.append(Check("FAIL", "device type", f"{dtype} is not usable here: {e}"))
+            continue
+        try:
+            warnings = check_target(manifest, plugin, strict, path)
+            checks.append(Check("ok", "device type", f"{dtype} present ({plugin.name} {plugin.plugin_version}, "
+                                                     f"plugin API {plugin.api_version})"))
+            checks += [Check("warn", "versions", w) for w in warnings]
+            if not warnings:
+                checks.append(Check("ok", "versions", "the version matrix matches the package's"))
+        except PackageError as e:
+            checks.append(Check("FAIL", "device", str(e).removeprefix("[framework] ").removeprefix("[hardware] ")
+                                .removeprefix("[plugin] ")))
+        finally:
+            plugin.destroy()
+    return checks
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="polychip verify", description=__doc__)
+    p.add_argument("package")
+    p.add_argument("--trusted-key", action="append", default=[], dest="trusted_keys",
+                   help="Ed25519 public key the package must be signed by (repeatable)")
+    p.add_argument("--require-signature", action="store_true", help="fail when the signature is not checked")
+    p.add_argument("--strict-versions", action="store_true", help="fail on any version-matrix difference")
+    p.add_argument("--plugin", action="append", default=[], dest="plugins")
+    p.add_argument("--device-config", default=None, help="device spec YAML for the target device")
+    p.add_argument("--skip-device", action="store_true", help="check the file only, not this machine")
+    args = p.parse_args(argv)
+    from polychip.package import signing
+    from polychip.package.reader import scan
+    t0 = time.perf_counter()
+    try:
+        trusted = [signing.load_trusted_key(k) for k in args.trusted_keys]
+        if args.require_signature and not trusted:
+            raise PolychipError("--require-signature needs at least one --trusted-key")
+    except PolychipError as e:
+        return fail(e)
+    res = scan(args.package, trusted, args.require_signature, keep_going=True)
+    checks = list(res.checks)
+    if res.manifest is not None and not args.skip_device and res.ok:
+        checks += device_checks(res.manifest, tuple(args.plugins), args.device_config, args.strict_versions,
+                                args.package)
+    for c in checks:
+        print(c.line())
+    bad = [c for c in checks if c.status == "FAIL"]
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(f"{'FAILED' if bad else 'verified'}: {len(checks) - len(bad)} of {len(checks)} checks passed "
+          f"[{time.perf_counter() - t0:.2f}s, peak resident memory {peak / 1024:.0f} MiB]", file=sys.stderr)
+    return 1 if bad else 0

@@ -1,0 +1,167 @@
+"""Open a package for the engine: verify the manifest and its signature, check the device and
+the version matrix, then extract into a cache keyed by the manifest's sha256 (verifying every
+file while streaming). A second start finds the folder and re-hashes it instead of extracting.
+
+``serve`` and ``generate`` call :func:`engine_config_for` before the engine exists; Python code
+uses :func:`open_llm`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import shutil
+import stat
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+from polychip.config import EngineConfig, option
+from polychip.errors import ConfigError
+from polychip.package import signing
+from polychip.package.compat import check_target
+from polychip.package.hashing import copy_hashing
+from polychip.package.manifest import SUFFIX, PackageError
+from polychip.package.reader import scan
+
+log = logging.getLogger("polychip.package")
+GROUP = "packages (--model-path x.pcpkg)"
+
+
+@dataclass(frozen=True)
+class PackageOptions:
+    """How a package (``--model-path x.pcpkg``) is trusted; the flags come from these fields.
+    Trusted keys (or ``require_signature``) make a valid signature by one of them a condition of
+    loading; hashes are always checked."""
+
+    trusted_keys: tuple[str, ...] = option(
+        (), "Ed25519 public key (polychip keygen) a package must be signed by (repeatable); the recommended "
+            "way to load packages", group=GROUP, flag="--trusted-key")
+    require_signature: bool = option(False, "refuse a package that is not signed by a --trusted-key", group=GROUP)
+    strict_versions: bool = option(False, "refuse a package built for other plugin/driver/runtime/collective/"
+                                          "firmware versions (default: warn naming each)", group=GROUP)
+
+    def __post_init__(self):
+        if not isinstance(self.trusted_keys, tuple):
+            raise ConfigError("trusted_keys must be a tuple of public key files")
+        if self.require_signature and not self.trusted_keys:
+            raise ConfigError("--require-signature needs at least one --trusted-key to check the signature with")
+
+
+def is_package(model_path: str | None) -> bool:
+    return bool(model_path) and model_path.endswith(SUFFIX) and os.path.isfile(model_path)
+
+
+@dataclass
+class OpenedPackage:
+    path: str
+    model_dir: str
+    manifest: dict
+    manifest_sha256: str
+    signer: str | None                      # the trusted key file that signed it, if checked
+    extracted: bool                         # False: found in the cache (and re-verified)
+    warnings: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def cache_root(cache_dir: str | None) -> str:
+    root = cache_dir or os.environ.get("POLYCHIP_CACHE") or os.path.expanduser("~/.cache/polychip")
+    return os.path.join(root, "packages")
+
+
+def cached_problem(folder: str, manifest: dict) -> str:
+    """Why an extracted folder no longer matches its manifest ("" when every file does)."""
+    listed = {f["name"]: f for f in manifest["files"]}
+    present = set(os.listdir(folder))
+    if present != set(listed):
+        return f"files differ: extra {sorted(present - set(listed))}, missing {sorted(set(listed) - present)}"
+    for name, entry in listed.items():
+        try:
+            fd = os.open(os.path.join(folder, name), os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError as e:
+            return f"{name}: {e.strerror}"
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return f"{name}: not a regular file"
+            digest, size = copy_hashing(f)
+        if (digest, size) != (entry["sha256"], entry["size"]):
+            return f"{name}: hash mismatch"
+    return ""
+
+
+def extract(path: str, trusted: list, require_signature: bool, cache_dir: str | None, manifest: dict,
+            sha: str) -> tuple[str, bool]:
+    """(folder, extracted now) for a package whose head has verified."""
+    root = cache_root(cache_dir)
+    final = os.path.join(root, sha)
+    if os.path.isdir(final):
+        why = cached_problem(final, manifest)
+        if not why:
+            return final, False
+        log.warning("%s: the cached extraction %s no longer matches the manifest (%s); extracting again",
+                    path, final, why)
+        shutil.rmtree(final, ignore_errors=True)
+    os.makedirs(root, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{sha[:16]}.extract-", dir=root)
+    try:
+        res = scan(path, trusted, require_signature, out_dir=tmp)
+        if res.manifest_sha256 != sha:
+            raise PackageError(f"{path}: the package changed while it was opened (manifest sha256 "
+                               f"{res.manifest_sha256[:16]}, was {sha[:16]})")
+        os.chmod(tmp, 0o755)
+        try:
+            os.rename(tmp, final)
+        except OSError:       # another process finished the same extraction first
+            if cached_problem(final, manifest):
+                raise
+        return final, True
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def open_package(path: str, options: PackageOptions = PackageOptions(), cache_dir: str | None = None,
+                 plugin=None) -> OpenedPackage:
+    """Verify (signature per ``options``, device type, API and versions when ``plugin`` is given,
+    every file's hash) and extract; nothing of the model is loaded here."""
+    t0 = time.perf_counter()
+    trusted = [signing.load_trusted_key(k) for k in options.trusted_keys]
+    head = scan(path, trusted, options.require_signature, head_only=True)
+    warnings = []
+    if plugin is not None:
+        warnings = check_target(head.manifest, plugin, options.strict_versions, path)
+        for w in warnings:
+            log.warning("%s: version mismatch: %s", path, w)
+    folder, extracted = extract(path, trusted, options.require_signature, cache_dir, head.manifest,
+                                head.manifest_sha256)
+    opened = OpenedPackage(path, folder, head.manifest, head.manifest_sha256,
+                           head.signer.path if head.signer else None, extracted, warnings, time.perf_counter() - t0)
+    log.info("package %s: %s %s in %.2fs (manifest %s%s)", path, "verified and extracted to" if extracted else
+             "verified in the cache at", folder, opened.seconds, opened.manifest_sha256[:16],
+             f", signed by {opened.signer}" if opened.signer else ", signature not checked")
+    return opened
+
+
+def engine_config_for(config: EngineConfig, options: PackageOptions) -> EngineConfig:
+    """``config`` with a package ``model_path`` replaced by its verified, extracted folder (the
+    device is opened once to check the package against it, then closed); other paths unchanged."""
+    if not is_package(config.model_path):
+        if options.trusted_keys or options.require_signature or options.strict_versions:
+            raise ConfigError(f"--trusted-key, --require-signature and --strict-versions apply to {SUFFIX} "
+                              f"packages; {config.model_path or 'the default model'} is not one")
+        return config
+    from polychip.devices.discovery import open_from_config
+    plugin = open_from_config(config)
+    try:
+        opened = open_package(config.model_path, options, config.cache_dir, plugin)
+    finally:
+        plugin.destroy()
+    name = config.served_model_name or os.path.basename(config.model_path).removesuffix(SUFFIX)
+    return dataclasses.replace(config, model_path=opened.model_dir, served_model_name=name)
+
+
+def open_llm(path: str, trusted_keys: tuple[str, ...] = (), require_signature: bool = False,
+             strict_versions: bool = False, **engine_args):
+    """``LLM`` on a package: verified and extracted first."""
+    from polychip.engine.llm import LLM
+    options = PackageOptions(tuple(trusted_keys), require_signature, strict_versions)
+    return LLM.from_config(engine_config_for(EngineConfig.from_kwargs(model_path=path, **engine_args), options))

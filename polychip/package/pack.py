@@ -1,0 +1,202 @@
+"""``polychip pack``: write the weights (quantised when asked) as safetensors shards and copy the
+config and tokenizer into a staging folder, load that folder on the target device to record the
+plan, hash every file while streaming, write and sign the manifest, and put it all in one tar."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tarfile
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from polychip.devices.discovery import open_device
+from polychip.models.loader import weight_files, read_config, resolve_model_dir
+from polychip.package import signing
+from polychip.package.compat import current_versions
+from polychip.package.hashing import sha256_file
+from polychip.package.manifest import (FORMAT_VERSION, MANIFEST, PLAN, SIGNATURE, SUFFIX, PackageError,
+                                       dump_manifest, manifest_sha256, name_problem)
+from polychip.package.plan import build_plan, dump_plan
+from polychip.quant import int8
+
+log = logging.getLogger("polychip.package")
+
+# what a model folder contributes besides its weights: config, tokenizer and chat template
+MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+               "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+               "vocab.json", "merges.txt")
+SHARD_BYTES = 2 * 2**30
+
+
+@dataclass(frozen=True)
+class PackOptions:
+    output: str
+    model_path: str | None = None           # None: the embedded SmolLM2 GGUF
+    quantization: str | None = None
+    target_device: str = "cpu"
+    device_config: str | None = None
+    plugins: tuple[str, ...] = ()
+    sign_key: str | None = None
+    dtype: str = "auto"
+    cache_dir: str | None = None
+    shard_bytes: int = SHARD_BYTES
+
+    def __post_init__(self):
+        if not self.output.endswith(SUFFIX):
+            raise PackageError(f"-o {self.output}: a package file must end in {SUFFIX}")
+        if self.quantization not in (None, *int8.QUANTIZATIONS):
+            raise PackageError(f"--quantization must be one of {list(int8.QUANTIZATIONS)}, got {self.quantization!r}")
+
+
+@dataclass
+class PackResult:
+    path: str
+    manifest_sha256: str
+    signed_by: str | None
+    files: list[dict] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def write_weights(model_dir: str, out: str, tie: bool, quantization: str | None, shard_bytes: int) -> list[str]:
+    """The folder's weights as safetensors shards in ``out`` (int8 + per-row scales for every
+    linear weight when quantising; a tied model gets an int8 lm_head made from its embedding).
+    One shard in memory at a time. Returns the file names written."""
+    shards, current, size = [], {}, 0
+
+    def flush():
+        nonlocal current, size
+        if current:
+            name = f"model-{len(shards) + 1:05d}.safetensors"
+            save_file(current, os.path.join(out, name), metadata={"format": "pt"})
+            shards.append((name, list(current)))
+            current, size = {}, 0
+
+    for path in weight_files(model_dir):
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                key = name.removeprefix("model.")
+                if key == int8.LM_HEAD_KEY and tie and f"{name}{int8.SCALE_SUFFIX}" not in f.keys():
+                    continue                  # a tied head is the embedding (an int8 copy is made below)
+                t = f.get_tensor(name)
+                entries = [(name, t)]
+                if quantization and int8.is_quantizable(key, t):
+                    q, scale = int8.quantize_int8(t)
+                    entries = [(name, q), (int8.scale_key(name), scale)]
+                if quantization and tie and key == int8.EMBEDDING_KEY:
+                    entries += int8.quantized_entries(int8.LM_HEAD_KEY, t)
+                for k, v in entries:
+                    current[k] = v.contiguous()
+                    size += v.numel() * v.element_size()
+                if size >= shard_bytes:
+                    flush()
+    flush()
+    if len(shards) == 1:
+        os.replace(os.path.join(out, shards[0][0]), os.path.join(out, "model.safetensors"))
+        return ["model.safetensors"]
+    index = {"metadata": {}, "weight_map": {k: name for name, keys in shards for k in keys}}
+    with open(os.path.join(out, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
+        json.dump(index, f, indent=2)
+    return [name for name, _ in shards] + ["model.safetensors.index.json"]
+
+
+def copy_model_files(model_dir: str, out: str) -> list[str]:
+    names = [n for n in MODEL_FILES if os.path.isfile(os.path.join(model_dir, n))]
+    for n in names:
+        shutil.copyfile(os.path.join(model_dir, n), os.path.join(out, n))
+    return names
+
+
+def write_tar(staging: str, names: list[str], output: str, mtime: int) -> None:
+    """The members in this order, as plain 0644 files owned by root; written beside ``output``
+    and renamed into place, so a half-written package never has the name."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(output)}.", dir=os.path.dirname(os.path.abspath(output)))
+    os.close(fd)
+    try:
+        with tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT) as tar:
+            for name in names:
+                info = tarfile.TarInfo(name)
+                info.size, info.mode, info.mtime = os.path.getsize(os.path.join(staging, name)), 0o644, mtime
+                info.uid = info.gid = 0
+                info.uname = info.gname = "root"
+                with open(os.path.join(staging, name), "rb") as f:
+                    tar.addfile(info, f)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, output)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def source_name(model_path: str | None) -> str:
+    if model_path is None:
+        from polychip.models.gguf import default_gguf_path
+        return os.path.basename(default_gguf_path())
+    return os.path.basename(os.path.normpath(model_path))
+
+
+def assemble(staging: str, names: list[str], output: str, fields: dict, private=None) -> bytes:
+    """Hash the files ``names`` in ``staging`` (streaming), write manifest.json (``fields`` plus
+    the format version, creation time and the file list) and, with ``private``, manifest.sig, then
+    the tar at ``output``. Returns the manifest's bytes."""
+    bad = [(n, name_problem(n)) for n in names if name_problem(n)]
+    if bad:
+        raise PackageError(f"cannot pack {bad[0][0]!r}: it is {bad[0][1]}")
+    files = []
+    for n in names:
+        digest, size = sha256_file(os.path.join(staging, n))
+        files.append({"name": n, "sha256": digest, "size": size})
+    created = time.time()
+    manifest = {"format_version": FORMAT_VERSION, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created)),
+                **fields, "files": files}
+    raw = dump_manifest(manifest)
+    with open(os.path.join(staging, MANIFEST), "wb") as f:
+        f.write(raw)
+    order = [MANIFEST]
+    if private is not None:
+        with open(os.path.join(staging, SIGNATURE), "wb") as f:
+            f.write(signing.sign(raw, private))
+        order.append(SIGNATURE)
+    write_tar(staging, order + names, output, int(created))
+    return raw
+
+
+def pack(opts: PackOptions) -> PackResult:
+    """Write the package. The plan is made by loading the staged files themselves on the target,
+    so it describes exactly what is packed (and an int8 model is quantised once)."""
+    t0 = time.perf_counter()
+    private = signing.load_private_key(opts.sign_key) if opts.sign_key else None   # fail before the work
+    model_dir, _ = resolve_model_dir(opts.model_path, opts.cache_dir)
+    cfg = read_config(model_dir)
+    plugin = open_device(opts.target_device, opts.plugins, opts.device_config)
+    staging = tempfile.mkdtemp(prefix=".pcpkg-staging-", dir=os.path.dirname(os.path.abspath(opts.output)))
+    try:
+        try:
+            names = copy_model_files(model_dir, staging)
+            names += write_weights(model_dir, staging, cfg.tie_word_embeddings, opts.quantization, opts.shard_bytes)
+            plan, lm = build_plan(staging, plugin, opts.dtype)
+            versions = current_versions(plugin)
+            del lm
+        finally:
+            plugin.destroy()
+        with open(os.path.join(staging, PLAN), "wb") as f:
+            f.write(dump_plan(plan))
+        raw = assemble(staging, [PLAN] + names, opts.output, {
+            "model": {"source": source_name(opts.model_path), "architecture": cfg.architecture,
+                      "dtype": plan["dtype"], "quantization": plan["quantization"]},
+            "target": {"device_types": [plan["target"]["device_type"]], "device_name": plan["target"]["device_name"],
+                       "spec": plan["target"]["spec"]},
+            "versions": versions}, private)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    signer = signing.key_id(private.public_key()) if private is not None else None
+    files = json.loads(raw)["files"]
+    result = PackResult(opts.output, manifest_sha256(raw), signer, files, time.perf_counter() - t0)
+    log.info("packed %s (%d files, manifest %s) in %.1fs", opts.output, len(files), result.manifest_sha256[:16],
+             result.seconds)
+    return result

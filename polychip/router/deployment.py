@@ -1,0 +1,247 @@
+"""Deployment files: YAML validated with pydantic (strict), then checked as a whole.
+
+Every error names the file, the field path and what was expected, in one DeploymentError.
+Device checks (does the device exist, is tp within what is there, does the device have the
+model's dtype) are in ``placement``; this module knows only the file's shape and its own
+cross-references.
+"""
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from polychip.errors import ConfigError
+from polychip.router.config import (DEFAULT_PRIORITY_WEIGHTS, POLICY_NAMES, PRIORITY_CLASSES, GuardConfig,
+                                    HealthConfig, RouterConfig)
+
+
+class DeploymentError(ConfigError):
+    """A deployment file is missing, malformed or inconsistent."""
+
+
+Name = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
+Weight = Annotated[float, Field(ge=0)]
+DEVICE_RE = re.compile(r"^[a-z][a-z0-9_]*(:[0-9]+)?$")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class ReplicaEntry(_Strict):
+    name: Name
+    model: str = Field(min_length=1)             # the served name (one of models[].name)
+    version: Name = "default"                    # version label it serves
+    device: str | None = None                    # cpu, cuda:0, simxpu:1 (launched replicas)
+    url: str | None = None                       # a replica run elsewhere: not launched, only checked
+    model_path: str | None = None                # None: the embedded default model
+    dtype: str = "auto"
+    quantization: str | None = None
+    tp_size: int = Field(default=1, ge=1)
+    host: str = "127.0.0.1"
+    port: int | None = Field(default=None, ge=1, le=65535)   # None: a free port
+    device_config: str | None = None             # device spec YAML for the replica
+    args: list[str] = Field(default_factory=list)            # more `polychip serve` flags
+    env: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("device")
+    @classmethod
+    def _device_shape(cls, v):
+        if v is not None and not DEVICE_RE.match(v):
+            raise ValueError(f"expected a device like cpu, cuda:0 or simxpu:1, got {v!r}")
+        return v
+
+    @field_validator("url")
+    @classmethod
+    def _url_shape(cls, v):
+        if v is not None and not re.match(r"^https?://[^/\s]+/?$", v):
+            raise ValueError(f"expected http://host:port, got {v!r}")
+        return v.rstrip("/") if v else v
+
+    @model_validator(mode="after")
+    def _launched_or_remote(self):
+        if (self.device is None) == (self.url is None):
+            raise ValueError("give device (a replica the router launches) or url (one run elsewhere), "
+                             "exactly one of them")
+        if self.url is not None and (self.port is not None or self.args or self.model_path):
+            raise ValueError("a url replica is run elsewhere; port, args and model_path belong to launched ones")
+        return self
+
+
+class ModelEntry(_Strict):
+    name: str = Field(min_length=1)
+    versions: dict[Name, Weight] = Field(min_length=1)   # version label -> traffic weight
+    baseline: Name | None = None                         # default: the first version
+    preferred_device_types: list[str] = Field(default_factory=list)
+    dtype: str | None = None                             # what the model needs of a device
+    quantization: str | None = None
+
+    @model_validator(mode="after")
+    def _weights(self):
+        if sum(self.versions.values()) <= 0:
+            raise ValueError(f"versions: the weights {dict(self.versions)} sum to 0; expected a positive sum")
+        if self.baseline is not None and self.baseline not in self.versions:
+            raise ValueError(f"baseline: {self.baseline!r} is not one of the versions {list(self.versions)}")
+        return self
+
+    @property
+    def baseline_version(self) -> str:
+        return self.baseline or next(iter(self.versions))
+
+
+class HealthEntry(_Strict):
+    interval: float = Field(default=5.0, gt=0, le=300)
+    timeout: float = Field(default=5.0, gt=0)
+    failure_threshold: int = Field(default=3, ge=1)
+    success_threshold: int = Field(default=2, ge=1)
+
+
+class GuardEntry(_Strict):
+    max_error_rate: float = Field(default=0.001, ge=0, le=1)
+    max_p95_ratio: float = Field(default=1.5, gt=1)
+    min_samples: int = Field(default=20, ge=1)
+    window: int = Field(default=1000, ge=1)
+
+
+class RouterEntry(_Strict):
+    policy: str = "least_load"
+    priority_weights: dict[str, Annotated[float, Field(gt=0)]] = Field(
+        default_factory=lambda: dict(DEFAULT_PRIORITY_WEIGHTS))
+    health_check: HealthEntry = Field(default_factory=HealthEntry)
+    canary_guard: GuardEntry = Field(default_factory=GuardEntry)
+    max_retries: int = Field(default=2, ge=0)
+    max_inflight_per_replica: int | None = Field(default=None, ge=1)
+    max_queue: int = Field(default=1024, ge=0)
+    queue_timeout: float = Field(default=60.0, gt=0)
+    request_timeout: float = Field(default=600.0, gt=0)
+    drain_timeout: float = Field(default=30.0, gt=0)
+
+    @field_validator("policy")
+    @classmethod
+    def _policy(cls, v):
+        if v not in POLICY_NAMES:
+            raise ValueError(f"unknown policy {v!r}; expected one of {list(POLICY_NAMES)}")
+        return v
+
+    @field_validator("priority_weights")
+    @classmethod
+    def _classes(cls, v):
+        unknown = sorted(set(v) - set(PRIORITY_CLASSES))
+        if unknown:
+            raise ValueError(f"unknown priority class(es) {unknown}; expected {list(PRIORITY_CLASSES)}")
+        return {**DEFAULT_PRIORITY_WEIGHTS, **v}
+
+
+class Deployment(_Strict):
+    replicas: list[ReplicaEntry] = Field(min_length=1)
+    models: list[ModelEntry] = Field(min_length=1)
+    router: RouterEntry = Field(default_factory=RouterEntry)
+    source: str = Field(default="<inline>", exclude=True)
+
+    @model_validator(mode="after")
+    def _cross_references(self):
+        problems = []
+        models = {}
+        for i, m in enumerate(self.models):
+            if m.name in models:
+                problems.append(f"models.{i}.name: duplicate model {m.name!r} (also models.{models[m.name]})")
+            models.setdefault(m.name, i)
+        names, ports = {}, {}
+        for i, r in enumerate(self.replicas):
+            if r.name in names:
+                problems.append(f"replicas.{i}.name: duplicate name {r.name!r} (also replicas.{names[r.name]})")
+            names.setdefault(r.name, i)
+            if r.port is not None:
+                key = (r.host, r.port)
+                if key in ports:
+                    problems.append(f"replicas.{i}.port: duplicate port {r.port} on {r.host} "
+                                    f"(also replicas.{ports[key]})")
+                ports.setdefault(key, i)
+            m = models.get(r.model)
+            if m is None:
+                problems.append(f"replicas.{i}.model: unknown model {r.model!r}; expected one of "
+                                f"{sorted(models)} (the models section)")
+            elif r.version not in self.models[m].versions:
+                problems.append(f"replicas.{i}.version: model {r.model!r} has no version {r.version!r}; "
+                                f"expected one of {list(self.models[m].versions)}")
+        for i, m in enumerate(self.models):
+            for v, w in m.versions.items():
+                if w > 0 and not any(r.model == m.name and r.version == v for r in self.replicas):
+                    problems.append(f"models.{i}.versions.{v}: weight {w:g} but no replica serves version {v!r}")
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self
+
+    def router_config(self, **overrides) -> RouterConfig:
+        r = self.router
+        fields = dict(policy=r.policy, priority_weights=dict(r.priority_weights),
+                      health=HealthConfig(**r.health_check.model_dump()),
+                      guard=GuardConfig(**r.canary_guard.model_dump()), max_retries=r.max_retries,
+                      max_inflight_per_replica=r.max_inflight_per_replica, max_queue=r.max_queue,
+                      queue_timeout=r.queue_timeout, request_timeout=r.request_timeout,
+                      drain_timeout=r.drain_timeout)
+        fields.update({k: v for k, v in overrides.items() if v is not None})
+        return RouterConfig(**fields)
+
+
+def _lines(err: ValidationError, source: str) -> list[str]:
+    out = []
+    for e in err.errors():
+        where = ".".join(str(p) for p in e["loc"])
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key"
+        elif e["type"] == "missing":
+            msg = "required field is missing"
+        elif e["type"] != "value_error" and not isinstance(e.get("input"), (dict, list)):
+            msg = f"{msg}; got {e.get('input')!r}"
+        for part in msg.split("\n"):
+            m = re.match(r"^([a-z_]+(?:\.[\w-]+)*): (.*)$", part)
+            if e["type"] == "value_error" and m:
+                path = ".".join(filter(None, (where, m.group(1))))
+                out.append(f"{source}: {path}: {m.group(2)}")
+            else:
+                out.append(f"{source}: {where or '<top level>'}: {part}")
+    return out
+
+
+def raise_problems(source: str, lines: list[str]) -> None:
+    if lines:
+        uniq = list(dict.fromkeys(lines))
+        raise DeploymentError(uniq[0] if len(uniq) == 1 else f"{source}: {len(uniq)} problems\n  " +
+                              "\n  ".join(uniq))
+
+
+def from_dict(data: Any, source: str = "<inline>") -> Deployment:
+    if not isinstance(data, dict):
+        raise DeploymentError(f"{source}: expected a mapping with replicas, models and router at the top level, "
+                              f"got {type(data).__name__}")
+    if "source" in data:
+        raise DeploymentError(f"{source}: source: unknown key")
+    try:
+        return Deployment.model_validate({**data, "source": source})
+    except ValidationError as e:
+        raise_problems(source, _lines(e, source))
+        raise
+
+
+def load_deployment(path: str) -> Deployment:
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise DeploymentError(f"{path}: deployment file not found") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise DeploymentError(f"{path}: cannot read ({type(e).__name__}: {e})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise DeploymentError(f"{path}: malformed YAML{where}: {getattr(e, 'problem', None) or e}") from None
+    if data is None:
+        raise DeploymentError(f"{path}: the file is empty; expected replicas, models and router")
+    return from_dict(data, path)

@@ -1,0 +1,68 @@
+"""The router's Prometheus metrics (prefix ``polychip_router_``), one registry per router.
+
+Per-request series carry model, version, replica, device type and priority class; replica
+health, in-flight counts, queue lengths and canary weights are read at scrape time.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+REQ_LABELS = ["model", "version", "replica", "device_type", "priority"]
+
+
+class RouterMetrics:
+    def __init__(self, dispatcher):
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("polychip_router_requests", "Requests answered, by where they went and status",
+                                REQ_LABELS + ["status"], registry=r)
+        self.errors = Counter("polychip_router_errors", "Failed attempts and refusals, by kind",
+                              REQ_LABELS + ["kind"], registry=r)
+        self.ttft = Histogram("polychip_router_time_to_first_token_seconds",
+                              "Router arrival to the first token sent", REQ_LABELS, buckets=BUCKETS, registry=r)
+        self.e2e = Histogram("polychip_router_e2e_request_latency_seconds", "Router arrival to the last byte",
+                             REQ_LABELS, buckets=BUCKETS, registry=r)
+        self.tokens = Counter("polychip_router_completion_tokens", "Completion tokens served",
+                              ["model", "version", "replica", "device_type"], registry=r)
+        self.retries = Counter("polychip_router_retries", "Requests retried on another replica",
+                               ["model", "replica", "device_type"], registry=r)
+        self.rollbacks = Counter("polychip_router_canary_rollbacks", "Canary versions rolled back by the guard",
+                                 ["model", "version"], registry=r)
+        r.register(_StateCollector(dispatcher))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _StateCollector:
+    def __init__(self, dispatcher):
+        self.d = dispatcher
+
+    def collect(self):
+        labels = ["replica", "device_type", "model", "version"]
+        up = GaugeMetricFamily("polychip_router_replica_up", "1 while the replica is healthy", labels=labels)
+        inflight = GaugeMetricFamily("polychip_router_replica_inflight", "Requests the router has in flight there",
+                                     labels=labels)
+        load = GaugeMetricFamily("polychip_router_replica_load", "least_load's figure for the replica",
+                                 labels=labels)
+        for r in sorted(self.d.replicas.values(), key=lambda r: r.name):
+            key = [r.name, r.device_type, r.model_name or "", r.version_label or ""]
+            up.add_metric(key, 1.0 if r.up else 0.0)
+            inflight.add_metric(key, r.inflight)
+            load.add_metric(key, r.load())
+        yield up
+        yield inflight
+        yield load
+        queue = GaugeMetricFamily("polychip_router_queue_length", "Requests waiting in the router",
+                                  labels=["priority"])
+        for cls, n in self.d.queue_lengths().items():
+            queue.add_metric([cls], n)
+        yield queue
+        weight = GaugeMetricFamily("polychip_router_version_weight", "Traffic weight of each model version",
+                                   labels=["model", "version"])
+        for name, route in sorted(self.d.rollout.models.items()):
+            for v, w in route.weights.items():
+                weight.add_metric([name, v], w)
+        yield weight

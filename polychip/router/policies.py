@@ -1,0 +1,111 @@
+"""Which of the replicas that can take a request now gets it.
+
+``choose`` may be called for requests that end up not being placed, so it keeps no state
+that matters; ``placed`` is told the final choice.
+"""
+from __future__ import annotations
+
+import abc
+
+from polychip.router.config import PrefixConfig
+from polychip.router.prefix_tree import PrefixTree
+from polychip.router.replica import Replica
+
+
+class Policy(abc.ABC):
+    name = ""
+
+    @abc.abstractmethod
+    def choose(self, candidates: list[Replica], prompt: str) -> Replica: ...
+
+    def placed(self, replica: Replica, prompt: str) -> None:
+        """The request went to ``replica``."""
+
+    def forget(self, replica: Replica) -> None:
+        """``replica`` left the set."""
+
+
+class RoundRobin(Policy):
+    name = "round_robin"
+
+    def __init__(self):
+        self._turn = 0
+
+    def choose(self, candidates, prompt):
+        ordered = sorted(candidates, key=lambda r: r.name)
+        return ordered[self._turn % len(ordered)]
+
+    def placed(self, replica, prompt):
+        self._turn += 1
+
+
+class LeastLoad(Policy):
+    """Waiting + running + KV usage as the replica last reported, plus our in-flight count;
+    ties go round the replicas in turn."""
+
+    name = "least_load"
+
+    def __init__(self):
+        self._rr = RoundRobin()
+
+    def choose(self, candidates, prompt):
+        low = min(r.load() for r in candidates)
+        tied = [r for r in candidates if r.load() - low < 1e-9]
+        return self._rr.choose(tied, prompt)
+
+    def placed(self, replica, prompt):
+        self._rr.placed(replica, prompt)
+
+
+class PrefixAware(Policy):
+    """As SGLang's cache-aware router: while the load is balanced, go where the longest prefix
+    of the prompt probably sits (or, below the match threshold, to the replica holding the least
+    text); when it is not, go to the least loaded."""
+
+    name = "prefix_aware"
+
+    def __init__(self, cfg: PrefixConfig):
+        self.cfg = cfg
+        self.tree = PrefixTree()
+        self.least = LeastLoad()
+
+    def _balanced(self, candidates) -> bool:
+        loads = [r.load() for r in candidates]
+        hi, lo = max(loads), min(loads)
+        return not (hi - lo > self.cfg.balance_abs and hi > lo * self.cfg.balance_rel)
+
+    def choose(self, candidates, prompt):
+        if len(candidates) == 1:
+            return candidates[0]
+        if not self._balanced(candidates):
+            return self.least.choose(candidates, prompt)
+        text = prompt[:self.cfg.prompt_chars]
+        matched = self.tree.match(text)
+        by_name = {r.name: r for r in candidates}
+        hits = [(n, by_name[t]) for t, n in matched.items() if t in by_name]
+        if text and hits:
+            best_len = max(n for n, _ in hits)
+            if best_len / len(text) >= self.cfg.match_threshold:
+                best = [r for n, r in hits if n == best_len]
+                return min(best, key=lambda r: (r.load(), r.name))
+        return min(candidates, key=lambda r: (self.tree.chars.get(r.name, 0), r.load(), r.name))
+
+    def placed(self, replica, prompt):
+        self.least.placed(replica, prompt)
+        text = prompt[:self.cfg.prompt_chars]
+        if text:
+            self.tree.insert(text, replica.name)
+            self.tree.evict(replica.name, self.cfg.max_chars_per_replica)
+
+    def forget(self, replica):
+        self.tree.remove_tenant(replica.name)
+
+
+def make_policy(name: str, prefix: PrefixConfig) -> Policy:
+    if name == "round_robin":
+        return RoundRobin()
+    if name == "least_load":
+        return LeastLoad()
+    if name == "prefix_aware":
+        return PrefixAware(prefix)
+    raise ValueError(f"unknown policy {name!r}")

@@ -1,0 +1,360 @@
+"""Forwarding one client request to a replica with httpx, JSON or SSE.
+
+A failure before the first token (connection refused or reset, a 5xx, a stream that breaks or
+reports an error before any token) is retried on another eligible replica, up to
+``max_retries`` times. Stream events are held back until the first one carrying a token, so a
+retry is invisible to the client. After that, a failure ends the stream with an OpenAI-shaped
+error event and ``[DONE]``; no client is left hanging.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import weakref
+from dataclasses import dataclass, field
+
+import anyio
+import httpx
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from polychip.router.config import RouterConfig
+from polychip.router.dispatch import Dispatcher, NoReplicaError, QueueFullError, Ticket
+from polychip.router.metrics import RouterMetrics
+from polychip.router.replica import Replica
+from polychip.router.rollout import Rollout
+
+log = logging.getLogger("polychip.router")
+access = logging.getLogger("polychip.router.access")
+
+RETRYABLE_STATUS = frozenset({500, 502, 503, 504})
+CONNECT_FAILED = (httpx.ConnectError, httpx.ConnectTimeout)
+BROKEN = CONNECT_FAILED + (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError, httpx.PoolTimeout)
+
+
+def error_body(message: str, type_: str, code=None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": None, "code": code}}
+
+
+def error_json(status: int, message: str, type_: str, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, type_, status), status_code=status, headers=headers)
+
+
+def sse_text(data: dict | str) -> bytes:
+    text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    return f"data: {text}\n\n".encode()
+
+
+@dataclass
+class Call:
+    """One client request as the router handles it."""
+
+    request_id: str
+    path: str
+    body: bytes
+    model: str
+    version: str | None
+    priority: str
+    preferred: tuple[str, ...]
+    prompt: str
+    stream: bool
+    t0: float = field(default_factory=time.perf_counter)
+    attempts: int = 0
+
+
+class Retry(Exception):
+    """An attempt failed before the first token; another replica may try."""
+
+    def __init__(self, kind: str, reason: str):
+        super().__init__(reason)
+        self.kind, self.reason = kind, reason
+
+
+class Proxy:
+    def __init__(self, cfg: RouterConfig, dispatcher: Dispatcher, rollout: Rollout, metrics: RouterMetrics,
+                 client: httpx.AsyncClient):
+        self.cfg, self.d, self.rollout, self.metrics, self.client = cfg, dispatcher, rollout, metrics, client
+
+    async def handle(self, call: Call) -> Response:
+        ticket = Ticket(call.model, call.version, call.priority, call.preferred, call.prompt)
+        last: Retry | None = None
+        for attempt in range(self.cfg.max_retries + 1):
+            try:
+                replica = await self.d.acquire(ticket)
+            except QueueFullError as e:
+                return self._refuse(call, 503, str(e), "queue_full")
+            except NoReplicaError as e:
+                if last is not None:
+                    break
+                return self._refuse(call, 503, str(e), "no_replica")
+            ticket.exclude.add(replica.name)
+            call.attempts = attempt + 1
+            if attempt:
+                self.metrics.retries.labels(call.model, replica.name, replica.device_type).inc()
+            try:
+                return await (self._stream(call, replica) if call.stream else self._json(call, replica))
+            except Retry as r:
+                self.d.release(replica)
+                self._attempt_failed(call, replica, r)
+                last = r
+            except asyncio.CancelledError:          # the client left before the first token
+                self.d.release(replica)
+                self._finish(call, replica, 499, None, ok=True, kind="client_gone")
+                raise
+        return self._refuse(call, 502, f"no replica answered after {call.attempts} attempt(s); last error: "
+                            f"{last.reason if last else 'none'}", "all_attempts_failed", retry_after=False)
+
+    # one attempt
+    def _headers(self, call: Call) -> dict:
+        headers = {"content-type": "application/json", "x-request-id": call.request_id}
+        if self.cfg.replica_api_key:
+            headers["authorization"] = f"Bearer {self.cfg.replica_api_key}"
+        return headers
+
+    def _broken(self, replica: Replica, e: Exception) -> Retry:
+        """A refused connection marks the replica down at once; a connection that broke (it may be
+        a stale keep-alive one) only fails this attempt, and the health check decides."""
+        if isinstance(e, CONNECT_FAILED):
+            replica.mark_down(f"connection refused while proxying: {type(e).__name__}: {e}")
+        return Retry("connection", f"{replica.name}: {type(e).__name__}: {e}")
+
+    async def _json(self, call: Call, replica: Replica) -> Response:
+        try:
+            resp = await self.client.post(replica.url + call.path, content=call.body, headers=self._headers(call))
+        except BROKEN as e:
+            raise self._broken(replica, e) from None
+        except httpx.TimeoutException as e:
+            self.d.release(replica)
+            self._finish(call, replica, 504, None, ok=False, kind="timeout")
+            return error_json(504, f"replica {replica.name} sent nothing for {self.cfg.request_timeout:g}s "
+                              f"({type(e).__name__})", "timeout")
+        if resp.status_code in RETRYABLE_STATUS:
+            raise Retry(f"http_{resp.status_code}", f"{replica.name} answered HTTP {resp.status_code}: "
+                        f"{resp.text[:200]}")
+        self.d.release(replica)
+        tokens = None
+        if resp.status_code == 200:
+            try:
+                tokens = (json.loads(resp.content).get("usage") or {}).get("completion_tokens")
+            except (ValueError, AttributeError):
+                pass
+        e2e = self._finish(call, replica, resp.status_code, None, ok=True, tokens=tokens)
+        return Response(resp.content, status_code=resp.status_code,
+                        media_type=resp.headers.get("content-type", "application/json"),
+                        headers=self._where(replica, call, e2e))
+
+    async def _stream(self, call: Call, replica: Replica) -> Response:
+        request = self.client.build_request("POST", replica.url + call.path, content=call.body,
+                                            headers=self._headers(call))
+        try:
+            resp = await self.client.send(request, stream=True)
+        except BROKEN as e:
+            raise self._broken(replica, e) from None
+        except httpx.TimeoutException as e:
+            raise Retry("timeout", f"{replica.name}: {type(e).__name__}") from None
+        if resp.status_code != 200:
+            content = await _read_and_close(resp)
+            if resp.status_code in RETRYABLE_STATUS:
+                raise Retry(f"http_{resp.status_code}", f"{replica.name} answered HTTP {resp.status_code}: "
+                            f"{content[:200].decode(errors='replace')}")
+            self.d.release(replica)
+            self._finish(call, replica, resp.status_code, None, ok=True)
+            return Response(content, status_code=resp.status_code,
+                            media_type=resp.headers.get("content-type", "application/json"),
+                            headers=self._where(replica, call, None))
+        events = _SSE(resp)
+        held: list[bytes] = []
+        try:
+            first = False
+            while not first:
+                batch = await events.batch()
+                if batch is None:
+                    raise Retry("stream_ended", f"{replica.name} ended the stream before the first token")
+                for event in batch:
+                    msg = _parse(event) if not first else None
+                    if isinstance(msg, dict) and "error" in msg:
+                        raise Retry("stream_error", f"{replica.name} sent an error before the first token: "
+                                    f"{str(msg['error'])[:200]}")
+                    held.append(event)
+                    first = first or msg == "[DONE]" or _has_token(msg)
+        except BROKEN as e:
+            await _close(resp)
+            raise self._broken(replica, e) from None
+        except httpx.TimeoutException as e:
+            await _close(resp)
+            raise Retry("timeout", f"{replica.name}: {type(e).__name__} before the first token") from None
+        except (Retry, asyncio.CancelledError):
+            with anyio.CancelScope(shield=True):
+                await _close(resp)
+            raise
+        ttft = time.perf_counter() - call.t0
+        released = []
+        relay = self._relay(call, replica, resp, events, held, ttft, released)
+        # a response the server drops before iterating it (client gone at once) still frees the slot
+        weakref.finalize(relay, lambda: released or (released.append(True), self.d.release(replica)))
+        return StreamingResponse(relay, media_type="text/event-stream", headers=self._where(replica, call, None))
+
+    async def _relay(self, call, replica, resp, events: "_SSE", held: list[bytes], ttft, released: list):
+        """Pass the stream on as the network delivers it, one write per batch of events; only the
+        events that may carry usage, an error or [DONE] are parsed."""
+        ok, status, tokens, done, kind = True, 200, None, False, None
+        try:
+            batch = held
+            while True:
+                for i, event in enumerate(batch):
+                    if b"[DONE]" in event and _parse(event) == "[DONE]":
+                        done, batch = True, batch[:i + 1]
+                        break
+                    if b'"usage"' in event or b'"error"' in event:
+                        msg = _parse(event)
+                        if isinstance(msg, dict):
+                            if "error" in msg:
+                                ok, kind = False, "stream_error"
+                            tokens = (msg.get("usage") or {}).get("completion_tokens", tokens)
+                yield b"".join(batch)
+                if done:
+                    await events.drain()        # read the body's end, so the connection is reused
+                    break
+                batch = await events.batch()
+                if batch is None:
+                    raise httpx.RemoteProtocolError("the replica closed the stream without [DONE]")
+        except (httpx.TransportError, httpx.TimeoutException) as e:
+            ok, status, kind = False, 599, "stream_broken"
+            log.warning("%s: stream from %s broke after the first token: %s", call.request_id, replica.name, e)
+            yield sse_text(error_body(f"the replica {replica.name} failed mid-stream ({type(e).__name__}: {e}); "
+                                      "the answer is incomplete", "upstream_error", 502))
+            yield sse_text("[DONE]")
+        except asyncio.CancelledError:
+            status, kind = 499, "client_gone"
+            raise
+        finally:
+            with anyio.CancelScope(shield=True):
+                await _close(resp)
+                if not released:
+                    released.append(True)
+                    self.d.release(replica)
+                self._finish(call, replica, status, ttft, ok=ok, tokens=tokens, kind=kind)
+
+    # bookkeeping
+    def _where(self, replica: Replica, call: Call, e2e) -> dict:
+        return {"x-polychip-replica": replica.name, "x-polychip-device": replica.device_name,
+                "x-polychip-plugin": replica.info.plugin if replica.info else replica.device_type,
+                "x-polychip-version": replica.version_label or "", "x-request-id": call.request_id}
+
+    def _labels(self, call: Call, replica: Replica | None) -> list[str]:
+        if replica is None:
+            return [call.model, call.version or "", "", "", call.priority]
+        return [call.model, replica.version_label or "", replica.name, replica.device_type, call.priority]
+
+    def _finish(self, call: Call, replica: Replica, status: int, ttft: float | None, ok: bool,
+                tokens: int | None = None, kind: str | None = None) -> float:
+        e2e = time.perf_counter() - call.t0
+        labels = self._labels(call, replica)
+        replica.served += 1
+        self.metrics.requests.labels(*labels, str(status)).inc()
+        if ttft is not None:
+            self.metrics.ttft.labels(*labels).observe(ttft)
+        if status < 400:
+            self.metrics.e2e.labels(*labels).observe(e2e)
+        if tokens:
+            self.metrics.tokens.labels(call.model, labels[1], replica.name, replica.device_type).inc(tokens)
+        failed = not ok or status >= 500
+        if kind is not None and kind != "client_gone":
+            self.metrics.errors.labels(*labels, kind).inc()
+        if kind != "client_gone":
+            self.rollout.record(call.model, labels[1], not failed, ttft, e2e)
+        access.info("%s POST %s %d model=%s version=%s priority=%s target=%s target_device=%s attempts=%d%s %.0fms",
+                    call.request_id, call.path, status, call.model, labels[1], call.priority, replica.name,
+                    replica.device_name, call.attempts, f" ttft={ttft * 1000:.0f}ms" if ttft is not None else "",
+                    e2e * 1000)
+        return e2e
+
+    def _attempt_failed(self, call: Call, replica: Replica, r: Retry) -> None:
+        labels = self._labels(call, replica)
+        self.metrics.errors.labels(*labels, r.kind).inc()
+        self.rollout.record(call.model, labels[1], False, None, time.perf_counter() - call.t0)
+        log.warning("%s: attempt %d on %s failed before the first token (%s)%s", call.request_id, call.attempts,
+                    replica.name, r.reason, "; retrying" if call.attempts <= self.cfg.max_retries else "")
+
+    def _refuse(self, call: Call, status: int, message: str, kind: str, retry_after: bool = True) -> Response:
+        labels = self._labels(call, None)
+        self.metrics.errors.labels(*labels, kind).inc()
+        self.metrics.requests.labels(*labels, str(status)).inc()
+        access.info("%s POST %s %d model=%s version=%s priority=%s target=- (%s) %.0fms", call.request_id,
+                    call.path, status, call.model, call.version, call.priority, kind,
+                    (time.perf_counter() - call.t0) * 1000)
+        headers = {"Retry-After": "1"} if retry_after else None
+        type_ = "server_overloaded" if kind == "queue_full" else "service_unavailable"
+        return error_json(status, message, type_, headers)
+
+
+def _has_token(msg) -> bool:
+    if not isinstance(msg, dict):
+        return False
+    for choice in msg.get("choices") or ():
+        if choice.get("text") or choice.get("finish_reason"):
+            return True
+        delta = choice.get("delta") or {}
+        if delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls"):
+            return True
+    return bool(msg.get("usage"))
+
+
+class _SSE:
+    """Complete server-sent events from a streamed body, in the batches the network delivers
+    them (an event ends at a blank line; each is passed on byte for byte)."""
+
+    def __init__(self, resp: httpx.Response):
+        self._chunks = resp.aiter_bytes()
+        self._buf = b""
+
+    async def batch(self) -> list[bytes] | None:
+        """The next events (each ending in a blank line); None when the body has ended."""
+        while True:
+            cut = self._buf.rfind(b"\n\n")
+            if cut >= 0:
+                whole, self._buf = self._buf[:cut], self._buf[cut + 2:]
+                return [e + b"\n\n" for e in whole.split(b"\n\n") if e.strip()] or await self.batch()
+            chunk = await anext(self._chunks, None)
+            if chunk is None:
+                rest, self._buf = self._buf.strip(), b""
+                return [rest + b"\n\n"] if rest else None
+            self._buf += chunk.replace(b"\r\n", b"\n")
+
+
+    async def drain(self, limit: int = 1 << 16) -> None:
+        """Read what is left of the body (normally just its end) so that httpx can keep the
+        connection; give up past ``limit`` bytes."""
+        seen = 0
+        async for chunk in self._chunks:
+            seen += len(chunk)
+            if seen > limit:
+                break
+
+
+def _parse(event: bytes):
+    """An event's data: "[DONE]", the JSON object, or None."""
+    data = b"\n".join(line[5:].lstrip(b" ") for line in event.split(b"\n") if line.startswith(b"data:"))
+    if data == b"[DONE]":
+        return "[DONE]"
+    try:
+        return json.loads(data) if data else None
+    except ValueError:
+        return None
+
+
+async def _read_and_close(resp: httpx.Response) -> bytes:
+    try:
+        return await resp.aread()
+    except httpx.HTTPError:
+        return b""
+    finally:
+        await _close(resp)
+
+
+async def _close(resp: httpx.Response) -> None:
+    try:
+        await resp.aclose()
+    except Exception:  # closing a broken connection must not mask the real outcome
+        pass

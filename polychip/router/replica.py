@@ -1,0 +1,121 @@
+"""A replica as the router sees it: where it is, what it reported, whether it is up, and the
+router's own count of requests in flight there."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+log = logging.getLogger("polychip.router")
+
+
+@dataclass(frozen=True)
+class ReplicaInfo:
+    """The parts of a replica's ``/server_info`` the router uses."""
+
+    model: str
+    version: str
+    plugin: str
+    device_type: str
+    device: str                      # e.g. "simxpu:1"
+    dtype: str
+    device_dtypes: tuple[str, ...]
+    quantization: str | None
+    tp_size: int
+    max_running_requests: int
+    num_waiting: int
+    num_running: int
+    kv_usage: float
+    prefix_cache_hit_rate: float
+
+    @classmethod
+    def parse(cls, data: dict) -> "ReplicaInfo":
+        """From the JSON; a missing or mistyped field is a ValueError naming it."""
+        def get(key, kind, default=None):
+            value = data.get(key, default)
+            if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+                raise ValueError(f"/server_info field {key!r} should be {kind}, got {value!r}")
+            return value
+        device_type = get("device_type", str, data.get("plugin"))
+        index = data.get("device_index", 0)
+        return cls(model=get("model", str), version=str(data.get("version") or "default"),
+                   plugin=get("plugin", str, device_type), device_type=device_type,
+                   device=get("device", str, f"{device_type}:{index}"), dtype=get("dtype", str, "unknown"),
+                   device_dtypes=tuple(get("device_dtypes", list, [])),
+                   quantization=data.get("quantization"), tp_size=get("tp_size", int, 1),
+                   max_running_requests=get("max_running_requests", int, 64),
+                   num_waiting=get("num_waiting", int, 0), num_running=get("num_running", int, 0),
+                   kv_usage=float(get("kv_usage", (int, float), 0.0)),
+                   prefix_cache_hit_rate=float(get("prefix_cache_hit_rate", (int, float), 0.0)))
+
+
+@dataclass
+class Replica:
+    name: str
+    url: str
+    # what a deployment file declares (None for --replica URLs: learnt from /server_info)
+    model: str | None = None
+    version: str | None = None
+    device: str | None = None
+    launched: bool = False
+    info: ReplicaInfo | None = None
+    up: bool = False
+    ever_up: bool = False
+    draining: bool = False
+    down_reason: str = "not checked yet"
+    fails: int = 0
+    successes: int = 0
+    inflight: int = 0
+    served: int = 0
+    changed_at: float = field(default_factory=time.monotonic)
+
+    # identity, preferring what the replica itself reports
+    @property
+    def model_name(self) -> str | None:
+        return self.info.model if self.info else self.model
+
+    @property
+    def version_label(self) -> str | None:
+        return self.info.version if self.info else self.version
+
+    @property
+    def device_type(self) -> str:
+        if self.info:
+            return self.info.device_type
+        return (self.device or "unknown").partition(":")[0]
+
+    @property
+    def device_name(self) -> str:
+        return self.info.device if self.info else (self.device or "unknown")
+
+    def capacity(self, override: int | None) -> int:
+        if override is not None:
+            return override
+        return self.info.max_running_requests if self.info else 1
+
+    def load(self) -> float:
+        """least_load's figure: reported waiting + running + KV usage, plus our in-flight count."""
+        reported = (self.info.num_waiting + self.info.num_running + self.info.kv_usage) if self.info else 0.0
+        return self.inflight + reported
+
+    def mark_up(self) -> None:
+        if not self.up:
+            log.info("replica %s (%s, %s) is up", self.name, self.url, self.device_name)
+        self.up = self.ever_up = True
+        self.down_reason = ""
+        self.changed_at = time.monotonic()
+
+    def mark_down(self, reason: str) -> None:
+        if self.up:
+            log.warning("replica %s (%s) is down: %s", self.name, self.url, reason)
+        self.up = False
+        self.successes = 0
+        self.down_reason = reason
+        self.changed_at = time.monotonic()
+
+    def describe(self) -> dict:
+        return {"name": self.name, "url": self.url, "up": self.up, "draining": self.draining,
+                "down_reason": self.down_reason or None, "model": self.model_name,
+                "version": self.version_label, "device": self.device_name, "device_type": self.device_type,
+                "launched": self.launched, "inflight": self.inflight, "served": self.served,
+                "info": None if self.info is None else {k: v for k, v in vars(self.info).items()}}

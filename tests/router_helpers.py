@@ -1,0 +1,215 @@
+"""Helpers for the router tests: fake replicas (small FastAPI apps that answer like polychip
+serve, fast and controllable) and in-process servers on free ports."""
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+
+class ThreadServer:
+    """Serve an ASGI app with uvicorn on 127.0.0.1:<free port> in a thread."""
+
+    def __init__(self, app, port: int | None = None):
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)   # asyncio sets TCP_NODELAY
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", port or 0))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        cfg = uvicorn.Config(app, log_config=None, access_log=False, lifespan="on", timeout_graceful_shutdown=5)
+        self.server = uvicorn.Server(cfg)
+        self.server.install_signal_handlers = lambda: None      # not the main thread
+        self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve(sockets=[self.sock])),
+                                       daemon=True)
+
+    def start(self, timeout: float = 20) -> "ThreadServer":
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise TimeoutError("in-process server did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(15)
+        self.sock.close()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+class FakeReplica:
+    """Answers /server_info and the two OpenAI routes, JSON or SSE, after ``delay`` seconds per
+    token; ``mode`` makes it fail: "http500", "error_event" (stream error before any token),
+    "die_mid_stream" (drops the connection after the first token)."""
+
+    def __init__(self, model="tiny", version="v1", device="cpu:0", dtypes=("float32", "bfloat16"),
+                 max_running=64, delay=0.0, tokens=3, mode=None, cached_rate=0.0):
+        self.model, self.version, self.device, self.dtypes = model, version, device, tuple(dtypes)
+        self.max_running, self.delay, self.tokens, self.mode = max_running, delay, tokens, mode
+        self.served = 0
+        self.hold = False              # while True, requests wait before answering
+        self.inflight = 0
+        self.peak_inflight = 0
+        self.bodies: list[dict] = []
+        self.app = self._build()
+
+    def info(self) -> dict:
+        kind, _, index = self.device.partition(":")
+        return {"model": self.model, "version": self.version, "plugin": kind, "device_type": kind,
+                "device_index": int(index or 0), "device": self.device, "dtype": "float32",
+                "device_dtypes": list(self.dtypes), "quantization": None, "tp_size": 1,
+                "max_running_requests": self.max_running, "num_waiting": 0, "num_running": self.inflight,
+                "kv_usage": 0.0, "prefix_cache_hit_rate": 0.0, "pages_total": 100, "pages_free": 100}
+
+    def _build(self) -> FastAPI:
+        app = FastAPI()
+
+        @app.get("/server_info")
+        async def server_info():
+            return self.info()
+
+        async def answer(request: Request, chat: bool):
+            body = json.loads(await request.body())
+            self.bodies.append(body)
+            if self.mode == "http500":
+                return JSONResponse({"error": {"message": "boom", "type": "internal_error"}}, status_code=500)
+            n = int(body.get("max_tokens") or self.tokens)
+            while self.hold:
+                await asyncio.sleep(0.01)
+            self.inflight += 1
+            self.peak_inflight = max(self.peak_inflight, self.inflight)
+            usage = {"prompt_tokens": 5, "completion_tokens": n, "total_tokens": 5 + n}
+            if not body.get("stream"):
+                try:
+                    await asyncio.sleep(self.delay * n)
+                finally:
+                    self.inflight -= 1
+                self.served += 1
+                text = "x" * n
+                choice = {"index": 0, "finish_reason": "length",
+                          **({"message": {"role": "assistant", "content": text}} if chat else {"text": text})}
+                return {"id": "c1", "object": "chat.completion" if chat else "text_completion", "model": self.model,
+                        "choices": [choice], "usage": usage}
+
+            async def events():
+                try:
+                    if chat:
+                        yield _sse({"choices": [{"index": 0, "delta": {"role": "assistant"}}]})
+                    if self.mode == "error_event":
+                        yield _sse({"error": {"message": "the engine crashed", "type": "service_unavailable"}})
+                        yield "data: [DONE]\n\n"
+                        return
+                    for i in range(n):
+                        await asyncio.sleep(self.delay)
+                        piece = {"delta": {"content": "x"}} if chat else {"text": "x"}
+                        yield _sse({"choices": [{"index": 0, **piece, "finish_reason": None}]})
+                        if self.mode == "die_mid_stream":
+                            raise ConnectionError("replica died")
+                    yield _sse({"choices": [{"index": 0, "finish_reason": "length",
+                                             **({"delta": {}} if chat else {"text": ""})}], "usage": usage})
+                    yield "data: [DONE]\n\n"
+                    self.served += 1
+                finally:
+                    self.inflight -= 1
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        @app.post("/v1/completions")
+        async def completions(request: Request):
+            return await answer(request, False)
+
+        @app.post("/v1/chat/completions")
+        async def chat(request: Request):
+            return await answer(request, True)
+
+        return app
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+def start_router(cfg, urls=(), deployment=None, deployment_path=None):
+    """(ThreadServer, Router) for a router in this process."""
+    from polychip.router.app import Router, build_app
+    router = Router(cfg, list(urls), deployment, deployment_path)
+    server = ThreadServer(build_app(router)).start()
+    return server, router
+
+
+def wait_for(pred, timeout: float = 30, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"timed out waiting for {what}")
+
+
+class RouterProcess:
+    """``polychip router ...`` in a subprocess on a free port; ``wait_ready(n)`` waits until n
+    replicas are up."""
+
+    def __init__(self, args: list[str], env: dict | None = None):
+        import os
+        import subprocess
+        import sys
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "polychip.cli", "router", "--port", str(self.port), *args]
+        self.lines: list[str] = []
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env={**os.environ, **(env or {})})
+        self._reader = threading.Thread(target=lambda: [self.lines.append(l.rstrip("\n")) for l in self.proc.stdout],
+                                        daemon=True)
+        self._reader.start()
+
+    @property
+    def log(self) -> str:
+        return "\n".join(self.lines)
+
+    def replicas(self) -> list[dict]:
+        import httpx
+        return httpx.get(self.url + "/admin/replicas", timeout=10).json()["replicas"]
+
+    def wait_ready(self, n: int, timeout: float = 180) -> "RouterProcess":
+        import httpx
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"router exited with {self.proc.returncode}:\n{self.log[-5000:]}")
+            try:
+                h = httpx.get(self.url + "/health", timeout=2)
+                if h.status_code == 200 and h.json()["replicas_up"] >= n:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        self.stop()
+        raise TimeoutError(f"{n} replicas not up after {timeout}s:\n{self.log[-5000:]}")
+
+    def stop(self, timeout: float = 60) -> int:
+        import signal
+        import subprocess
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._reader.join(5)
+        return self.proc.returncode

@@ -1,0 +1,29 @@
+"""`polychip bench peers` runs an int8 row beside the float32 one, in the same run."""
+from __future__ import annotations
+
+import json
+
+import torch
+
+from polychip.bench import roofline
+from polychip.commands import bench
+
+
+def test_peers_has_an_int8_row(model_factory, tmp_path, monkeypatch):
+    small = roofline.measure_machine
+    monkeypatch.setattr(roofline, "measure_machine", lambda shape, plugin=None: small(shape, 1, plugin, mib=2))
+    out = tmp_path / "peers.json"
+    threads = torch.get_num_threads()
+    try:
+        rc = bench.main(["peers", "--model-path", model_factory("llama", False), "--engines", "polychip,polychip-int8",
+                         "--input-len", "8", "--output-len", "3", "--concurrency", "2", "--decode-tokens", "2",
+                         "--shared-prefix-len", "0", "--num-threads", "1", "--json", str(out)])
+    finally:
+        torch.set_num_threads(threads)
+    assert rc == 0
+    res = json.loads(out.read_text())
+    row = res["engines"]["polychip-int8"]
+    assert row["engine"] == "polychip int8" and row["output_tokens"] == 6 and row["decode_tok_s"] > 0
+    assert "polychip-int8" in res["ratios"]
+    table = (tmp_path / "peers.md").read_text()
+    assert "| polychip int8 |" in table and "its % columns are of the float32 rooflines" in table

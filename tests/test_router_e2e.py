@@ -1,0 +1,250 @@
+"""The router in front of real ``polychip serve`` replicas it launches from a deployment file:
+2 on the CPU and 2 on simxpu cards (the out-of-tree plugin), a tiny random-weight model.
+
+Load spread under least_load, device preference, failover when a replica is killed (and its
+restart), prefix affinity against round_robin, and SIGTERM draining then stopping replicas."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import statistics
+import textwrap
+import time
+from collections import Counter
+
+import httpx
+import pytest
+
+from polychip.router.config import HealthConfig, RouterConfig
+from router_helpers import RouterProcess, start_router, wait_for
+
+REPLICA_ARGS = ["--num-threads", "1", "--max-total-tokens", "8192", "--max-running-requests", "32",
+                "--chunked-prefill-size", "256"]
+
+
+@pytest.fixture(scope="module")
+def fleet(model_factory, tmp_path_factory):
+    model = model_factory("qwen3", True)
+    args = json.dumps(REPLICA_ARGS)
+    text = f"""
+    replicas:
+      - {{name: cpu-a, model: tiny, device: cpu, model_path: {model}, args: {args}}}
+      - {{name: cpu-b, model: tiny, device: cpu, model_path: {model}, args: {args}}}
+      - {{name: sim-0, model: tiny, device: "simxpu:0", model_path: {model}, args: {args}}}
+      - {{name: sim-1, model: tiny, device: "simxpu:1", model_path: {model}, args: {args}}}
+    models:
+      - name: tiny
+        versions: {{default: 1}}
+    router:
+      policy: least_load
+      health_check: {{interval: 0.5, timeout: 5, failure_threshold: 2, success_threshold: 2}}
+    """
+    path = tmp_path_factory.mktemp("deploy") / "fleet.yaml"
+    path.write_text(textwrap.dedent(text))
+    router = RouterProcess(["--deployment", str(path)])
+    pids = []
+    try:
+        router.wait_ready(4)
+        pids = [r["pid"] for r in router.replicas()]
+        yield router
+    finally:
+        router.stop()
+        for pid in pids:          # the router stops them; make sure nothing outlives the test
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+async def _many(url, n, stream=False, concurrency=64, **body):
+    """n completions at once; each result is (replica, device, tokens, outcome) where outcome is
+    'ok', 'error_event' (a stream ended by an error event + [DONE]) or 'http_<status>'."""
+    async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=concurrency + 8)) as client:
+        gate = asyncio.Semaphore(concurrency)
+
+        async def one(i):
+            b = {"model": "tiny", "prompt": f"request {i} says hello", "max_tokens": 8, "ignore_eos": True,
+                 "temperature": 0, **body}
+            async with gate:
+                if not stream:
+                    r = await client.post(url + "/v1/completions", json=b)
+                    toks = r.json()["usage"]["completion_tokens"] if r.status_code == 200 else 0
+                    return (r.headers.get("x-polychip-replica"), r.headers.get("x-polychip-device"), toks,
+                            "ok" if r.status_code == 200 else f"http_{r.status_code}")
+                async with client.stream("POST", url + "/v1/completions", json={**b, "stream": True}) as r:
+                    if r.status_code != 200:
+                        await r.aread()
+                        return (None, None, 0, f"http_{r.status_code}")
+                    lines = [l async for l in r.aiter_lines() if l.startswith("data:")]
+                    assert lines[-1] == "data: [DONE]", lines[-3:]        # every stream is terminated
+                    err = any('"error"' in l for l in lines)
+                    toks = sum(1 for l in lines if '"text":"' in l and '"text":""' not in l)
+                    return (r.headers["x-polychip-replica"], r.headers["x-polychip-device"], toks,
+                            "error_event" if err else "ok")
+        return await asyncio.gather(*(one(i) for i in range(n)))
+
+
+def test_load_spreads_over_four_replicas_on_two_device_types(fleet):
+    results = asyncio.run(_many(fleet.url, 64))
+    assert all(o == "ok" for *_, o in results)
+    tokens = Counter()
+    for replica, _, toks, _ in results:
+        tokens[replica] += toks
+    assert set(tokens) == {"cpu-a", "cpu-b", "sim-0", "sim-1"}           # every replica served some
+    per = [tokens[r] for r in sorted(tokens)]
+    rsd = statistics.pstdev(per) / statistics.mean(per)
+    print(f"load spread: completed tokens per replica {dict(tokens)}, relative std dev {rsd:.3f}")
+    assert rsd < 0.15, (tokens, rsd)
+    devices = {d for _, d, _, _ in results}
+    assert devices == {"cpu:0", "simxpu:0", "simxpu:1"}
+
+
+def test_preferred_device_types_land_on_simxpu(fleet):
+    results = asyncio.run(_many(fleet.url, 16, preferred_device_types=["simxpu"]))
+    assert all(o == "ok" and d.startswith("simxpu:") for _, d, _, o in results)
+    assert {r for r, *_ in results} == {"sim-0", "sim-1"}
+
+
+def test_killing_a_replica_loses_no_request_and_it_comes_back(fleet):
+    victim = next(r for r in fleet.replicas() if r["name"] == "sim-0")
+
+    async def run():
+        load = asyncio.ensure_future(_many(fleet.url, 48, stream=True, concurrency=24, max_tokens=48))
+        t0 = time.monotonic()
+        while not any(r["name"] == "sim-0" and r["inflight"] > 0 for r in fleet.replicas()):
+            assert time.monotonic() - t0 < 30, "no load reached sim-0"
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(1.0)          # let its streams send tokens: those cannot be retried
+        os.kill(victim["pid"], signal.SIGKILL)
+        return await asyncio.wait_for(load, 180)
+
+    results = asyncio.run(run())
+    outcomes = Counter(o for *_, o in results)
+    print(f"failover: {dict(outcomes)}")
+    assert sum(outcomes.values()) == 48                       # every request answered
+    assert set(outcomes) <= {"ok", "error_event"}, outcomes   # ok, or a terminated stream
+    assert outcomes["ok"] >= 24, outcomes
+    assert "replica sim-0 exited" in fleet.log and "sim-0 (" in fleet.log
+    # the supervisor restarts it and it serves again
+    wait_for(lambda: any(r["name"] == "sim-0" and r["up"] and r["restarts"] >= 1 for r in fleet.replicas()),
+             120, "sim-0 restarted")
+    again = asyncio.run(_many(fleet.url, 8, preferred_device_types=["simxpu"]))
+    assert all(o == "ok" for *_, o in again) and any(r == "sim-0" for r, *_ in again)
+
+
+def _prefix_workload(url, groups=3, per_group=6):
+    """Prompts sharing a long per-group prefix, sent group-interleaved one at a time (3 groups over 2 replicas: round_robin alternates each group);
+    returns (replica per group, cached / prompt tokens)."""
+    seen, cached, total = {}, 0, 0
+    with httpx.Client(timeout=60) as c:
+        for i in range(per_group):
+            for g in range(groups):
+                prefix = f"Group {g} system prompt: " + " ".join(f"rule{g}-{k}" for k in range(60))
+                r = c.post(url + "/v1/completions", json={"model": "tiny", "prompt": f"{prefix}\nQuestion {i}?",
+                                                          "max_tokens": 1})
+                assert r.status_code == 200
+                usage = r.json()["usage"]
+                cached += (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+                total += usage["prompt_tokens"]
+                seen.setdefault(g, set()).add(r.headers["x-polychip-replica"])
+    return seen, cached / total
+
+
+def test_prefix_aware_keeps_a_prefix_on_one_replica_and_hits_more_than_round_robin(fleet):
+    urls = [r["url"] for r in fleet.replicas() if r["name"] in ("cpu-a", "cpu-b")]
+    rates = {}
+    for policy in ("round_robin", "prefix_aware"):
+        for u in urls:
+            assert httpx.post(u + "/flush_cache", json={}, timeout=30).status_code == 200
+        srv, router = start_router(RouterConfig(policy=policy, health=HealthConfig(interval=0.5)), urls)
+        try:
+            wait_for(lambda: all(r.up for r in router.dispatcher.replicas.values()), 20, "up")
+            seen, rates[policy] = _prefix_workload(srv.url)
+        finally:
+            srv.stop()
+        if policy == "prefix_aware":
+            assert all(len(s) == 1 for s in seen.values()), seen          # each group on one replica
+            assert len(set.union(*seen.values())) == 2                      # and both replicas used
+        else:
+            assert all(len(s) == 2 for s in seen.values()), seen
+    print(f"prefix-cache hit rate: {rates}")
+    assert rates["prefix_aware"] > rates["round_robin"] + 0.05, rates
+
+
+def test_sigterm_drains_the_router_then_stops_its_replicas(model_factory, tmp_path):
+    model = model_factory("qwen3", True)
+    path = tmp_path / "one.yaml"
+    path.write_text(textwrap.dedent(f"""
+        replicas:
+          - {{name: only, model: tiny, device: cpu, model_path: {model}, args: {json.dumps(REPLICA_ARGS)}}}
+        models:
+          - {{name: tiny, versions: {{default: 1}}}}
+        router:
+          health_check: {{interval: 0.5}}
+    """))
+    router = RouterProcess(["--deployment", str(path)]).wait_ready(1)
+    pid = router.replicas()[0]["pid"]
+    try:
+        with httpx.stream("POST", router.url + "/v1/completions", timeout=60,
+                          json={"model": "tiny", "prompt": "count", "max_tokens": 60, "ignore_eos": True,
+                                "stream": True}) as r:
+            it = r.iter_lines()
+            first = next(l for l in it if l.startswith("data:"))
+            router.proc.send_signal(signal.SIGTERM)            # mid-stream
+            rest = [l for l in it if l.startswith("data:")]
+        assert '"text"' in first and rest[-1] == "data: [DONE]"
+        assert not any('"error"' in l for l in rest)            # drained: the stream finished normally
+        assert router.proc.wait(60) == 0
+        wait_for(lambda: not os.path.exists(f"/proc/{pid}") or _zombie(pid), 30, "replica stopped")
+    finally:
+        router.stop()
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_serve_dp_size_is_a_router_over_local_replicas(model_factory):
+    from polychip.server.launcher import ServerProcess
+    args = ["--dp-size", "2", "--model-path", model_factory("qwen3", True), "--served-model-name", "tiny",
+            "--api-key", "k", *REPLICA_ARGS]
+    with ServerProcess(args) as s:
+        auth = {"Authorization": "Bearer k"}
+        wait_for(lambda: httpx.get(s.url + "/health").json()["replicas_up"] == 2, 120, "2 replicas")
+        assert httpx.post(s.url + "/v1/completions", json={"prompt": "x"}).status_code == 401
+        seen = Counter()
+        for i in range(6):
+            r = httpx.post(s.url + "/v1/completions", headers=auth, timeout=60,
+                           json={"model": "tiny", "prompt": f"hi {i}", "max_tokens": 2})
+            assert r.status_code == 200 and r.headers["x-polychip-device"] == "cpu:0"
+            seen[r.headers["x-polychip-replica"]] += 1
+        assert seen == {"dp0": 3, "dp1": 3}
+
+
+def test_replicas_describe_themselves_on_server_info(fleet):
+    by_name = {r["name"]: r for r in fleet.replicas()}
+    for name, device in (("cpu-a", "cpu:0"), ("sim-1", "simxpu:1")):
+        for route in ("/server_info", "/get_server_info"):
+            info = httpx.get(by_name[name]["url"] + route, timeout=30).json()
+            assert (info["model"], info["version"], info["device"], info["tp_size"], info["quantization"]) == \
+                ("tiny", "default", device, 1, None)
+            assert info["plugin"] == info["device_type"] == device.split(":")[0]
+            assert info["device_index"] == int(device.split(":")[1]) and info["dtype"] == "float32"
+            assert "float32" in info["device_dtypes"] and ("float16" in info["device_dtypes"]) == (name == "cpu-a")
+            assert info["pages_total"] >= info["pages_free"] > 0 and 0 <= info["kv_usage"] <= 1
+            assert info["num_waiting"] >= 0 and info["num_running"] >= 0 and info["kv_pool"]["integrity"] == "ok"
+    # the same long prompt twice: the replica reports prefix-cache hits
+    prompt = "shared words " * 40
+    for _ in range(2):
+        httpx.post(by_name["cpu-a"]["url"] + "/v1/completions", json={"prompt": prompt, "max_tokens": 1}, timeout=60)
+    assert httpx.get(by_name["cpu-a"]["url"] + "/server_info").json()["prefix_cache_hit_rate"] > 0

@@ -1,0 +1,194 @@
+"""Router pieces on their own: weighted fair queueing, the prefix tree, the prefix-aware and
+least-load choices, canary splits (smooth and sticky), rollout set, the guard."""
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from polychip.errors import ConfigError
+from polychip.router.config import GuardConfig, PrefixConfig
+from polychip.router.policies import LeastLoad, PrefixAware
+from polychip.router.prefix_tree import PrefixTree
+from polychip.router.replica import Replica
+from polychip.router.rollout import ModelRoute, Rollout
+from polychip.router.wfq import FairQueue, QueueFullError
+
+WEIGHTS = {"high": 3.0, "normal": 1.0, "low": 1.0}
+
+
+def test_wfq_shares_follow_the_weights_while_all_classes_are_backlogged():
+    q = FairQueue(WEIGHTS, 10_000)
+    for i in range(300):
+        for c in WEIGHTS:
+            q.push(c, (c, i))
+    served = Counter(q.pop_placeable(lambda item: True)[0][0] for _ in range(500))
+    # 3 : 1 : 1 of 500, exactly up to tag ties
+    assert abs(served["high"] - 300) <= 3 and abs(served["normal"] - 100) <= 3 and abs(served["low"] - 100) <= 3
+    # and each class in its own order
+    order = [q.pop_placeable(lambda item: True)[0] for _ in range(50)]
+    lows = [i for c, i in order if c == "low"]
+    assert lows == sorted(lows)
+
+
+def test_wfq_no_class_starves_and_late_high_does_not_jump_far_ahead():
+    q = FairQueue(WEIGHTS, 10_000)
+    for i in range(50):
+        q.push("low", i)
+    got = [q.pop_placeable(lambda x: True)[0] for _ in range(5)]
+    for i in range(1000):          # a flood of high priority arrives after low has been waiting
+        q.push("high", 1000 + i)
+    nxt = [q.pop_placeable(lambda x: True)[0] for _ in range(40)]
+    assert got == [0, 1, 2, 3, 4]
+    assert sum(1 for x in nxt if x < 1000) >= 8        # low keeps about 1/4 of the service
+
+
+def test_wfq_skips_what_cannot_be_placed_and_is_bounded():
+    q = FairQueue(WEIGHTS, 3)
+    q.push("high", "needs-gpu")
+    q.push("low", "any")
+    item, placed = q.pop_placeable(lambda x: None if x == "needs-gpu" else "r1")
+    assert (item, placed) == ("any", "r1")
+    q.push("normal", "b")
+    q.push("normal", "c")
+    with pytest.raises(QueueFullError):
+        q.push("normal", "d")
+    e = q.queues["normal"][0]
+    q.remove(e)
+    assert len(q) == 2 and q.length("normal") == 1
+
+
+def test_prefix_tree_match_insert_split_and_evict():
+    t = PrefixTree()
+    t.insert("system: be brief. question one", "a")
+    t.insert("system: be brief. question two", "b")
+    t.insert("other", "b")
+    m = t.match("system: be brief. question three")
+    assert (m["a"], m["b"]) == (len("system: be brief. question "), len("system: be brief. question t"))
+    assert t.match("system: be brief. question one!") == {"a": len("system: be brief. question one"),
+                                                           "b": len("system: be brief. question ")}
+    assert t.chars["a"] == len("system: be brief. question one")
+    t.evict("b", 5)
+    assert t.chars["b"] <= 5
+    assert "b" not in t.match("system: be brief. question two")
+    assert t.match("system: be brief. question one")["a"] == len("system: be brief. question one")
+    t.remove_tenant("a")
+    assert t.match("system: be brief. question one") == {} and not t.root.children.get("s")
+
+
+def _replica(name, inflight=0):
+    r = Replica(name, f"http://{name}")
+    r.inflight = inflight
+    r.up = True
+    return r
+
+
+def test_prefix_aware_follows_the_prefix_unless_the_load_is_out_of_balance():
+    p = PrefixAware(PrefixConfig(match_threshold=0.5, balance_abs=4, balance_rel=1.5))
+    a, b, c = _replica("a"), _replica("b"), _replica("c")
+    shared = "You are a helpful assistant. " * 20
+    first = p.choose([a, b, c], shared + "Q1")
+    p.placed(first, shared + "Q1")
+    for i in range(2, 10):
+        chosen = p.choose([a, b, c], shared + f"Q{i}")
+        assert chosen is first
+        p.placed(chosen, shared + f"Q{i}")
+    # new text goes to the replica holding the least text
+    other = p.choose([a, b, c], "completely different words")
+    assert other is not first
+    # out of balance: the least loaded wins even against a perfect prefix match
+    first.inflight = 20
+    assert p.choose([a, b, c], shared + "Q11") is not first
+
+
+def test_least_load_counts_inflight_and_reported_load_and_breaks_ties_in_turn():
+    ll = LeastLoad()
+    a, b = _replica("a", inflight=2), _replica("b", inflight=1)
+    assert ll.choose([a, b], "") is b
+    a.inflight = b.inflight = 0
+    picks = []
+    for _ in range(4):
+        r = ll.choose([a, b], "")
+        ll.placed(r, "")
+        picks.append(r.name)
+    assert picks == ["a", "b", "a", "b"]
+
+
+def test_canary_split_is_exact_and_sticky_per_user():
+    route = ModelRoute("m", {"v1": 90.0, "v2": 10.0}, "v1")
+    picks = Counter(route.pick(None) for _ in range(400))
+    assert picks == {"v1": 360, "v2": 40}
+    users = Counter(route.pick(f"user-{i}") for i in range(400))
+    assert abs(users["v2"] / 400 - 0.10) <= 0.04
+    assert all(route.pick("alice") == route.pick("alice") for _ in range(20))
+
+
+def test_rollout_set_validates_and_the_guard_rolls_back_a_failing_canary():
+    rolled = []
+    ro = Rollout(GuardConfig(max_error_rate=0.001, min_samples=10), on_rollback=lambda *a: rolled.append(a))
+    ro.declare(ModelRoute("m", {"v1": 90.0, "v2": 10.0}, "v1", declared=True))
+    with pytest.raises(ConfigError, match="no version"):
+        ro.set_weights("m", {"v3": 1})
+    with pytest.raises(ConfigError, match="positive"):
+        ro.set_weights("m", {"v1": 0, "v2": 0})
+    ro.set_weights("m", {"v1": 50, "v2": 50})
+    assert ro.models["m"].weights == {"v1": 50.0, "v2": 50.0}
+    for i in range(9):
+        ro.record("m", "v2", ok=i != 3, ttft=0.01, e2e=0.1)
+    assert ro.models["m"].weights["v2"] == 50.0          # below the minimum sample: no verdict yet
+    ro.record("m", "v2", ok=True, ttft=0.01, e2e=0.1)
+    assert ro.models["m"].weights["v2"] == 0.0 and rolled and rolled[0][:2] == ("m", "v2")
+    assert "error rate" in ro.status()["m"]["versions"]["v2"]["rolled_back"]
+    assert Counter(ro.models["m"].pick(None) for _ in range(20)) == {"v1": 20}
+
+
+def test_the_guard_rolls_back_a_slow_canary_against_the_baseline():
+    ro = Rollout(GuardConfig(max_error_rate=0.5, max_p95_ratio=1.5, min_samples=20))
+    ro.declare(ModelRoute("m", {"v1": 90.0, "v2": 10.0}, "v1", declared=True))
+    for _ in range(20):
+        ro.record("m", "v1", True, 0.01, 0.10)
+    for _ in range(19):
+        ro.record("m", "v2", True, 0.01, 0.12)
+    assert ro.models["m"].weights["v2"] == 10.0
+    ro.record("m", "v2", True, 0.01, 0.40)
+    for _ in range(5):
+        ro.record("m", "v2", True, 0.01, 0.40)
+    assert ro.models["m"].weights["v2"] == 0.0 and "p95" in ro.models["m"].rolled_back["v2"]
+
+
+def test_health_thresholds_down_after_n_failures_up_after_m_successes():
+    from polychip.router.config import HealthConfig
+    from polychip.router.health import HealthChecker
+    from polychip.router.replica import ReplicaInfo
+    hc = HealthChecker(HealthConfig(failure_threshold=3, success_threshold=2), None, list, {}, lambda r: None)
+    info = ReplicaInfo.parse({"model": "m", "device_type": "cpu"})
+    r = Replica("a", "http://a")
+    hc.succeeded(r, info)
+    assert r.up                                   # never up before: the first success is enough
+    hc.failed(r, "HTTP 500", at_once=False)
+    hc.failed(r, "HTTP 500", at_once=False)
+    assert r.up                                   # 2 of 3
+    hc.failed(r, "HTTP 500", at_once=False)
+    assert not r.up and r.down_reason == "HTTP 500"
+    hc.succeeded(r, info)
+    assert not r.up                               # 1 of 2
+    hc.failed(r, "timeout", at_once=False)
+    hc.succeeded(r, info)
+    assert not r.up                               # the run of successes starts again
+    hc.succeeded(r, info)
+    assert r.up
+    hc.failed(r, "connection refused", at_once=True)
+    assert not r.up                               # a refused connection: down at once
+    # a replica that reports another model than the deployment declares is kept down
+    d = Replica("b", "http://b", model="other")
+    hc.succeeded(d, info)
+    assert not d.up and "declares 'other'" in d.down_reason
+
+
+def test_learnt_models_take_the_heaviest_version_as_baseline():
+    ro = Rollout(GuardConfig())
+    ro.learn("m", "v2")
+    ro.learn("m", "v1")
+    assert ro.models["m"].baseline == "v1"                 # equal weights: the first by name
+    ro.set_weights("m", {"v1": 10, "v2": 90})
+    assert ro.models["m"].baseline == "v2"
