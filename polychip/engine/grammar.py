@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import re
 import threading
 from dataclasses import dataclass, field
@@ -71,6 +72,13 @@ class GrammarSpec:
         return cls("choice", json.dumps(list(choices)), param)
 
 
+def fill_threads() -> int:
+    """Threads for the per-step mask fill: one per four cores, at most 8. On a small machine the
+    model's own threads hold the cores, and a second fill thread cost more than it saved (2.1 ms
+    against 0.3 ms for 16 rows on 2 shared cores)."""
+    return max(1, min(8, (os.cpu_count() or 1) // 4))
+
+
 def _clean(err: Exception) -> str:
     return _XGR_PREFIX.sub("", str(err)).strip().splitlines()[0] if str(err).strip() else type(err).__name__
 
@@ -98,7 +106,7 @@ class GrammarBackend:
                                                                stop_token_ids=self.stop_token_ids)
                 self._compiler = xgrammar.GrammarCompiler(info, max_threads=self.compile_threads,
                                                           cache_limit_bytes=COMPILE_CACHE_BYTES)
-                self._batch = xgrammar.BatchGrammarMatcher(max_threads=self.compile_threads)
+                self._batch = xgrammar.BatchGrammarMatcher(max_threads=fill_threads())
                 self._xgr = xgrammar
                 log.info("xgrammar ready (vocab %d, %s)", info.vocab_size, info.vocab_type.name)
         return self._compiler
