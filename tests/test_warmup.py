@@ -20,7 +20,7 @@ def test_warm_up_runs_every_shape_and_leaves_no_trace(model_factory, test_device
     e = llm.engine
     e.flush_prefix_cache()
     timings = warm_up(e)
-    assert list(timings) == ["prefill-64", "decode-1", "decode-2", "decode-4"]
+    assert list(timings) == ["prefill-64", "decode-1", "decode-2", "decode-4", "chat-template"]
     assert all(t > 0 for t in timings.values())
     st = e.stats()
     assert not e.has_unfinished() and st.requests_added == st.steps == st.generation_tokens == 0

@@ -5,6 +5,7 @@ ready, so the first real request does not pay for what a plugin does lazily on i
 The shapes: one prefill chunk of the full step budget, then decode batches of 1, 2, 4, ... up to
 ``max_running_requests`` (capped at ``MAX_WARMUP_BATCH``). Greedy, so the sampler's random state
 is untouched; afterwards the prefix cache is emptied and the counters reset, so metrics start at zero.
+The chat template is compiled too (jinja2 compiles it on first use).
 """
 from __future__ import annotations
 
@@ -40,6 +41,10 @@ def warm_up(engine) -> dict[str, float]:
         t0 = time.perf_counter()
         _run(engine, [[i + 1] * PROMPT_TOKENS for i in range(b)], f"decode{b}")   # no shared prefixes
         timings[f"decode-{b}"] = time.perf_counter() - t0
+    if engine.tokenizer.chat_template:
+        t0 = time.perf_counter()
+        engine.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+        timings["chat-template"] = time.perf_counter() - t0
     engine.flush_prefix_cache()
     engine.check_integrity()
     engine.counters.clear()
