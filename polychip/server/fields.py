@@ -65,7 +65,8 @@ FIELDS: tuple[Field, ...] = (
     Field("logit_bias", BOTH, HONOURED, "token id (a string) -> [-100, 100] added to its logit; ids outside "
                                         "the vocabulary are a 400"),
     Field("user", BOTH, HONOURED, "written to the server log with the request id"),
-    Field("max_tokens", BOTH, HONOURED, "chat: null means the rest of the context; completions: default 16"),
+    Field("max_tokens", BOTH, HONOURED, "chat: null means --max-tokens-default, else the rest of the context; completions: "
+                                        "default 16"),
     # OpenAI, chat
     Field("messages", CHAT, HONOURED, "roles system, developer, user, assistant (with tool_calls), tool; "
                                       "text content parts; other part types are a 400"),
