@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import signal
 import socket
 import statistics
@@ -147,12 +148,14 @@ def main() -> int:
     p.add_argument("--num-prompts", type=int, default=None, help="per measurement (default: max(16, 2 x concurrency))")
     p.add_argument("--two-replicas", action="store_true")
     p.add_argument("--echo", action="store_true", help="an echo replica instead of polychip serve")
+    p.add_argument("--serve-args", default="", help="more polychip serve flags for the replicas, e.g. '--num-threads 1'")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     tok = datasets.load_tokenizer(args.model_path)
     serve_args = ["--max-running-requests", str(max(args.concurrency))]
     if args.model_path:
         serve_args += ["--model-path", args.model_path]
+    serve_args += shlex.split(args.serve_args)
     replica_cm = _Echo if args.echo else (lambda: ServerProcess(serve_args))
     out = {"config": vars(args), "rounds": []}
     with replica_cm() as replica:

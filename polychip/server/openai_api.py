@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import os
 
@@ -68,8 +67,7 @@ async def pool_info(ae: AsyncEngine) -> dict:
     return {"kv_pool": {"num_pages": s.pages_total, "free_pages": s.pages_free, "cached_pages": s.pages_cached,
                         "page_size": s.page_size, "integrity": await ae.call(server_info.integrity)},
             "num_waiting": s.num_waiting, "num_running": s.num_running,
-            "counters": {name: getattr(s, name) for name in COUNTERS},
-            "tp_size": ae.config.tp_size, "devices": [dataclasses.asdict(r) for r in s.ranks]}
+            "counters": {name: getattr(s, name) for name in COUNTERS}}
 
 
 @router.post("/flush_cache")

@@ -8,6 +8,7 @@ launches; a hand-started replica may set it too); unset it reads ``"default"``.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -43,7 +44,7 @@ def identity(state: ServerState, version: str) -> dict[str, Any]:
             "plugin": plugin.name, "plugin_version": plugin.plugin_version,
             "device_type": plugin.name, "device_index": plugin.index, "device": f"{plugin.name}:{plugin.index}",
             "torch_device_type": plugin.torch_device_type, "dtype": str(engine.loaded.dtype).removeprefix("torch."),
-            "device_dtypes": list(supported_dtypes(plugin)), "quantization": None, "tp_size": 1,
+            "device_dtypes": list(supported_dtypes(plugin)), "quantization": None, "tp_size": engine.config.tp_size,
             "max_running_requests": engine.config.max_running_requests,
             "max_waiting_requests": state.config.max_waiting_requests}
 
@@ -55,7 +56,8 @@ def build_server_info(ident: dict[str, Any], s: EngineStats, integrity_check: st
             "kv_pool": {"num_pages": s.pages_total, "free_pages": s.pages_free, "cached_pages": s.pages_cached,
                         "page_size": s.page_size, "integrity": integrity_check},
             "counters": {k: getattr(s, k) for k in COUNTERS},
-            "device_memory": [{"device": d, "free": free, "total": total} for d, free, total in s.device_memory]}
+            "device_memory": [{"device": d, "free": free, "total": total} for d, free, total in s.device_memory],
+            "devices": [dataclasses.asdict(r) for r in s.ranks]}     # every tensor-parallel rank
 
 
 @router.get("/server_info")
