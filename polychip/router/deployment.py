@@ -10,9 +10,9 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from polychip.devices.spec import read_yaml_file
 from polychip.errors import ConfigError
 from polychip.router.config import (DEFAULT_PRIORITY_WEIGHTS, POLICY_NAMES, PRIORITY_CLASSES, GuardConfig,
                                     HealthConfig, RouterConfig)
@@ -229,19 +229,5 @@ def from_dict(data: Any, source: str = "<inline>") -> Deployment:
 
 
 def load_deployment(path: str) -> Deployment:
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except FileNotFoundError:
-        raise DeploymentError(f"{path}: deployment file not found") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise DeploymentError(f"{path}: cannot read ({type(e).__name__}: {e})") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        raise DeploymentError(f"{path}: malformed YAML{where}: {getattr(e, 'problem', None) or e}") from None
-    if data is None:
-        raise DeploymentError(f"{path}: the file is empty; expected replicas, models and router")
+    data = read_yaml_file(path, "deployment", "replicas, models and router", DeploymentError)
     return from_dict(data, path)
