@@ -88,6 +88,10 @@ class EngineConfig(_FromKwargs):
     device_config: str | None = option(None, "device spec YAML file", group="device")
     num_threads: int | None = option(None, "CPU threads for compute (default: the plugin's choice)",
                                      group="device")
+    profile_stages: bool = option(False, "synchronise the device at each engine stage boundary, so that the "
+                                         "per-stage times (metrics, bench) are exact on devices that run "
+                                         "asynchronously (cuda); costs the overlap of host and device work",
+                                  group="device")
     # KV pool
     page_size: int = option(16, "tokens per KV page", group="KV pool and scheduler")
     max_total_tokens: int | None = option(None, "KV pool size in tokens (default: from free memory)",

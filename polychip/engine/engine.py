@@ -72,7 +72,7 @@ class Engine:
         page = config.page_size
         kv_heads = self.loaded.kv_heads          # this rank's share under tensor parallelism
         per_page = KVPool.bytes_per_page(mc.num_layers, page, kv_heads, mc.head_dim, self.loaded.dtype)
-        num_pages = size_pool(config, self.plugin, per_page, page)
+        num_pages = size_pool(config, self.plugin, per_page, page, self.max_model_len)
         if tp is not None:   # the smallest rank's pool sets the page count for all
             num_pages = tp.agree_on_pool(num_pages, mc, per_page)
         self.pool = KVPool(self.plugin, mc.num_layers, num_pages, page, kv_heads, mc.head_dim,
@@ -85,11 +85,18 @@ class Engine:
         self.sampler = Sampler(self.plugin, config.seed, self.eos_ids)
         self._ids = itertools.count()
         self.stage_seconds: dict[str, float] = defaultdict(float)
-        self._timer = StageTimer(self.stage_seconds)
+        self._timer = StageTimer(self.stage_seconds, self._sync_device if config.profile_stages else None)
         self.counters: dict[str, int] = defaultdict(int)
         log.info("KV pool: %d pages x %d tokens (%.1f MiB); step inputs %.1f MiB; activation reserve %.1f MiB",
                  num_pages, page, num_pages * per_page / 2**20, self.runner.buffer_bytes / 2**20,
                  self.activation_reserve / 2**20)
+
+    def _sync_device(self) -> None:
+        self.plugin.synchronize()
+
+    def bind_thread(self) -> None:
+        """Make the engine's device current in the calling thread, before it steps the engine."""
+        self.plugin.bind_thread()
 
     # requests
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
