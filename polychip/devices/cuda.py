@@ -154,8 +154,9 @@ class CudaPlugin(DevicePlugin):
         return "nccl"
 
     def compile(self, fn: Callable) -> Callable:
-        """Reserved: the engine does not call compile() yet (see DevicePlugin.compile)."""
-        return torch.compile(fn, dynamic=True)
+        """CUDA graphs of the decode step, one per batch-size bucket (devices/cuda_graphs.py)."""
+        from polychip.devices.cuda_graphs import DecodeGraphs
+        return DecodeGraphs(fn, self.device_handle())
 
     def default_dtype(self, model_dtype: str) -> str:
         if model_dtype in ("bfloat16", "float16"):
