@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # The prepared CUDA check for a session that is lent the GPU machine; under 8 minutes in all.
+# Its first form ran once (2026-11-30: kit, engine tests in float32, bench peers); this form, with the
+# Triton decode kernel, CUDA graphs and bench/cuda_decode.py, has not run on a GPU yet (loans paused).
 # That machine has its own python3 with torch 2.11 + transformers + triton and no network, so the
 # packages it lacks travel as wheels. Here, first (then carry ["gpu-wheels"]):
 #   .venv/bin/pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

@@ -78,3 +78,77 @@ def test_explicit_sizes_are_not_capped():
     assert size_pool(config, roomy, per_page, 16, max_model_len=250) == 50 * GiB // per_page
     config = EngineConfig(max_running_requests=4, page_size=16, max_total_tokens=16 * 1000)
     assert size_pool(config, roomy, per_page, 16, max_model_len=250) == 1000
+
+
+class FakeGraphRuntime:
+    """torch.cuda's graph API as a log: what runs eagerly, what is captured, what is replayed."""
+
+    def __init__(self, monkeypatch, fail_capture: bool = False):
+        self.log: list[str] = []
+        self.capturing = False
+        rt = self
+
+        class Graph:
+            def replay(self):
+                rt.log.append("replay")
+
+        class Capture:
+            def __init__(self, graph, pool=None):
+                self.pool = pool
+
+            def __enter__(self):
+                rt.capturing = True
+                if fail_capture:
+                    rt.capturing = False
+                    raise RuntimeError("operation not permitted when stream is capturing")
+
+            def __exit__(self, *exc):
+                rt.capturing = False
+
+        class Stream:
+            def __init__(self, device=None):
+                pass
+
+            def wait_stream(self, other):
+                pass
+
+        class Ctx:
+            def __init__(self, stream):
+                pass
+
+            def __enter__(self):
+                rt.log.append("side stream")
+
+            def __exit__(self, *exc):
+                pass
+
+        for name, value in (("CUDAGraph", Graph), ("graph", Capture), ("Stream", Stream), ("stream", Ctx),
+                            ("current_stream", lambda device=None: Stream()),
+                            ("graph_pool_handle", lambda: "pool")):
+            monkeypatch.setattr(cuda.torch.cuda, name, value, raising=False)
+
+
+def test_decode_graphs_warm_up_capture_once_then_replay(monkeypatch):
+    """The first call warms up outside the capture, captures, then replays; later calls only replay
+    and hand back the captured output buffer."""
+    from polychip.devices.cuda_graphs import DecodeGraphs
+    rt = FakeGraphRuntime(monkeypatch)
+    out = object()
+
+    def step():
+        rt.log.append("capture" if rt.capturing else "eager")
+        return out
+    graphs = DecodeGraphs(step, "cuda:0", "the decode step at batch 4")
+    assert graphs() is out and graphs() is out and graphs() is out
+    assert rt.log == ["side stream", "eager", "capture", "replay", "replay", "replay"]
+
+
+def test_a_step_that_cannot_be_captured_runs_eager_and_says_why(monkeypatch, caplog):
+    from polychip.devices.cuda_graphs import DecodeGraphs
+    rt = FakeGraphRuntime(monkeypatch, fail_capture=True)
+    calls = []
+    graphs = DecodeGraphs(lambda: calls.append(1) or len(calls), "cuda:0", "the decode step at batch 2")
+    with caplog.at_level(logging.WARNING, logger="polychip.devices.cuda"):
+        assert graphs() == 2 and graphs() == 3            # warm-up, then eager each call
+    assert "replay" not in rt.log
+    assert "the decode step at batch 2: no CUDA graph, running eager: operation not permitted" in caplog.text

@@ -156,7 +156,7 @@ class CudaPlugin(DevicePlugin):
     def compile(self, fn: Callable) -> Callable:
         """CUDA graphs of the decode step, one per batch-size bucket (devices/cuda_graphs.py)."""
         from polychip.devices.cuda_graphs import DecodeGraphs
-        return DecodeGraphs(fn, self.device_handle())
+        return DecodeGraphs(fn, self.device_handle(), getattr(fn, "label", "decode step"))
 
     def default_dtype(self, model_dtype: str) -> str:
         if model_dtype in ("bfloat16", "float16"):

@@ -22,18 +22,25 @@ def signature(args: tuple) -> tuple:
 
 
 class DecodeGraphs:
-    """``fn`` captured once per input signature and replayed after that."""
+    """``fn`` captured once per input signature and replayed after that. A step that cannot be
+    captured runs eager, and the log says why (it is never silently slow)."""
 
-    def __init__(self, fn: Callable, device: torch.device):
-        self.fn, self.device = fn, device
-        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, Any]] = {}
+    def __init__(self, fn: Callable, device: torch.device, label: str = "decode step"):
+        self.fn, self.device, self.label = fn, device, label
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, Any] | None] = {}
         self.pool = None
 
     def __call__(self, *args):
         key = signature(args)
-        entry = self.graphs.get(key)
+        if key not in self.graphs:
+            try:
+                self.graphs[key] = self._capture(args)
+            except RuntimeError as e:          # torch leaves capture mode before it raises
+                log.warning("%s: no CUDA graph, running eager: %s", self.label, e)
+                self.graphs[key] = None
+        entry = self.graphs[key]
         if entry is None:
-            entry = self.graphs[key] = self._capture(args)
+            return self.fn(*args)
         graph, out = entry
         graph.replay()
         return out
@@ -50,5 +57,5 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             out = self.fn(*args)
-        log.info("captured a CUDA graph of the decode step (%d so far)", len(self.graphs) + 1)
+        log.info("%s: captured a CUDA graph", self.label)
         return graph, out
