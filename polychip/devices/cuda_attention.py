@@ -41,10 +41,11 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, pages_ptr, lens_ptr, part_o_ptr, part_ml_
     length = tl.load(lens_ptr + b)
     n_pages = tl.minimum((length + PAGE - 1) // PAGE, table_width)
     first = split * pages_per_split
+    n_here = tl.minimum(pages_per_split, n_pages - first)     # <= 0 for a split past the length
     m = tl.full((BLOCK_G,), float("-inf"), tl.float32)
     l = tl.zeros((BLOCK_G,), tl.float32)
     acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
-    for i in range(0, pages_per_split):
+    for i in range(0, n_here):
         p = first + i
         in_table = p < n_pages
         page = tl.load(pages_ptr + b * stride_tb + p, mask=in_table, other=0)
