@@ -21,6 +21,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 QUANTIZATIONS = ("int8",)      # weight-only, per output channel (polychip/quant)
 
 
+DECODE_GROUP = "compiled decode (SGLang's flags)"
 TP_GROUP = "tensor parallelism (SGLang's flags; --tp-size counts ranks on all nodes)"
 
 
@@ -92,6 +93,10 @@ class EngineConfig(_FromKwargs):
     device_config: str | None = option(None, "device spec YAML file", group="device")
     num_threads: int | None = option(None, "CPU threads for compute (default: the plugin's choice)",
                                      group="device")
+    profile_stages: bool = option(False, "synchronise the device at each engine stage boundary, so that the "
+                                         "per-stage times (metrics, bench) are exact on devices that run "
+                                         "asynchronously (cuda); costs the overlap of host and device work",
+                                  group="device")
     # KV pool
     page_size: int = option(16, "tokens per KV page", group="KV pool and scheduler")
     max_total_tokens: int | None = option(None, "KV pool size in tokens (default: from free memory)",
@@ -107,6 +112,13 @@ class EngineConfig(_FromKwargs):
     enable_fusion: bool = option(True, "no fused qkv / gate-up / add+norm ops", group="KV pool and scheduler",
                                  flag="--disable-fusion")
     seed: int = option(0, "seed of the sampler's default generator", group="KV pool and scheduler")
+    # the static decode path (SGLang's flags): on cpu the compiled decode step, on cuda CUDA graphs
+    cuda_graph_max_bs: int = option(32, "largest decode batch run through the plugin's compile() on fixed "
+                                        "per-batch-size buffers (on cpu: the compiled decode step; on cuda: "
+                                        "CUDA graphs); larger batches and steps with prefill run eager",
+                                    group=DECODE_GROUP)
+    disable_cuda_graph: bool = option(False, "run every decode step eager (on cpu: no compiled decode step; on "
+                                             "cuda: no CUDA graphs)", group=DECODE_GROUP)
     # tensor parallelism (SGLang's flags): tp_size counts ranks across all nodes
     tp_size: int = option(1, "ranks, one per device, that each hold 1/N of every layer", group=TP_GROUP)
     nnodes: int = option(1, "hosts; run the same command on each, with its --node-rank", group=TP_GROUP)
@@ -127,6 +139,10 @@ class EngineConfig(_FromKwargs):
             _check_choice("quantization", self.quantization, QUANTIZATIONS)
         _check_min(self, ("page_size", "chunked_prefill_size", "max_running_requests", "max_model_len",
                           "num_threads"), 1)
+        if isinstance(self.cuda_graph_max_bs, bool) or not isinstance(self.cuda_graph_max_bs, int) \
+                or self.cuda_graph_max_bs < 1:
+            raise ConfigError(f"cuda_graph_max_bs must be an integer >= 1 (the largest compiled decode batch; "
+                              f"--disable-cuda-graph turns the path off), got {self.cuda_graph_max_bs!r}")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
             raise ConfigError(f"max_total_tokens ({self.max_total_tokens}) must hold at least one page "
                               f"of {self.page_size} tokens")

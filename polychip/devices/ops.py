@@ -138,6 +138,8 @@ class AttentionMetadata:
     decode_pages: torch.Tensor | None = None      # [B, W] int64 page ids, padded with page 0
     decode_lens: torch.Tensor | None = None       # [B] int64 kv length per decode sequence (incl. this token)
     decode_mask: torch.Tensor | None = None       # [B, 1, 1, W*S] bool, True where a slot is inside the length
+    # On the static decode path (DevicePlugin.compile) W is the full width (the context length in
+    # pages) and decode_mask is None: a kernel reads each row's pages up to its decode_lens.
     prefills: list[PrefillSegment] = field(default_factory=list)
     # what prefill_tables() returns; the model runner fills it, else it is built on first use
     prefill_table: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)

@@ -172,6 +172,11 @@ class DevicePlugin(abc.ABC):
     def destroy(self) -> None:
         """Release everything ``init`` acquired (the engine calls it at shutdown)."""
 
+    def bind_thread(self) -> None:
+        """(1.1) Called on a thread other than ``init``'s before it launches device work: the
+        serving engine steps in its own thread. Make this plugin's device the thread's current one
+        where the runtime keeps that per thread (CUDA's ``set_device``). Default: nothing."""
+
     def device_handle(self, index: int | None = None) -> torch.device:
         """The ``torch.device`` tensors of device ``index`` (default: the initialised one) live on."""
         return torch.device(self.torch_device_type, self.index if index is None else index)
@@ -266,9 +271,42 @@ class DevicePlugin(abc.ABC):
         torch does not know fails tensor parallelism with an error naming plugin and backend."""
         return "gloo"
 
-    def compile(self, fn: Callable) -> Callable:
-        """Reserved, not yet called by the engine (the model runner runs eager; issue 17 wires
-        it in). It will wrap the decode step function (graph capture, torch.compile). Default: as is."""
+    def compile(self, fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        """(1.1) Wrap one static decode step: CUDA graphs on cuda, a recorded step replayed in C++
+        on the cpu plugin. Default: ``fn`` as is; a plugin that keeps this default runs every step
+        eager (the engine then skips the static path and its padding).
+
+        When. Once per batch-size bucket b (1, 2, 4, ... up to ``--cuda-graph-max-bs``, capped at
+        ``--max-running-requests``), at start-up after the KV pool exists, in the engine thread.
+        The engine then calls the result once on padding rows only, so that whatever the plugin does
+        on a first call (capture, record, compile) happens at start-up; afterwards once per
+        pure-decode step of at most b sequences (padded to b). Steps with prefill chunks, larger
+        batches, ``--disable-cuda-graph``, and models whose ``attention`` op resolves to the native
+        op (which gathers the whole page table) run eager and never reach here.
+
+        With what. ``fn`` takes no arguments and returns float32 logits ``[b, vocab]``. It runs the
+        model's forward on the bucket's static inputs, described by ``fn.inputs`` (a dict, int64):
+        ``input_ids [b]``, ``positions [b]``, ``slot_mapping [b]``, ``decode_lens [b]`` and
+        ``decode_pages [b, max_pages]`` (the page table at full width: one row per sequence, entries
+        past a row's length are 0 and unread). ``fn.batch_size`` is b, ``fn.label`` a name for logs.
+        In the step's ``AttentionMetadata`` every row is a decode, ``decode_mask`` is None and
+        ``prefills`` is empty.
+
+        Static. Those input tensors, the weights, the rope tables and the KV caches are the same
+        tensor objects (same storage, shape and strides) on every call of a bucket; only the values
+        of the inputs change, written by a copy the engine orders before the call (on its copy
+        stream, then ``wait_event``). ``fn`` issues the same device ops on every call, reads no value
+        back to the host and draws no random numbers, so a graph captured on one call replays any
+        later one. Its one side effect, writing this step's K and V at ``slot_mapping``, is
+        idempotent: the wrapper may run ``fn`` more than once in a call (warm-up, capture, a check).
+
+        Padding. Rows past the real batch have token 0, position 0, length 1 and write their K/V
+        into the KV pool's scratch page, which no sequence owns; the engine drops their logits.
+
+        The result. A callable taking no arguments that returns what ``fn()`` would for the current
+        values. It may return the same output tensor on every call (a graph's output buffer): the
+        engine is done with it (the sampler may even modify it in place) before it calls the same
+        bucket again."""
         return fn
 
     def versions(self) -> dict[str, str]:

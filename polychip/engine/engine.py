@@ -23,6 +23,7 @@ from polychip.engine.request import CompletionOutput, Request, RequestOutput
 from polychip.engine.sampler import Sampler
 from polychip.engine.sampling_params import SamplingParams
 from polychip.engine.scheduler import Scheduler
+from polychip.engine.static_decode import static_decode_limit
 from polychip.engine.stats import STAGES, EngineStats, RankDevice, StageTimer
 from polychip.engine.stop import streamable_len
 from polychip.engine.tp import TensorParallel, TPModelRunner
@@ -66,19 +67,24 @@ class Engine:
         # device memory in the order of engine/memory_plan.py: weights (placed by load_model),
         # step-input buffers, the activation reserve, then the KV pool sized against what is left
         limits = StepLimits.of(config, self.max_model_len)
-        self.runner = (TPModelRunner(self.loaded.model, self.plugin, limits, tp) if tp is not None
-                       else ModelRunner(self.loaded.model, self.plugin, limits))
+        static_bs, why = static_decode_limit(config, self.plugin, self.loaded.resolutions)
+        if not static_bs:
+            log.info("every decode step runs eager: %s", why)
+        self.runner = (TPModelRunner(self.loaded.model, self.plugin, limits, tp, static_bs) if tp is not None
+                       else ModelRunner(self.loaded.model, self.plugin, limits, static_bs))
         self.activation_reserve = self.plugin.reserve_for_activations(
             activation_bytes(mc, limits.max_tokens, limits.max_seqs, self.loaded.dtype))
         page = config.page_size
         kv_heads = self.loaded.kv_heads          # this rank's share under tensor parallelism
         per_page = KVPool.bytes_per_page(mc.num_layers, page, kv_heads, mc.head_dim, self.loaded.dtype)
-        num_pages = size_pool(config, self.plugin, per_page, page)
+        num_pages = size_pool(config, self.plugin, per_page, page, self.max_model_len,
+                              extra_pages=int(static_bs > 0))
         if tp is not None:   # the smallest rank's pool sets the page count for all
             num_pages = tp.agree_on_pool(num_pages, mc, per_page)
         self.pool = KVPool(self.plugin, mc.num_layers, num_pages, page, kv_heads, mc.head_dim,
-                           self.loaded.dtype)
+                           self.loaded.dtype, scratch=static_bs > 0)
         self.runner.kv_caches = self.pool.caches
+        self.runner.compile_decode(self.pool.scratch_page)
         self.pages = PageManager(self.pool.allocator, page, prefix_cache=not config.disable_radix_cache)
         self.eos_ids = self.tokenizer.eos_token_ids
         self.scheduler = Scheduler(self.pages, config.chunked_prefill_size, config.max_running_requests,
@@ -87,11 +93,18 @@ class Engine:
         self.sampler = Sampler(self.plugin, config.seed, self.eos_ids, self.grammar)
         self._ids = itertools.count()
         self.stage_seconds: dict[str, float] = defaultdict(float)
-        self._timer = StageTimer(self.stage_seconds)
+        self._timer = StageTimer(self.stage_seconds, self._sync_device if config.profile_stages else None)
         self.counters: dict[str, int] = defaultdict(int)
         log.info("KV pool: %d pages x %d tokens (%.1f MiB); step inputs %.1f MiB; activation reserve %.1f MiB",
                  num_pages, page, num_pages * per_page / 2**20, self.runner.buffer_bytes / 2**20,
                  self.activation_reserve / 2**20)
+
+    def _sync_device(self) -> None:
+        self.plugin.synchronize()
+
+    def bind_thread(self) -> None:
+        """Make the engine's device current in the calling thread, before it steps the engine."""
+        self.plugin.bind_thread()
 
     # requests
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,

@@ -55,12 +55,16 @@ class PageAllocator:
 
 
 class KVPool:
-    """Per-layer K and V caches of shape [num_pages, page_size, kv_heads, head_dim]."""
+    """Per-layer K and V caches of shape [num_pages (+ 1 scratch page), page_size, kv_heads, head_dim].
+
+    With ``scratch``, one page more than the allocator hands out: the static decode path's padding
+    rows write their K/V there (``scratch_page``), where no sequence reads."""
 
     def __init__(self, plugin, num_layers: int, num_pages: int, page_size: int, kv_heads: int,
-                 head_dim: int, dtype: torch.dtype):
+                 head_dim: int, dtype: torch.dtype, scratch: bool = False):
         self.plugin, self.page_size, self.num_pages = plugin, page_size, num_pages
-        shape = (num_layers, 2, num_pages, page_size, kv_heads, head_dim)
+        self.scratch_page = num_pages if scratch else None
+        shape = (num_layers, 2, num_pages + int(scratch), page_size, kv_heads, head_dim)
         self.storage = memory.alloc(plugin, f"the KV pool ({num_pages} pages of {page_size} tokens, "
                                             f"{num_layers} layers)", shape, dtype)
         self.storage.zero_()   # masked slots must hold finite values: NaN * 0 is NaN in attention

@@ -6,6 +6,10 @@ to the device as two non-blocking copies on the plugin's copy stream. The forwar
 copy event (``plugin.wait_event``: on the device where streams are real, on the host otherwise);
 the sampler waits for the compute before it reads tokens. On the CPU plugin streams and events
 are trivial, so the same code path costs nothing.
+
+Pure-decode steps of at most ``static.max_bs`` sequences take the static path instead
+(engine/static_decode.py): padded to a batch-size bucket whose inputs are fixed tensors, and run
+through the plugin's compiled step for that bucket.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import torch
 from polychip.devices import memory
 from polychip.devices.ops import AttentionMetadata, PrefillSegment
 from polychip.engine.request import Request
+from polychip.engine.static_decode import DecodeBucket, StaticDecode
 from polychip.errors import IntegrityError
 from polychip.models.decoder import ForwardContext
 
@@ -103,24 +108,33 @@ class Batch:
     meta: AttentionMetadata
     sample_rows: torch.Tensor        # rows whose hidden state is sampled
     sample_reqs: list[Request]
-    inputs: StepInputs               # the buffers these tensors view
+    inputs: StepInputs | DecodeBucket   # the buffers these tensors view
     host: HostBatch | None = None
 
 
 class ModelRunner:
-    def __init__(self, model, plugin, limits: StepLimits):
-        """Allocates the step-input buffers; ``kv_caches`` is set once the KV pool exists (the pool is
-        sized after the buffers, see engine/memory_plan.py)."""
+    def __init__(self, model, plugin, limits: StepLimits, static_max_bs: int = 0):
+        """Allocates the step-input buffers (and, with ``static_max_bs`` > 0, the static decode path's);
+        ``kv_caches`` is set once the KV pool exists (the pool is sized after the buffers, see
+        engine/memory_plan.py), then ``compile_decode`` compiles the static path."""
         self.model, self.plugin, self.limits = model, plugin, limits
         self.page = limits.page_size
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []   # the engine sets them once the pool exists
         self.buffers = [StepInputs(plugin, limits) for _ in range(2)]
+        self.static = StaticDecode(plugin, static_max_bs, limits.max_pages, limits.page_size) \
+            if static_max_bs > 0 else None
         self.copy_stream = plugin.stream()
         self._turn = 0
 
     @property
     def buffer_bytes(self) -> int:
-        return sum(b.nbytes for b in self.buffers)
+        return sum(b.nbytes for b in self.buffers) + (self.static.nbytes if self.static else 0)
+
+    def compile_decode(self, scratch_page: int) -> None:
+        """Compile the static decode path's buckets (start-up; ``scratch_page``: the KV pool's page
+        that padding rows write)."""
+        if self.static is not None:
+            self.static.compile_all(self.model, self.kv_caches, scratch_page)
 
     def _next_buffers(self) -> StepInputs:
         buf = self.buffers[self._turn]
@@ -165,7 +179,10 @@ class ModelRunner:
 
     def to_device(self, host: HostBatch) -> Batch:
         """The step's tensors on this process's device (every rank runs this on the same HostBatch):
-        packed into the next set of step-input buffers and copied on the copy stream."""
+        packed into the next set of step-input buffers, or a static bucket's, and copied on the copy stream."""
+        bucket = self.static.bucket_for(host) if self.static is not None else None
+        if bucket is not None:
+            return self._to_bucket(host, bucket)
         buf = self._next_buffers()
         ints, masks = _Packer(buf.host_ints.numpy()), _Packer(buf.host_masks.numpy())
         i_ids, i_pos, i_slots, i_rows = (ints.add(a) for a in (host.input_ids, host.positions, host.slot_mapping,
@@ -195,6 +212,17 @@ class ModelRunner:
             meta.prefill_table = (iv[i_pre_rows], table)
         return Batch(iv[i_ids], iv[i_pos], meta, iv[i_rows], [], buf, host)
 
+    def _to_bucket(self, host: HostBatch, bucket: DecodeBucket) -> Batch:
+        if bucket.in_use:   # the bucket's last step must have read its inputs before they are rewritten
+            bucket.copied.synchronize()
+            bucket.consumed.synchronize()
+        sampled = bucket.pack(host, self.static.scratch_slot, self.page)
+        with self.copy_stream:
+            self.plugin.copy(bucket.ints, bucket.host_ints, non_blocking=True)
+            bucket.copied.record(self.copy_stream)
+        bucket.in_use = True
+        return Batch(bucket.input_ids, bucket.positions, bucket.meta, bucket.sample_rows[:sampled], [], bucket, host)
+
     def _run(self, input_ids, positions, meta, rows):
         hidden = self.model(input_ids, positions, ForwardContext(meta, self.kv_caches))
         return self.model.compute_logits(hidden[rows])
@@ -203,7 +231,10 @@ class ModelRunner:
     def execute(self, batch: Batch) -> torch.Tensor:
         """Logits [len(sample_reqs), vocab] in float32, once this step's input copies are done."""
         self.plugin.wait_event(batch.inputs.copied)
-        logits = self._run(batch.input_ids, batch.positions, batch.meta, batch.sample_rows)
+        if isinstance(batch.inputs, DecodeBucket):
+            logits = batch.inputs.compiled()[batch.sample_rows]   # the bucket's rows, padding dropped
+        else:
+            logits = self._run(batch.input_ids, batch.positions, batch.meta, batch.sample_rows)
         batch.inputs.consumed.record()
         return logits
 

@@ -284,8 +284,8 @@ class TensorParallel:
 class TPModelRunner(ModelRunner):
     """Rank 0's runner: broadcast the step, then run this rank's shard of the forward."""
 
-    def __init__(self, model, plugin, limits: StepLimits, tp: TensorParallel):
-        super().__init__(model, plugin, limits)
+    def __init__(self, model, plugin, limits: StepLimits, tp: TensorParallel, static_max_bs: int = 0):
+        super().__init__(model, plugin, limits, static_max_bs)
         self.tp = tp
 
     def execute(self, batch: Batch):

@@ -21,6 +21,7 @@ from polychip.distributed.world import World
 from polychip.engine.kv_pool import KVPool
 from polychip.engine.memory_plan import activation_bytes, size_pool
 from polychip.engine.model_runner import ModelRunner, StepLimits
+from polychip.engine.static_decode import static_decode_limit
 from polychip.engine.tp import agree_on_pool, device_status, model_signature
 from polychip.errors import PolychipError
 from polychip.models.loader import load_model
@@ -51,15 +52,20 @@ def serve_rank(config: EngineConfig, rank: int, device: str, host: str, port: in
                             config.max_model_len, comm=comm)
         mc = loaded.config
         # the same memory plan as rank 0 (engine/memory_plan.py): buffers, reserve, then the pool
-        limits = StepLimits.of(config, config.max_model_len or mc.max_position_embeddings)
-        runner = ModelRunner(loaded.model, plugin, limits)
+        max_model_len = config.max_model_len or mc.max_position_embeddings
+        limits = StepLimits.of(config, max_model_len)
+        static_bs, _ = static_decode_limit(config, plugin, loaded.resolutions)   # as rank 0 decides it
+        runner = ModelRunner(loaded.model, plugin, limits, static_bs)
         plugin.reserve_for_activations(activation_bytes(mc, limits.max_tokens, limits.max_seqs, loaded.dtype))
         per_page = KVPool.bytes_per_page(mc.num_layers, config.page_size, loaded.kv_heads, mc.head_dim,
                                          loaded.dtype)
-        pages, _ = agree_on_pool(comm, size_pool(config, plugin, per_page, config.page_size),
+        pages, _ = agree_on_pool(comm, size_pool(config, plugin, per_page, config.page_size, max_model_len,
+                                                 int(static_bs > 0)),
                                  model_signature(mc), device_status(plugin, rank, node))
-        pool = KVPool(plugin, mc.num_layers, pages, config.page_size, loaded.kv_heads, mc.head_dim, loaded.dtype)
+        pool = KVPool(plugin, mc.num_layers, pages, config.page_size, loaded.kv_heads, mc.head_dim, loaded.dtype,
+                      scratch=static_bs > 0)
         runner.kv_caches = pool.caches
+        runner.compile_decode(pool.scratch_page)
         kv_bytes[0] = pages * per_page
         log.info("rank %d ready on %s:%d: %d KV pages of %d KV head(s)", rank, plugin.name, plugin.index,
                  pages, loaded.kv_heads)

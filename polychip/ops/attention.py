@@ -31,10 +31,14 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                      scale: float) -> torch.Tensor:
-    """The decode rows: q [B, H, D] -> [B, H, D], one SDPA over the gathered pages with a length mask."""
+    """The decode rows: q [B, H, D] -> [B, H, D], one SDPA over the gathered pages with a length mask
+    (built from decode_lens where the metadata has none: the static decode path's)."""
     kd = _gather(k_cache, meta.decode_pages).transpose(1, 2)   # [B, Hkv, L, D]
     vd = _gather(v_cache, meta.decode_pages).transpose(1, 2)
-    o = F.scaled_dot_product_attention(q.unsqueeze(2), kd, vd, attn_mask=meta.decode_mask, scale=scale,
+    mask = meta.decode_mask
+    if mask is None:
+        mask = (torch.arange(kd.shape[2], device=q.device) < meta.decode_lens[:, None])[:, None, None, :]
+    o = F.scaled_dot_product_attention(q.unsqueeze(2), kd, vd, attn_mask=mask, scale=scale,
                                        enable_gqa=q.shape[1] != k_cache.shape[2])
     return o.squeeze(2)
 
