@@ -35,6 +35,45 @@ def test_each_stage_is_timed_once_per_step(llm, monkeypatch):
     assert dict(eng.stage_seconds) == {s: float(steps) for s in STAGES}
 
 
+@pytest.mark.parametrize("profile", [False, True])
+def test_stages_end_with_a_device_sync_only_when_profiling(model_factory, test_device, monkeypatch, profile):
+    """With --profile-stages each stage's clock is read after the device finished its work (one
+    synchronize per stage, before the clock); without it the engine never waits on the device."""
+    llm = LLM(model_factory("llama", True), device=test_device, max_total_tokens=512, max_model_len=128,
+              page_size=8, profile_stages=profile)
+    eng, events = llm.engine, []
+    monkeypatch.setattr(stats_module, "perf_counter", lambda: events.append("clock") or float(len(events)))
+    monkeypatch.setattr(eng.plugin, "synchronize", lambda: events.append("sync"))
+    eng.add_request([1, 2, 3, 4, 5], GREEDY)
+    while eng.has_unfinished():
+        eng.step()
+    per_stage = ["clock", "sync", "clock"] if profile else ["clock", "clock"]
+    assert events == per_stage * len(STAGES) * GREEDY.max_tokens
+
+
+def test_engine_thread_binds_the_device(model_factory, test_device):
+    """The serving engine steps in its own thread; the plugin binds its device there first."""
+    import asyncio
+    import threading
+
+    from polychip.engine.async_engine import AsyncEngine
+
+    llm = LLM(model_factory("llama", True), device=test_device, max_total_tokens=512, max_model_len=128,
+              page_size=8)
+    bound = []
+    llm.engine.plugin.bind_thread = lambda: bound.append(threading.current_thread().name)
+
+    async def serve_one():
+        engine = AsyncEngine(llm.engine)
+        engine.start()
+        try:
+            await engine.call(lambda e: None)
+        finally:
+            engine.shutdown()
+    asyncio.run(serve_one())
+    assert bound == ["polychip-engine"]
+
+
 def test_stats_snapshot_and_flush(llm):
     eng = llm.engine
     eng.flush_prefix_cache()

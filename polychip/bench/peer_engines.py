@@ -35,7 +35,8 @@ class PolychipPeer:
         from polychip.engine.llm import LLM
         if engine_args.get("quantization"):
             self.name = f"polychip {engine_args['quantization']}"
-        self.llm = LLM(model_path, dtype="float32", device=device, **engine_args)
+        # the stage profile it reports is exact on asynchronous devices too (a no-op on the cpu)
+        self.llm = LLM(model_path, dtype="float32", device=device, profile_stages=True, **engine_args)
         self._warm()
 
     def _warm(self) -> None:

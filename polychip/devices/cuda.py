@@ -1,6 +1,9 @@
 """The built-in CUDA plugin: the only module in the core that touches ``torch.cuda``."""
 from __future__ import annotations
 
+import functools
+from typing import Callable
+
 import torch
 
 from polychip.devices.plugin import Availability, DeviceInfo, DevicePlugin, Event, Stream, capped_mem_info
@@ -74,6 +77,26 @@ class CudaPlugin(DevicePlugin):
         super().init(spec, index)
         torch.cuda.set_device(index)
 
+    def bind_thread(self) -> None:
+        """The engine steps in its own thread: make this plugin's device current there."""
+        torch.cuda.set_device(self.index)
+
+    def register_ops(self, registry) -> None:
+        """Decode attention as a Triton kernel reading the pages through the page table (no gather,
+        no mask), for every compute dtype; without Triton the native op serves, and says why."""
+        try:
+            from polychip.devices import cuda_attention
+        except ImportError as e:
+            registry.register_unavailable("attention", f"Triton is not importable ({e})")
+            return
+
+        def decode(q, k_cache, v_cache, meta, scale):
+            return cuda_attention.paged_decode_attention(q, k_cache, v_cache, meta.decode_pages,
+                                                        meta.decode_lens, scale)
+        attention = functools.partial(registry.native("attention"), decode_fn=decode)
+        for dtype in ("float32", "bfloat16", "float16"):
+            registry.register("attention", 1, dtype, attention)
+
     def destroy(self) -> None:
         torch.cuda.empty_cache()
 
@@ -85,9 +108,13 @@ class CudaPlugin(DevicePlugin):
         return super().reserve_for_activations(nbytes)
 
     def mem_info(self) -> tuple[int, int]:
-        """The driver's free memory (capped by a spec's memory.total), less the activation reserve."""
+        """The driver's free memory plus what torch's caching allocator holds but no tensor uses
+        (a freed tensor stays there, reusable by this process), capped by a spec's memory.total,
+        less the activation reserve."""
         free, total = torch.cuda.mem_get_info(self.index)
-        free, total = capped_mem_info(free, total, self.spec, torch.cuda.memory_reserved(self.index))
+        allocated = torch.cuda.memory_allocated(self.index)
+        cached = torch.cuda.memory_reserved(self.index) - allocated
+        free, total = capped_mem_info(free + cached, total, self.spec, allocated)
         return max(0, free - self.activation_reserve), total
 
     def alloc_host(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -125,6 +152,11 @@ class CudaPlugin(DevicePlugin):
 
     def communicator_backend(self) -> str:
         return "nccl"
+
+    def compile(self, fn: Callable) -> Callable:
+        """CUDA graphs of the decode step, one per batch-size bucket (devices/cuda_graphs.py)."""
+        from polychip.devices.cuda_graphs import DecodeGraphs
+        return DecodeGraphs(fn, self.device_handle(), getattr(fn, "label", "decode step"))
 
     def default_dtype(self, model_dtype: str) -> str:
         if model_dtype in ("bfloat16", "float16"):

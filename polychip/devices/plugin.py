@@ -172,6 +172,11 @@ class DevicePlugin(abc.ABC):
     def destroy(self) -> None:
         """Release everything ``init`` acquired (the engine calls it at shutdown)."""
 
+    def bind_thread(self) -> None:
+        """(1.1) Called on a thread other than ``init``'s before it launches device work: the
+        serving engine steps in its own thread. Make this plugin's device the thread's current one
+        where the runtime keeps that per thread (CUDA's ``set_device``). Default: nothing."""
+
     def device_handle(self, index: int | None = None) -> torch.device:
         """The ``torch.device`` tensors of device ``index`` (default: the initialised one) live on."""
         return torch.device(self.torch_device_type, self.index if index is None else index)

@@ -247,6 +247,7 @@ class AsyncEngine:
     def _run(self) -> None:
         eng = self.engine
         try:
+            eng.bind_thread()
             while True:
                 with self._cond:
                     while not self._inbox and not eng.has_unfinished() and not self._stopping:

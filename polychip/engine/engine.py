@@ -13,6 +13,7 @@ from collections import defaultdict
 
 from polychip.config import EngineConfig
 from polychip.devices.discovery import open_from_config
+from polychip.engine.grammar import GrammarBackend
 from polychip.engine.kv_pool import KVPool
 from polychip.engine.memory_plan import activation_bytes, size_pool
 from polychip.engine.model_runner import ModelRunner, StepLimits
@@ -76,7 +77,8 @@ class Engine:
         page = config.page_size
         kv_heads = self.loaded.kv_heads          # this rank's share under tensor parallelism
         per_page = KVPool.bytes_per_page(mc.num_layers, page, kv_heads, mc.head_dim, self.loaded.dtype)
-        num_pages = size_pool(config, self.plugin, per_page, page, extra_pages=int(static_bs > 0))
+        num_pages = size_pool(config, self.plugin, per_page, page, self.max_model_len,
+                              extra_pages=int(static_bs > 0))
         if tp is not None:   # the smallest rank's pool sets the page count for all
             num_pages = tp.agree_on_pool(num_pages, mc, per_page)
         self.pool = KVPool(self.plugin, mc.num_layers, num_pages, page, kv_heads, mc.head_dim,
@@ -87,14 +89,22 @@ class Engine:
         self.eos_ids = self.tokenizer.eos_token_ids
         self.scheduler = Scheduler(self.pages, config.chunked_prefill_size, config.max_running_requests,
                                    config.schedule_policy, eos_ids=self.eos_ids, max_model_len=self.max_model_len)
-        self.sampler = Sampler(self.plugin, config.seed, self.eos_ids)
+        self.grammar = GrammarBackend(self.tokenizer, mc.vocab_size, self.eos_ids)
+        self.sampler = Sampler(self.plugin, config.seed, self.eos_ids, self.grammar)
         self._ids = itertools.count()
         self.stage_seconds: dict[str, float] = defaultdict(float)
-        self._timer = StageTimer(self.stage_seconds)
+        self._timer = StageTimer(self.stage_seconds, self._sync_device if config.profile_stages else None)
         self.counters: dict[str, int] = defaultdict(int)
         log.info("KV pool: %d pages x %d tokens (%.1f MiB); step inputs %.1f MiB; activation reserve %.1f MiB",
                  num_pages, page, num_pages * per_page / 2**20, self.runner.buffer_bytes / 2**20,
                  self.activation_reserve / 2**20)
+
+    def _sync_device(self) -> None:
+        self.plugin.synchronize()
+
+    def bind_thread(self) -> None:
+        """Make the engine's device current in the calling thread, before it steps the engine."""
+        self.plugin.bind_thread()
 
     # requests
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -106,9 +116,13 @@ class Engine:
         rid = request_id or f"req-{next(self._ids)}"
         if self.scheduler.find(rid) is not None:
             raise InvalidRequestError(f"request id {rid!r} is already in use")
+        matcher = self.grammar.matcher(params.grammar) if params.grammar is not None else None
         gen = self.plugin.generator(params.seed) if params.seed is not None else None
-        detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
-        self.scheduler.add(Request(rid, ids, params, detok, priority, gen, arrival))
+        detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens,
+                                       params.spaces_between_special_tokens)
+        req = Request(rid, ids, params, detok, priority, gen, arrival)
+        req.matcher = matcher
+        self.scheduler.add(req)
         self.counters["requests_added"] += 1
         return rid
 
@@ -130,6 +144,9 @@ class Engine:
         bad = [t for t in (params.stop_token_ids if params else ()) if not 0 <= t < vocab]
         if bad:
             raise InvalidRequestError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        bad = [t for t in (params.logit_bias or {} if params else ()) if t >= vocab]
+        if bad:
+            raise InvalidRequestError(f"logit_bias has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
 
     def abort(self, request_id: str) -> bool:
         req = self.scheduler.find(request_id)

@@ -35,10 +35,12 @@ def activation_bytes(mc, max_tokens: int, max_seqs: int, dtype: torch.dtype) -> 
     return max_tokens * per_token * dtype.itemsize + 3 * max_seqs * mc.vocab_size * 4
 
 
-def size_pool(config, plugin, bytes_per_page: int, page_size: int, extra_pages: int = 0) -> int:
+def size_pool(config, plugin, bytes_per_page: int, page_size: int, max_model_len: int, extra_pages: int = 0) -> int:
     """Number of pages: from --max-total-tokens, else --mem-fraction-static (or the plugin's
     default) x the free memory left, capped at the largest block the device can allocate, less
-    ``extra_pages`` the pool allocates beside them (the static decode path's scratch page)."""
+    ``extra_pages`` the pool allocates beside them (the static decode path's scratch page). With
+    neither flag the pool is also capped at what --max-running-requests sequences of the full
+    context can use: 0.85 of an H200's free memory is ~118 GB, for a 135M model."""
     if config.max_total_tokens is not None:
         return config.max_total_tokens // page_size
     free, largest = pool_budget(plugin)
@@ -51,4 +53,11 @@ def size_pool(config, plugin, bytes_per_page: int, page_size: int, extra_pages: 
                           "--mem-fraction-static, set --max-total-tokens or free device memory")
     if largest < int(free * frac):
         log.info("KV pool capped at the largest free block (%s of %s free)", fmt_bytes(largest), fmt_bytes(free))
+    usable = config.max_running_requests * -(-max_model_len // page_size)
+    if config.mem_fraction_static is None and pages > usable:
+        log.info("KV pool capped at %d pages (%s): --max-running-requests %d x the %d-token context; "
+                 "%.2f x free memory would give %d pages (set --mem-fraction-static for more prefix cache)",
+                 usable, fmt_bytes(usable * bytes_per_page), config.max_running_requests, max_model_len,
+                 frac, pages)
+        pages = usable
     return pages

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from time import perf_counter
 
@@ -11,10 +12,14 @@ STAGES = ("schedule", "prepare", "forward", "sample", "detokenize")
 
 
 class StageTimer:
-    """``with timer("forward"): ...`` adds the block's wall time to ``seconds["forward"]``."""
+    """``with timer("forward"): ...`` adds the block's wall time to ``seconds["forward"]``.
 
-    def __init__(self, seconds: dict[str, float]):
-        self.seconds = seconds
+    A device that runs asynchronously returns before its work is done, so its time would land in
+    whichever later stage waits for it; with ``sync`` (the plugin's ``synchronize``, when profiling
+    is on) each stage ends once the device has finished the work it launched."""
+
+    def __init__(self, seconds: dict[str, float], sync: Callable[[], None] | None = None):
+        self.seconds, self.sync = seconds, sync
 
     @contextlib.contextmanager
     def __call__(self, stage: str):
@@ -22,6 +27,8 @@ class StageTimer:
         try:
             yield
         finally:
+            if self.sync is not None:
+                self.sync()
             self.seconds[stage] += perf_counter() - start
 
 

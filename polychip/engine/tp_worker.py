@@ -52,13 +52,15 @@ def serve_rank(config: EngineConfig, rank: int, device: str, host: str, port: in
                             config.max_model_len, comm=comm)
         mc = loaded.config
         # the same memory plan as rank 0 (engine/memory_plan.py): buffers, reserve, then the pool
-        limits = StepLimits.of(config, config.max_model_len or mc.max_position_embeddings)
+        max_model_len = config.max_model_len or mc.max_position_embeddings
+        limits = StepLimits.of(config, max_model_len)
         static_bs, _ = static_decode_limit(config, plugin, loaded.resolutions)   # as rank 0 decides it
         runner = ModelRunner(loaded.model, plugin, limits, static_bs)
         plugin.reserve_for_activations(activation_bytes(mc, limits.max_tokens, limits.max_seqs, loaded.dtype))
         per_page = KVPool.bytes_per_page(mc.num_layers, config.page_size, loaded.kv_heads, mc.head_dim,
                                          loaded.dtype)
-        pages, _ = agree_on_pool(comm, size_pool(config, plugin, per_page, config.page_size, int(static_bs > 0)),
+        pages, _ = agree_on_pool(comm, size_pool(config, plugin, per_page, config.page_size, max_model_len,
+                                                 int(static_bs > 0)),
                                  model_signature(mc), device_status(plugin, rank, node))
         pool = KVPool(plugin, mc.num_layers, pages, config.page_size, loaded.kv_heads, mc.head_dim, loaded.dtype,
                       scratch=static_bs > 0)
