@@ -74,6 +74,7 @@ def main() -> None:
     p.add_argument("--quantization", default=None)
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--modes", default="off,on", help="static path on and/or off (--disable-cuda-graph)")
+    p.add_argument("--cuda-graph-max-bs", type=int, default=None, help="default: the largest --batch")
     args = p.parse_args()
     tmp = None
     path = None if args.model == "smollm2" else args.model
@@ -84,7 +85,7 @@ def main() -> None:
         common = dict(device="cpu", dtype="float32", quantization=args.quantization, num_threads=args.num_threads,
                       max_total_tokens=max(args.batch) * (args.context + args.rounds * args.steps * 2 + 64) + 256,
                       max_model_len=max(1024, args.context + args.rounds * args.steps * 2 + 64),
-                      cuda_graph_max_bs=max(args.batch))
+                      cuda_graph_max_bs=args.cuda_graph_max_bs or max(args.batch))
         llms = {}
         for mode in args.modes.split(","):
             t0 = time.perf_counter()

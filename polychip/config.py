@@ -113,10 +113,10 @@ class EngineConfig(_FromKwargs):
                                  flag="--disable-fusion")
     seed: int = option(0, "seed of the sampler's default generator", group="KV pool and scheduler")
     # the static decode path (SGLang's flags): on cpu the compiled decode step, on cuda CUDA graphs
-    cuda_graph_max_bs: int = option(32, "largest decode batch run through the plugin's compile() on fixed "
-                                        "per-batch-size buffers (on cpu: the compiled decode step; on cuda: "
-                                        "CUDA graphs); larger batches and steps with prefill run eager",
-                                    group=DECODE_GROUP)
+    cuda_graph_max_bs: int | None = option(None, "largest decode batch run through the plugin's compile() on "
+                                                 "fixed per-batch-size buffers (on cpu: the compiled decode step; "
+                                                 "on cuda: CUDA graphs); larger batches and steps with prefill run "
+                                                 "eager (default: the plugin's, cpu 16, cuda 32)", group=DECODE_GROUP)
     disable_cuda_graph: bool = option(False, "run every decode step eager (on cpu: no compiled decode step; on "
                                              "cuda: no CUDA graphs)", group=DECODE_GROUP)
     # tensor parallelism (SGLang's flags): tp_size counts ranks across all nodes
@@ -139,8 +139,9 @@ class EngineConfig(_FromKwargs):
             _check_choice("quantization", self.quantization, QUANTIZATIONS)
         _check_min(self, ("page_size", "chunked_prefill_size", "max_running_requests", "max_model_len",
                           "num_threads"), 1)
-        if isinstance(self.cuda_graph_max_bs, bool) or not isinstance(self.cuda_graph_max_bs, int) \
-                or self.cuda_graph_max_bs < 1:
+        if self.cuda_graph_max_bs is not None and (isinstance(self.cuda_graph_max_bs, bool) or
+                                                   not isinstance(self.cuda_graph_max_bs, int) or
+                                                   self.cuda_graph_max_bs < 1):
             raise ConfigError(f"cuda_graph_max_bs must be an integer >= 1 (the largest compiled decode batch; "
                               f"--disable-cuda-graph turns the path off), got {self.cuda_graph_max_bs!r}")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:

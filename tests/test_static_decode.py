@@ -4,6 +4,7 @@ whose compile() runs the step eagerly and records what it was given."""
 from __future__ import annotations
 
 import argparse
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,8 +15,8 @@ from polychip.config import EngineConfig
 from polychip.devices.cpu.plugin import CpuPlugin
 from polychip.devices.plugin import DevicePlugin
 from polychip.engine.engine import Engine
-from polychip.engine.static_decode import decode_buckets
-from polychip.errors import ConfigError
+from polychip.engine.static_decode import batch_sizes, static_decode_limit
+from polychip.errors import ConfigError, PluginError
 
 pytestmark = pytest.mark.device_independent   # names its devices (the cpu plugin and fakes of it)
 
@@ -29,9 +30,11 @@ def params(n: int) -> list[SamplingParams]:
 
 
 class RecordingPlugin(CpuPlugin):
-    """The cpu plugin, with a compile() that runs the step eagerly and records every call's inputs."""
+    """The cpu plugin, with a compile() that runs the step eagerly and records every call's inputs,
+    on the default batch sizes (1, 2, 4, ...: steps are padded)."""
 
     name = "recordingcpu"
+    compiled_decode_batch_sizes = DevicePlugin.compiled_decode_batch_sizes
 
     def __init__(self):
         super().__init__()
@@ -64,11 +67,27 @@ def generate(engine: Engine, n: int) -> list[list[int]]:
     return [done[f"{n}-{i}"] for i in range(n)]
 
 
-def test_buckets():
-    assert decode_buckets(1) == [1]
-    assert decode_buckets(4) == [1, 2, 4]
-    assert decode_buckets(6) == [1, 2, 4, 6]
-    assert decode_buckets(32) == [1, 2, 4, 8, 16, 32]
+def test_batch_sizes():
+    plugin = RecordingPlugin()
+    assert [batch_sizes(plugin, m) for m in (1, 4, 6, 32)] == [[1], [1, 2, 4], [1, 2, 4, 6], [1, 2, 4, 8, 16, 32]]
+    assert batch_sizes(CpuPlugin(), 5) == [1, 2, 3, 4, 5]        # the cpu pads no row (CpuPlugin's docstring)
+    for bad in ([], [1, 2], [2, 1, 4], [0, 4], [1, 2.5, 4]):
+        odd = type("Odd", (CpuPlugin,), {"name": "odd", "compiled_decode_batch_sizes": lambda self, m, b=bad: b})()
+        with pytest.raises(PluginError, match="compiled_decode_batch_sizes"):
+            batch_sizes(odd, 4)
+
+
+def test_the_largest_compiled_batch():
+    ours, native = {"attention": SimpleNamespace(is_fallback=False)}, {"attention": SimpleNamespace(is_fallback=True)}
+    gpu_like = type("GpuLike", (RecordingPlugin,), {"compiled_decode_max_bs": DevicePlugin.compiled_decode_max_bs})()
+    assert static_decode_limit(EngineConfig(), CpuPlugin(), ours) == (16, "")          # the plugins' defaults
+    assert static_decode_limit(EngineConfig(), gpu_like, ours) == (32, "")
+    assert static_decode_limit(EngineConfig(cuda_graph_max_bs=48), gpu_like, ours) == (48, "")
+    assert static_decode_limit(EngineConfig(max_running_requests=8), gpu_like, ours) == (8, "")
+    assert static_decode_limit(EngineConfig(disable_cuda_graph=True), gpu_like, ours)[0] == 0
+    assert "native" in static_decode_limit(EngineConfig(), gpu_like, native)[1]
+    assert "compile()" in static_decode_limit(EngineConfig(), type("P", (CpuPlugin,), {"compile": DevicePlugin.compile})(),
+                                              ours)[1]
 
 
 def test_runner_compiles_each_bucket_once_and_reuses_its_tensors(model_factory):
@@ -140,7 +159,7 @@ def parse(argv: list[str]) -> EngineConfig:
 def test_flags_and_bad_values():
     cfg = parse(["--cuda-graph-max-bs", "8", "--disable-cuda-graph"])
     assert (cfg.cuda_graph_max_bs, cfg.disable_cuda_graph) == (8, True)
-    assert parse([]).cuda_graph_max_bs == 32 and not parse([]).disable_cuda_graph
+    assert parse([]).cuda_graph_max_bs is None and not parse([]).disable_cuda_graph   # the plugin's default
     with pytest.raises(SystemExit):
         parse(["--cuda-graph-max-bs", "many"])
     for bad in (0, -3, 2.5, True):

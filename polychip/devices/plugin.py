@@ -137,6 +137,9 @@ class DevicePlugin(abc.ABC):
     #: by name. cuda is 100, the host cpu 10; the default 50 puts an accelerator above the host CPU
     #: and below CUDA; a simulator declares less than 10 so that auto never picks it over the CPU
     priority: int = 50
+    #: (1.1) the largest decode batch the static decode path takes (``compile``) when the user
+    #: sets no ``--cuda-graph-max-bs``
+    compiled_decode_max_bs: int = 32
 
     def __init__(self):
         self.spec: Any = None
@@ -271,18 +274,32 @@ class DevicePlugin(abc.ABC):
         torch does not know fails tensor parallelism with an error naming plugin and backend."""
         return "gloo"
 
+    def compiled_decode_batch_sizes(self, max_bs: int) -> list[int]:
+        """(1.1) The batch sizes ``compile`` gets a static step for, ascending, the last ``max_bs``.
+        A decode step of B sequences runs on the smallest size >= B, the rows past B padding.
+        Default: 1, 2, 4, ... and ``max_bs`` (few graphs; a step pads up to twice its rows). A
+        device on which a padded row costs what a real one does, and a compiled step little,
+        names every size (the cpu plugin)."""
+        sizes, b = [], 1
+        while b < max_bs:
+            sizes.append(b)
+            b *= 2
+        return sizes + [max_bs]
+
     def compile(self, fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
         """(1.1) Wrap one static decode step: CUDA graphs on cuda, a recorded step replayed in C++
         on the cpu plugin. Default: ``fn`` as is; a plugin that keeps this default runs every step
         eager (the engine then skips the static path and its padding).
 
-        When. Once per batch-size bucket b (1, 2, 4, ... up to ``--cuda-graph-max-bs``, capped at
-        ``--max-running-requests``), at start-up after the KV pool exists, in the engine thread.
+        When. Once per batch size b of ``compiled_decode_batch_sizes(max_bs)``, where max_bs is
+        ``--cuda-graph-max-bs`` (default ``compiled_decode_max_bs``) capped at
+        ``--max-running-requests``, at start-up after the KV pool exists, in the engine thread.
         The engine then calls the result once on padding rows only, so that whatever the plugin does
         on a first call (capture, record, compile) happens at start-up; afterwards once per
-        pure-decode step of at most b sequences (padded to b). Steps with prefill chunks, larger
-        batches, ``--disable-cuda-graph``, and models whose ``attention`` op resolves to the native
-        op (which gathers the whole page table) run eager and never reach here.
+        pure-decode step of at most b sequences (padded to b) above the next smaller size. Steps
+        with prefill chunks, larger batches, ``--disable-cuda-graph``, and models whose
+        ``attention`` op resolves to the native op (which gathers the whole page table) run eager
+        and never reach here.
 
         With what. ``fn`` takes no arguments and returns float32 logits ``[b, vocab]``. It runs the
         model's forward on the bucket's static inputs, described by ``fn.inputs`` (a dict, int64):

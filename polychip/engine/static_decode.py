@@ -1,5 +1,6 @@
 """The static decode path: a pure-decode step of at most ``max_bs`` sequences runs through
-``plugin.compile`` on fixed tensors, one set per batch-size bucket (1, 2, 4, ... up to max_bs).
+``plugin.compile`` on fixed tensors, one set per batch-size bucket (the plugin's
+``compiled_decode_batch_sizes``: by default 1, 2, 4, ... up to max_bs; on the cpu every size).
 
 A step of B sequences is padded to the smallest bucket b >= B. The bucket's inputs live in tensors
 allocated once (:class:`DecodeBucket`): input_ids [b], positions [b], slot_mapping [b], decode_lens
@@ -21,18 +22,10 @@ import torch
 from polychip.devices import memory
 from polychip.devices.ops import AttentionMetadata
 from polychip.devices.plugin import DevicePlugin
+from polychip.errors import PluginError
 from polychip.models.decoder import ForwardContext
 
 log = logging.getLogger("polychip.engine")
-
-
-def decode_buckets(max_bs: int) -> list[int]:
-    """Batch sizes with a static step: the powers of two below ``max_bs``, then ``max_bs``."""
-    sizes, b = [], 1
-    while b < max_bs:
-        sizes.append(b)
-        b *= 2
-    return sizes + [max_bs] if max_bs >= 1 else []
 
 
 def static_decode_limit(config, plugin, resolutions: dict) -> tuple[int, str]:
@@ -45,7 +38,18 @@ def static_decode_limit(config, plugin, resolutions: dict) -> tuple[int, str]:
     if attention is None or attention.is_fallback:
         # the native decode gathers every page of the table: at full width that is the whole context
         return 0, "attention is the native op, which would gather the full-width page table every layer"
-    return min(config.cuda_graph_max_bs, config.max_running_requests, config.chunked_prefill_size), ""
+    max_bs = config.cuda_graph_max_bs or plugin.compiled_decode_max_bs
+    return min(max_bs, config.max_running_requests, config.chunked_prefill_size), ""
+
+
+def batch_sizes(plugin, max_bs: int) -> list[int]:
+    """The plugin's ``compiled_decode_batch_sizes``, checked: ascending sizes >= 1 ending at max_bs."""
+    sizes = list(plugin.compiled_decode_batch_sizes(max_bs))
+    if not sizes or sizes[-1] != max_bs or any(not isinstance(b, int) or b < 1 for b in sizes) or \
+            any(a >= b for a, b in zip(sizes, sizes[1:])):
+        raise PluginError(f"plugin {plugin.name!r}: compiled_decode_batch_sizes({max_bs}) returned {sizes}; "
+                          f"expected ascending batch sizes >= 1 ending at {max_bs}")
+    return sizes
 
 
 class DecodeBucket:
@@ -118,7 +122,7 @@ class StaticDecode:
 
     def __init__(self, plugin, max_bs: int, max_pages: int, page_size: int):
         self.plugin, self.max_bs, self.page_size = plugin, max_bs, page_size
-        self.buckets = [DecodeBucket(plugin, b, max_pages) for b in decode_buckets(max_bs)]
+        self.buckets = [DecodeBucket(plugin, b, max_pages) for b in batch_sizes(plugin, max_bs)]
         self.scratch_slot = -1     # set with the KV pool (its scratch page)
 
     @property
