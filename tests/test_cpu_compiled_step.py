@@ -103,3 +103,31 @@ def test_greedy_tokens_equal_with_compile_on_and_off(model_factory, arch, quanti
         # every decode step of up to 4 sequences went through a bucket; those of 5 stay eager
         assert sum(calls) == max(LENGTHS[:n]) - 1 - (min(LENGTHS) - 1 if n == 5 else 0), calls
         assert calls[0] > 0 and (n < 3 or calls[2] > 0), calls
+
+
+def test_a_replay_that_differs_from_the_record_is_not_used(plugin, monkeypatch):
+    """The first step with operators no earlier replay checked is replayed once at capture and must
+    match; a step of only checked operators is trusted."""
+    import polychip.devices.cpu.compiled_step as cs
+    x = torch.randn(4, 8)
+
+    class Skewed:      # a program whose replay is off by one
+        def __init__(self, program):
+            self.program = program
+
+        def run(self):
+            return [self.program.run()[0] + 1]
+
+        def __len__(self):
+            return len(self.program)
+
+    real_build = cs.build_program
+    monkeypatch.setattr(cs, "build_program", lambda *a: Skewed(real_build(*a)))
+    checked: set = set()
+    with torch.inference_mode():
+        bad = cs.CompiledStep(lambda: torch.tanh(x) * 3, plugin.kernels, "skewed", checked)
+        assert torch.equal(bad(), torch.tanh(x) * 3) and bad.eager and not checked
+        monkeypatch.setattr(cs, "build_program", real_build)
+        good = cs.CompiledStep(lambda: torch.tanh(x) * 3, plugin.kernels, "good", checked)
+        good()
+        assert good.program is not None and "aten.tanh.default" in checked

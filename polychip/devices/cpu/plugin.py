@@ -97,6 +97,7 @@ class CpuPlugin(DevicePlugin):
         super().__init__()
         self.memory = HugePageAllocator()
         self.kernels = None      # the KernelTable the ops call, once register_ops found the kernels built
+        self.replay_checked: set[str] = set()   # operators whose recorded replay matched eager (compiled_step.py)
 
     def init(self, spec=None, index: int = 0, num_threads: int | None = None) -> None:
         """``num_threads``: torch's intra-op threads, which run the kernels and the native ops."""
@@ -152,7 +153,7 @@ class CpuPlugin(DevicePlugin):
         if self.kernels is None:
             return fn
         from polychip.devices.cpu.compiled_step import CompiledStep
-        return CompiledStep(fn, self.kernels, getattr(fn, "label", "the step"))
+        return CompiledStep(fn, self.kernels, getattr(fn, "label", "the step"), self.replay_checked)
 
     def versions(self) -> dict[str, str]:
         return {"runtime": f"torch {torch.__version__}", "blas": blas_version(),
