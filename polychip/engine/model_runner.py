@@ -113,10 +113,15 @@ class ModelRunner:
         sized after the buffers, see engine/memory_plan.py)."""
         self.model, self.plugin, self.limits = model, plugin, limits
         self.page = limits.page_size
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []   # the engine sets them once the pool exists
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []   # attach_pool sets them once the pool exists
+        self.kv_scales: list[tuple[float, float]] | None = None         # per layer, for an fp8 pool
         self.buffers = [StepInputs(plugin, limits) for _ in range(2)]
         self.copy_stream = plugin.stream()
         self._turn = 0
+
+    def attach_pool(self, pool) -> None:
+        """Run every step on ``pool`` (an ``engine.kv_pool.KVPool``): its caches and fp8 scales."""
+        self.kv_caches, self.kv_scales = pool.caches, pool.scales
 
     @property
     def buffer_bytes(self) -> int:
@@ -196,7 +201,7 @@ class ModelRunner:
         return Batch(iv[i_ids], iv[i_pos], meta, iv[i_rows], [], buf, host)
 
     def _run(self, input_ids, positions, meta, rows):
-        hidden = self.model(input_ids, positions, ForwardContext(meta, self.kv_caches))
+        hidden = self.model(input_ids, positions, ForwardContext(meta, self.kv_caches, self.kv_scales))
         return self.model.compute_logits(hidden[rows])
 
     @torch.inference_mode()

@@ -18,7 +18,7 @@ from polychip.devices.discovery import open_device
 from polychip.distributed.communicator import Communicator
 from polychip.distributed.rendezvous import DuplicateRankError, Heartbeat, connect_store, join, report_failure
 from polychip.distributed.world import World
-from polychip.engine.kv_pool import KVPool
+from polychip.engine.kv_pool import KVPool, resolve_kv_dtype
 from polychip.engine.memory_plan import activation_bytes, size_pool
 from polychip.engine.model_runner import ModelRunner, StepLimits
 from polychip.engine.tp import agree_on_pool, device_status, model_signature
@@ -54,12 +54,12 @@ def serve_rank(config: EngineConfig, rank: int, device: str, host: str, port: in
         limits = StepLimits.of(config, config.max_model_len or mc.max_position_embeddings)
         runner = ModelRunner(loaded.model, plugin, limits)
         plugin.reserve_for_activations(activation_bytes(mc, limits.max_tokens, limits.max_seqs, loaded.dtype))
-        per_page = KVPool.bytes_per_page(mc.num_layers, config.page_size, loaded.kv_heads, mc.head_dim,
-                                         loaded.dtype)
+        kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, plugin, loaded.dtype)
+        per_page = KVPool.bytes_per_page(mc.num_layers, config.page_size, loaded.kv_heads, mc.head_dim, kv_dtype)
         pages, _ = agree_on_pool(comm, size_pool(config, plugin, per_page, config.page_size),
                                  model_signature(mc), device_status(plugin, rank, node))
-        pool = KVPool(plugin, mc.num_layers, pages, config.page_size, loaded.kv_heads, mc.head_dim, loaded.dtype)
-        runner.kv_caches = pool.caches
+        pool = KVPool(plugin, mc.num_layers, pages, config.page_size, loaded.kv_heads, mc.head_dim, kv_dtype)
+        runner.attach_pool(pool)
         kv_bytes[0] = pages * per_page
         log.info("rank %d ready on %s:%d: %d KV pages of %d KV head(s)", rank, plugin.name, plugin.index,
                  pages, loaded.kv_heads)
