@@ -13,9 +13,16 @@ mkdir -p "${OUT:-/tmp/out}"
 python3 -m pip install -q --no-index --no-deps gpu-wheels/*.whl
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . -e plugins/simxpu
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee "${OUT:-/tmp/out}/nvidia-smi.log"
+# the conformance kit on cuda, one line per check
+timeout 90 python3 -c "
+from polychip.pluginkit.conformance import Target, run
+for name, ok, msg in run(Target('cuda')):
+    print('PASS' if ok else 'FAIL', name, '-', msg)
+" 2>&1 | tee "${OUT:-/tmp/out}/kit-cuda.log" | grep -v " INFO "
 export POLYCHIP_TEST_DEVICE=cuda
-timeout 240 python3 -m pytest -q -x tests/test_engine_vs_transformers.py tests/test_conformance.py \
-    2>&1 | tee "${OUT:-/tmp/out}/pytest-cuda.log" | tail -20
+timeout 200 python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_engine_vs_transformers.py \
+    tests/test_engine_face.py tests/test_warmup.py 2>&1 | tee "${OUT:-/tmp/out}/pytest-cuda.log" | tail -40
 
 # bench peers on the GPU: polychip and transformers there, the rooflines from the GPU's own read
 # bandwidth and matmul speed (llama.cpp stays a CPU peer, so it is left out). No SmolLM2 wheel

@@ -13,6 +13,10 @@ from polychip.errors import ConfigError
 # Names owned here; the scheduler and the reasoning-parser table are keyed by them (tests/test_config.py).
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 REASONING_PARSERS = ("qwen3",)
+# SGLang's --tool-call-parser names for the Hermes-style <tool_call>{json}</tool_call> format of the
+# Qwen2.5 / Qwen3 templates; the parser table (server/tool_parsers.py) is keyed by them
+TOOL_CALL_PARSERS = ("qwen25", "qwen")
+RESERVED_TEMPLATE_ARGS = ("messages", "add_generation_prompt", "bos_token", "eos_token", "tools")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 QUANTIZATIONS = ("int8",)      # weight-only, per output channel (polychip/quant)
 
@@ -174,6 +178,17 @@ class ServerConfig(_FromKwargs):
     graceful_shutdown_timeout: float = option(10.0, "seconds in-flight requests get to finish after "
                                                     "SIGINT/SIGTERM before they are aborted", group="server")
     log_level: str = option("info", "log level", group="server", choices=LOG_LEVELS)
+    tool_call_parser: str | None = option(None, "tool-call format of the model's replies, SGLang's names "
+                                                "(default: detected from the chat template)",
+                                          group="server", choices=TOOL_CALL_PARSERS)
+    enable_thinking: bool | None = option(None, "server-wide default of the chat template's enable_thinking "
+                                                "(true / false); a request's chat_template_kwargs wins",
+                                          group="server")
+    default_chat_template_kwargs: dict | None = option(
+        None, "JSON object of chat-template arguments for every request that does not set them, "
+              "e.g. '{\"enable_thinking\": false}'", group="server")
+    skip_server_warmup: bool = option(False, "report ready without the warm-up forwards (one per batch "
+                                             "shape) after the model loads", group="server")
     # limits on what one request may ask
     max_tokens_default: int | None = option(
         None, "max_tokens of a chat request that gives none (default: the rest of the context, as OpenAI; "
@@ -199,9 +214,25 @@ class ServerConfig(_FromKwargs):
         if self.reasoning_parser is not None:
             _check_choice("reasoning_parser", self.reasoning_parser, REASONING_PARSERS)
         _check_choice("log_level", self.log_level, LOG_LEVELS)
+        if self.tool_call_parser is not None:
+            _check_choice("tool_call_parser", self.tool_call_parser, TOOL_CALL_PARSERS)
+        kwargs = self.default_chat_template_kwargs
+        if kwargs is not None:
+            if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+                raise ConfigError("default_chat_template_kwargs must be a JSON object with string keys")
+            clash = sorted(set(RESERVED_TEMPLATE_ARGS) & set(kwargs))
+            if clash:
+                raise ConfigError(f"default_chat_template_kwargs cannot set {clash}; the server sets them")
         _check_min(self, ("max_waiting_requests", "max_request_body_bytes", "max_tokens_default",
                           "max_stop_strings", "max_stop_chars"), 1)
         _check_min(self, ("graceful_shutdown_timeout",), 0)
         for name in ("timeout_keep_alive", "timeout_request_header", "timeout_request_body"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+
+    def chat_template_defaults(self) -> dict:
+        """The chat-template arguments every request starts from; --enable-thinking beats the JSON."""
+        out = dict(self.default_chat_template_kwargs or {})
+        if self.enable_thinking is not None:
+            out["enable_thinking"] = self.enable_thinking
+        return out

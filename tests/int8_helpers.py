@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from polychip.models.decoder import ForwardContext
-from polychip.ops.attention import AttentionMetadata, PrefillSegment
+from polychip.devices.ops import AttentionMetadata, PrefillSegment
 
 
 def forward_logits(lm, plugin, ids: list[int]) -> torch.Tensor:

@@ -190,6 +190,7 @@ def test_serve_a_signed_package(pkg, keys, tmp_path):
         r = httpx.post(s.url + "/v1/completions", json={"model": "tiny-int8", "prompt": "hi", "max_tokens": 4,
                                                         "ignore_eos": True}, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        assert httpx.get(s.url + "/server_info", timeout=10).json()["quantization"] == "int8"   # what a router reads
     assert "verified and extracted to" in s.log and "signed by" in s.log
 
 

@@ -72,8 +72,10 @@ BAD = [
     ("no device nor url", GOOD.replace(', device: cpu', ''), "replicas.0: give device"),
     ("dtype the device lacks", GOOD.replace('device: "simxpu:1"', 'device: "simxpu:1", dtype: float16'),
      "replicas.1.dtype: float16 is not supported by simxpu:1"),
-    ("no replica can serve", GOOD.replace("preferred_device_types: [simxpu, cpu]", "quantization: int4"),
-     "quantization"),
+    ("unknown quantization", GOOD.replace("preferred_device_types: [simxpu, cpu]", "quantization: int4"),
+     "models.0.quantization: unknown quantization 'int4'; expected one of ['int8'] or null"),
+    ("no replica can serve", GOOD.replace("preferred_device_types: [simxpu, cpu]", "dtype: float64"),
+     "no replica can serve model 'tiny'"),
 ]
 
 
@@ -103,6 +105,16 @@ def test_replicas_whose_device_lacks_the_dtype_are_left_out(tmp_path):
     placed = plan(load_deployment(write(tmp_path, text)))
     assert [r.name for r in placed.launch] == ["a"]
     assert "lacks ['float16']" in placed.excluded["b"]
+
+
+def test_tensor_parallel_and_int8_replicas_launch_with_serve_flags(tmp_path):
+    """tp_size and quantization reach `polychip serve` as --tp-size and --quantization."""
+    from polychip.router.supervisor import serve_command
+    text = GOOD.replace("device: cpu, port: 31001}", "device: cpu, port: 31001, tp_size: 2, quantization: int8}")
+    placed = plan(load_deployment(write(tmp_path, text)))
+    a = next(r for r in placed.launch if r.name == "a")
+    cmd = serve_command(a, 31001, "auto", a.quantization)
+    assert cmd[cmd.index("--tp-size") + 1] == "2" and cmd[cmd.index("--quantization") + 1] == "int8"
 
 
 @pytest.mark.parametrize("text,expected", [

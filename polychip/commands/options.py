@@ -4,12 +4,36 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import types
 import typing
 
 
 def _flag(f: dataclasses.Field) -> str:
     return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+
+def _optional(hint) -> bool:
+    union = isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union
+    return union and type(None) in typing.get_args(hint)
+
+
+def _bool_value(text: str) -> bool:
+    """``--flag true`` / ``--flag false`` for tri-state (``bool | None``) fields."""
+    low = text.lower()
+    if low not in ("true", "false", "1", "0", "yes", "no"):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return low in ("true", "1", "yes")
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e.msg} at column {e.colno}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {type(value).__name__}")
+    return value
 
 
 def _scalar_type(hint):
@@ -31,7 +55,13 @@ def add_config_args(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] 
         if meta["group"] not in groups:
             groups[meta["group"]] = parser.add_argument_group(meta["group"])
         g, hint = groups[meta["group"]], _scalar_type(hints[f.name])
-        if hint is bool:
+        if hint is bool and _optional(hints[f.name]):      # tri-state: unset, true or false
+            g.add_argument(_flag(f), dest=f.name, type=_bool_value, default=f.default, metavar="{true,false}",
+                           help=meta["help"])
+        elif hint is dict or typing.get_origin(hint) is dict:
+            g.add_argument(_flag(f), dest=f.name, type=_json_object, default=f.default, metavar="JSON",
+                           help=meta["help"])
+        elif hint is bool:
             if f.default and not _flag(f).startswith("--disable-"):
                 raise TypeError(f"{cls.__name__}.{f.name}: a bool that defaults to True needs a --disable-* flag")
             g.add_argument(_flag(f), dest=f.name, action="store_false" if f.default else "store_true",

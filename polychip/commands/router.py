@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
             from polychip.router.deployment import load_deployment
             from polychip.router.placement import plan
             deployment = load_deployment(args.deployment)
-            placed = plan(deployment, flags=serve_flags())   # refuse what no device here can serve, before binding
+            placed = plan(deployment)   # refuse what no device here can serve, before binding
         cfg = router_config(args, deployment.router_config() if deployment else None)
         if cfg.health.interval > 30:
             log.warning("health-check interval %.0fs: a dead replica stays in rotation that long between "
@@ -119,16 +119,9 @@ def main(argv: list[str] | None = None) -> int:
         sock.close()
 
 
-def serve_flags() -> frozenset[str]:
-    """The flags this build's ``polychip serve`` accepts (a deployment may use --tp-size and
-    --quantization only once serve has them)."""
-    from polychip.commands.serve import build_parser
-    return frozenset(opt for a in build_parser()._actions for opt in a.option_strings)
-
-
 def run_router(cfg, sock, replica_urls, deployment, deployment_path, placed=None) -> int:
     from polychip.router.app import Router, build_app
-    router = Router(cfg, replica_urls, deployment, deployment_path, placed, serve_flags())
+    router = Router(cfg, replica_urls, deployment, deployment_path, placed)
     app = build_app(router)
     uv = uvicorn.Config(app, log_config=None, log_level=cfg_log_level(), access_log=False,
                         timeout_graceful_shutdown=cfg.drain_timeout, lifespan="on")
@@ -255,7 +248,7 @@ def serve_dp(argv: list[str]) -> int:
         deployment, records = dp_deployment(args, replica_args(argv))
         from polychip.router.config import RouterConfig
         from polychip.router.placement import plan
-        placed = plan(deployment, records, serve_flags())
+        placed = plan(deployment, records)
         cfg = RouterConfig(api_key=args.api_key, drain_timeout=args.graceful_shutdown_timeout + 5)
         sock = bind(args.host, args.port)
     except PolychipError as e:

@@ -105,6 +105,11 @@ def _serve(engine_config: EngineConfig, config: ServerConfig, sock: socket.socke
     grace = config.graceful_shutdown_timeout
     with progress(f"loading {engine_config.model_path or 'the default model (SmolLM2-135M-Instruct)'}"):
         engine = Engine(engine_config)
+    if not config.skip_server_warmup:
+        from polychip.engine.warmup import warm_up
+        with progress("warming up"):
+            shapes = warm_up(engine)
+        log.info("warm-up forwards: %s", ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in shapes.items()))
     app, state = build_app(engine, config)
     # uvicorn's own timeout is only a backstop: ReadyServer ends streams cleanly after `grace`
     uv_config = uvicorn.Config(app, log_config=None, log_level=config.log_level, access_log=False,

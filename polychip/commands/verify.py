@@ -11,7 +11,9 @@ import sys
 import time
 
 from polychip.commands.common import fail
+from polychip.commands.options import add_config_args, config_from_args
 from polychip.errors import PolychipError
+from polychip.package.opening import PackageOptions
 
 
 def device_checks(manifest: dict, plugins: tuple[str, ...], device_config: str | None, strict: bool, path: str):
@@ -45,10 +47,7 @@ def device_checks(manifest: dict, plugins: tuple[str, ...], device_config: str |
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="polychip verify", description=__doc__)
     p.add_argument("package")
-    p.add_argument("--trusted-key", action="append", default=[], dest="trusted_keys",
-                   help="Ed25519 public key the package must be signed by (repeatable)")
-    p.add_argument("--require-signature", action="store_true", help="fail when the signature is not checked")
-    p.add_argument("--strict-versions", action="store_true", help="fail on any version-matrix difference")
+    add_config_args(p, PackageOptions)          # --trusted-key, --require-signature, --strict-versions
     p.add_argument("--plugin", action="append", default=[], dest="plugins")
     p.add_argument("--device-config", default=None, help="device spec YAML for the target device")
     p.add_argument("--skip-device", action="store_true", help="check the file only, not this machine")
@@ -57,15 +56,14 @@ def main(argv: list[str]) -> int:
     from polychip.package.reader import scan
     t0 = time.perf_counter()
     try:
-        trusted = [signing.load_trusted_key(k) for k in args.trusted_keys]
-        if args.require_signature and not trusted:
-            raise PolychipError("--require-signature needs at least one --trusted-key")
+        options = config_from_args(args, PackageOptions)
+        trusted = [signing.load_trusted_key(k) for k in options.trusted_keys]
     except PolychipError as e:
         return fail(e)
-    res = scan(args.package, trusted, args.require_signature, keep_going=True)
+    res = scan(args.package, trusted, options.require_signature, keep_going=True)
     checks = list(res.checks)
     if res.manifest is not None and not args.skip_device and res.ok:
-        checks += device_checks(res.manifest, tuple(args.plugins), args.device_config, args.strict_versions,
+        checks += device_checks(res.manifest, tuple(args.plugins), args.device_config, options.strict_versions,
                                 args.package)
     for c in checks:
         print(c.line())

@@ -166,28 +166,34 @@ def from_dict(data: Any, source: str = "<inline>") -> DeviceSpec:
         raise DeviceSpecError(head) from None
 
 
-def read_yaml(path: str) -> Any:
-    """The parsed YAML document of a spec file; missing, empty and malformed files are one clear error."""
+def read_yaml_file(path: str, what: str, expected: str, error: type[Exception]) -> Any:
+    """The parsed YAML document at ``path``; a missing, unreadable, malformed or empty file is one
+    ``error`` naming the file (``what``: e.g. "device spec"; ``expected``: what the file should hold)."""
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
     except FileNotFoundError:
-        raise DeviceSpecError(f"{path}: device spec file not found") from None
+        raise error(f"{path}: {what} file not found") from None
     except IsADirectoryError:
-        raise DeviceSpecError(f"{path}: is a directory, expected a YAML file") from None
+        raise error(f"{path}: is a directory, expected a YAML file") from None
     except (OSError, UnicodeDecodeError) as e:
-        raise DeviceSpecError(f"{path}: cannot read ({type(e).__name__}: {e})") from None
+        raise error(f"{path}: cannot read ({type(e).__name__}: {e})") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise DeviceSpecError(f"{path}: malformed YAML{where}: {problem}") from None
+        raise error(f"{path}: malformed YAML{where}: {problem}") from None
     if data is None:
-        raise DeviceSpecError(f"{path}: the file is empty; expected a YAML mapping with device_type, "
-                              "device_ids, memory and supported_dtypes")
+        raise error(f"{path}: the file is empty; expected {expected}")
     return data
+
+
+def read_yaml(path: str) -> Any:
+    """The parsed YAML document of a spec file; missing, empty and malformed files are one clear error."""
+    return read_yaml_file(path, "device spec", "a YAML mapping with device_type, device_ids, memory and "
+                          "supported_dtypes", DeviceSpecError)
 
 
 def load_spec(path: str) -> DeviceSpec:

@@ -95,7 +95,7 @@ class Communicator:
         """Every rank's ``tensor`` concatenated along ``dim``, in rank order."""
         part = tensor.contiguous()
         out = torch.empty((self.world_size * part.shape[0], *part.shape[1:]), dtype=part.dtype, device=part.device)
-        dist.all_gather_single(out, part, group=self.group)
+        dist.all_gather_into_tensor(out, part, group=self.group)  # all_gather_single is torch>=2.13 only
         if dim % max(part.dim(), 1) == 0:
             return out
         return torch.cat(out.chunk(self.world_size, 0), dim=dim)

@@ -13,6 +13,7 @@ from collections import defaultdict
 
 from polychip.config import EngineConfig
 from polychip.devices.discovery import open_from_config
+from polychip.engine.grammar import GrammarBackend
 from polychip.engine.kv_pool import KVPool, dtype_name, resolve_kv_dtype
 from polychip.engine.memory_plan import activation_bytes, size_pool
 from polychip.engine.model_runner import ModelRunner, StepLimits
@@ -82,7 +83,8 @@ class Engine:
         self.eos_ids = self.tokenizer.eos_token_ids
         self.scheduler = Scheduler(self.pages, config.chunked_prefill_size, config.max_running_requests,
                                    config.schedule_policy, eos_ids=self.eos_ids, max_model_len=self.max_model_len)
-        self.sampler = Sampler(self.plugin, config.seed, self.eos_ids)
+        self.grammar = GrammarBackend(self.tokenizer, mc.vocab_size, self.eos_ids)
+        self.sampler = Sampler(self.plugin, config.seed, self.eos_ids, self.grammar)
         self._ids = itertools.count()
         self.stage_seconds: dict[str, float] = defaultdict(float)
         self._timer = StageTimer(self.stage_seconds)
@@ -101,9 +103,13 @@ class Engine:
         rid = request_id or f"req-{next(self._ids)}"
         if self.scheduler.find(rid) is not None:
             raise InvalidRequestError(f"request id {rid!r} is already in use")
+        matcher = self.grammar.matcher(params.grammar) if params.grammar is not None else None
         gen = self.plugin.generator(params.seed) if params.seed is not None else None
-        detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
-        self.scheduler.add(Request(rid, ids, params, detok, priority, gen, arrival))
+        detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens,
+                                       params.spaces_between_special_tokens)
+        req = Request(rid, ids, params, detok, priority, gen, arrival)
+        req.matcher = matcher
+        self.scheduler.add(req)
         self.counters["requests_added"] += 1
         return rid
 
@@ -125,6 +131,9 @@ class Engine:
         bad = [t for t in (params.stop_token_ids if params else ()) if not 0 <= t < vocab]
         if bad:
             raise InvalidRequestError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        bad = [t for t in (params.logit_bias or {} if params else ()) if t >= vocab]
+        if bad:
+            raise InvalidRequestError(f"logit_bias has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
 
     def abort(self, request_id: str) -> bool:
         req = self.scheduler.find(request_id)

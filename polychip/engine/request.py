@@ -65,6 +65,8 @@ class Request:
         self.emitted = 0                    # chars of ``text`` already streamed
         self.emitted_tokens = 0             # output ids already reported as deltas
         self.emitted_logprobs = 0
+        self.matcher = None                 # xgrammar matcher when the request has a grammar
+        self.grammar_failed = False         # the grammar refused a sampled token
         self.timings = Timings(arrival if arrival is not None else time.monotonic())
 
     @property

@@ -1,4 +1,5 @@
-"""Batched sampling: penalties, temperature, top-k / top-p / min-p, seeds, logprobs."""
+"""Batched sampling: penalties, logit bias, grammar masks, temperature, top-k / top-p / min-p, seeds,
+logprobs."""
 from __future__ import annotations
 
 import torch
@@ -36,6 +37,19 @@ def _suppress_stops(logits: torch.Tensor, reqs: list[Request], eos_ids: frozense
                 logits[i, sorted(banned)] = float("-inf")
 
 
+def apply_logit_bias(logits: torch.Tensor, reqs: list[Request]) -> None:
+    """In place, one scatter for the whole batch."""
+    rows, cols, vals = [], [], []
+    for i, r in enumerate(reqs):
+        for tok, bias in (r.params.logit_bias or {}).items():
+            rows.append(i)
+            cols.append(tok)
+            vals.append(bias)
+    dev = logits.device
+    logits.index_put_((torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
+                      torch.tensor(vals, dtype=logits.dtype, device=dev), accumulate=True)
+
+
 def _filter(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
     """Temperature, top-k, top-p and min-p, vectorised over rows; returns probabilities."""
     dev = logits.device
@@ -63,10 +77,11 @@ def _filter(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
 
 
 class Sampler:
-    def __init__(self, plugin, seed: int, eos_ids: frozenset[int]):
+    def __init__(self, plugin, seed: int, eos_ids: frozenset[int], grammar=None):
         self.generator = plugin.generator(seed)
         self.eos_ids = eos_ids
-        self.computed = plugin.event()   # recorded after the step's work, waited on before tokens are read
+        self.grammar = grammar              # GrammarBackend; requests without a matcher never touch it
+        self.computed = plugin.event()      # recorded after the step's work, waited on before tokens are read
 
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[TokenLogprob | None]]:
         raw = logits
@@ -76,6 +91,15 @@ class Sampler:
         if any(len(r.output_ids) < r.params.min_tokens for r in reqs):
             logits = logits.clone() if logits is raw else logits
             _suppress_stops(logits, reqs, self.eos_ids)
+        if any(r.params.logit_bias for r in reqs):
+            logits = logits.clone() if logits is raw else logits
+            apply_logit_bias(logits, reqs)
+        grammar_rows = self.grammar.rows(reqs) if self.grammar is not None else []
+        if grammar_rows:
+            # raw stays intact when logprobs or a grammar row's fallback may still read it
+            keep_raw = self.grammar.may_empty(reqs, grammar_rows) or any(r.params.logprobs is not None for r in reqs)
+            logits = logits.clone() if logits is raw and keep_raw else logits
+            self.grammar.mask(logits, raw, reqs, grammar_rows)
         tokens = logits.argmax(-1)
         rand = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if rand:
@@ -90,6 +114,8 @@ class Sampler:
         self.computed.record()
         self.computed.synchronize()
         token_list = tokens.tolist()
+        if grammar_rows:
+            self.grammar.accept(reqs, token_list, grammar_rows)
         return token_list, self._logprobs(raw, reqs, token_list)
 
     @staticmethod

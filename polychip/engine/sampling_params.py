@@ -5,11 +5,13 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from polychip.engine.grammar import GrammarSpec
 from polychip.errors import InvalidRequestError
 
 MAX_N = 64
 MAX_LOGPROBS = 20
 MAX_TOP_K = 2**31 - 1
+MAX_LOGIT_BIAS = 100.0           # |bias| bound, as OpenAI's
 GREEDY_BELOW = 1e-5      # temperatures this small are greedy (dividing by them overflows)
 
 
@@ -32,6 +34,9 @@ class SamplingParams:
     logprobs: int | None = None     # None: off; k: chosen token plus k alternatives
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    spaces_between_special_tokens: bool = False   # only visible with skip_special_tokens=False
+    logit_bias: dict[int, float] | None = None     # token id -> added to its logit
+    grammar: GrammarSpec | None = None              # structured output (polychip.engine.grammar)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -73,6 +78,14 @@ class SamplingParams:
             self._bad("min_tokens", f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             self._bad("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for tok, bias in (self.logit_bias or {}).items():
+            if not isinstance(tok, int) or tok < 0:
+                self._bad("logit_bias", f"keys must be token ids >= 0, got {tok!r}")
+            if not (math.isfinite(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
+                self._bad("logit_bias", f"values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                                        f"got {bias} for token {tok}")
+        if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
+            self._bad("grammar", f"must be a GrammarSpec, got {type(self.grammar).__name__}")
 
     def choices(self) -> list["SamplingParams"]:
         """The ``n`` choices as ``n`` one-choice params (the engine runs one sequence each);

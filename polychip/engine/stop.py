@@ -1,6 +1,7 @@
 """Stop checks and the text a request may already stream without leaking a stop string."""
 from __future__ import annotations
 
+from polychip.engine.grammar import grammar_done
 from polychip.engine.request import Request
 
 
@@ -18,6 +19,8 @@ def check_stop(req: Request, token: int, eos_ids: frozenset[int], max_model_len:
         req.text += delta
         if p.stop and n_out >= p.min_tokens:
             _check_stop_strings(req, len(delta))
+    if req.finish_reason is None and grammar_done(req):      # the structured output is complete
+        req.finish_reason = "stop"
     if req.finish_reason is None and (n_out >= p.max_tokens or req.num_tokens >= max_model_len):
         req.finish_reason = "length"
 

@@ -63,6 +63,7 @@ class Tokenizer:
         self.eos_token_ids = frozenset(ids)
         self.add_bos = bool(config.get("add_bos_token", False)) and self.bos_token_id is not None
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+        self.special_ids = frozenset(i for i, t in tok.get_added_tokens_decoder().items() if t.special)
         self.special_tokens = tuple(t.content for t in tok.get_added_tokens_decoder().values() if t.special)
         self._template = None
         self._plain = None                    # a copy that reads special-token text as plain text
@@ -123,8 +124,24 @@ class Tokenizer:
             n = len(text)
         return -(-n // self._longest)
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True,
+               spaces_between_special_tokens: bool = False) -> str:
+        """``spaces_between_special_tokens`` (kept special tokens only): special tokens and the
+        text runs between them are joined with a space, as transformers' slow tokenizers do."""
+        if skip_special_tokens or not spaces_between_special_tokens or not self.special_ids.intersection(ids):
+            return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+        parts, run = [], []
+        for i in ids:
+            if i in self.special_ids:
+                if run:
+                    parts.append(self.tok.decode(run, skip_special_tokens=False))
+                    run = []
+                parts.append(self.tok.decode([i], skip_special_tokens=False))
+            else:
+                run.append(i)
+        if run:
+            parts.append(self.tok.decode(run, skip_special_tokens=False))
+        return " ".join(parts)
 
     def id_to_token(self, i: int) -> str | None:
         return self.tok.id_to_token(i)
@@ -152,22 +169,33 @@ class Tokenizer:
 class IncrementalDetokenizer:
     """Turns a growing token list into text deltas, never splitting a multi-byte character."""
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True):
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True,
+                 spaces_between_special_tokens: bool = False):
         self.tokenizer, self.skip = tokenizer, skip_special_tokens
+        # kept special tokens and the text next to them joined by a space, as decode() does
+        self.spaces = spaces_between_special_tokens and not skip_special_tokens
         self.ids = list(prompt_ids[-6:])      # a little context so leading spaces decode right
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
         self.text = ""
+        self.last_special = False
+        self.space_due = False                # a space owed before the next piece of text
 
     def add(self, token_id: int) -> str:
         """Append one token; return the newly completed text (possibly empty)."""
         self.ids.append(token_id)
+        if self.spaces:
+            special = token_id in self.tokenizer.special_ids
+            self.space_due = self.space_due or (bool(self.text) and (special or self.last_special))
+            self.last_special = special
         dec = self.tokenizer.decode
         prefix = dec(self.ids[self.prefix_offset:self.read_offset], self.skip)
         full = dec(self.ids[self.prefix_offset:], self.skip)
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return ""
         delta = full[len(prefix):]
+        if self.space_due:
+            delta, self.space_due = " " + delta, False
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         self.text += delta
         return delta

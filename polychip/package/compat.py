@@ -4,15 +4,13 @@ the version matrix (polychip, torch, plugin, and what the plugin's ``versions()`
 compared entry by entry: each mismatch a warning, or a refusal with ``--strict-versions``."""
 from __future__ import annotations
 
-import torch
-
 import polychip
-from polychip.devices.plugin import parse_api_version
 from polychip.package.manifest import PackageError
 
 
 def _api(version) -> tuple[int, int] | str:
     """An API version as (major, minor), so that 1 and "1.0" compare equal; as given if unreadable."""
+    from polychip.devices.plugin import parse_api_version   # here: polychip.devices loads torch (see current_versions)
     try:
         return parse_api_version(version)
     except ValueError:
@@ -21,6 +19,7 @@ def _api(version) -> tuple[int, int] | str:
 
 def current_versions(plugin) -> dict:
     """The version matrix of this process on ``plugin`` (initialised), as a manifest records it."""
+    import torch        # here, so that verifying a file (`polychip verify --skip-device`) never loads torch
     return {"polychip": polychip.__version__, "torch": torch.__version__, "plugin_api": plugin.api_version,
             "plugin": f"{plugin.name} {plugin.plugin_version}", "device": dict(plugin.versions())}
 

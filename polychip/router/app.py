@@ -42,14 +42,13 @@ _SAFE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 class Router:
     def __init__(self, cfg: RouterConfig, replica_urls: list[str] = (), deployment: Deployment | None = None,
-                 deployment_path: str | None = None, placed=None, serve_flags: frozenset[str] = frozenset()):
+                 deployment_path: str | None = None, placed=None):
         self.cfg = cfg
         self.rollout = Rollout(cfg.guard, on_rollback=self._rolled_back)
         self.dispatcher = Dispatcher(cfg, self.rollout, make_policy(cfg.policy, cfg.prefix))
         self.metrics = RouterMetrics(self.dispatcher)
         self.supervisor = Supervisor()
         self.deployment, self.deployment_path, self.placed = deployment, deployment_path, placed
-        self.serve_flags = serve_flags           # what `polychip serve` accepts here (for reloads)
         self.excluded: dict[str, str] = {}
         for i, url in enumerate(replica_urls):
             self.dispatcher.add(Replica(f"r{i}", url.rstrip("/")))
@@ -72,7 +71,7 @@ class Router:
         self.health = HealthChecker(cfg.health, self.client, lambda: list(self.dispatcher.replicas.values()),
                                     headers, self._replica_changed)
         if self.deployment is not None:
-            await self._apply(self.deployment, self.placed or plan(self.deployment, flags=self.serve_flags))
+            await self._apply(self.deployment, self.placed or plan(self.deployment))
         self._tasks.append(asyncio.ensure_future(self.health.run()))
 
     async def stop(self) -> None:
@@ -138,7 +137,7 @@ class Router:
             raise ConfigError("the router was not started from a deployment file (--deployment)")
         async with self._reload_lock:
             dep = load_deployment(self.deployment_path)
-            placed = plan(dep, flags=self.serve_flags)
+            placed = plan(dep)
             before = set(self.dispatcher.replicas)
             await self._apply(dep, placed)
             after = set(self.dispatcher.replicas)

@@ -10,9 +10,10 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from polychip.config import QUANTIZATIONS
+from polychip.devices.spec import read_yaml_file
 from polychip.errors import ConfigError
 from polychip.router.config import (DEFAULT_PRIORITY_WEIGHTS, POLICY_NAMES, PRIORITY_CLASSES, GuardConfig,
                                     HealthConfig, RouterConfig)
@@ -24,6 +25,15 @@ class DeploymentError(ConfigError):
 
 Name = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
 Weight = Annotated[float, Field(ge=0)]
+
+
+def _known_quantization(v: str | None) -> str | None:
+    if v is not None and v not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {v!r}; expected one of {list(QUANTIZATIONS)} or null")
+    return v
+
+
+Quantization = Annotated[str | None, AfterValidator(_known_quantization)]
 DEVICE_RE = re.compile(r"^[a-z][a-z0-9_]*(:[0-9]+)?$")
 
 
@@ -39,7 +49,7 @@ class ReplicaEntry(_Strict):
     url: str | None = None                       # a replica run elsewhere: not launched, only checked
     model_path: str | None = None                # None: the embedded default model
     dtype: str = "auto"
-    quantization: str | None = None
+    quantization: Quantization = None
     tp_size: int = Field(default=1, ge=1)
     host: str = "127.0.0.1"
     port: int | None = Field(default=None, ge=1, le=65535)   # None: a free port
@@ -77,7 +87,7 @@ class ModelEntry(_Strict):
     baseline: Name | None = None                         # default: the first version
     preferred_device_types: list[str] = Field(default_factory=list)
     dtype: str | None = None                             # what the model needs of a device
-    quantization: str | None = None
+    quantization: Quantization = None
 
     @model_validator(mode="after")
     def _weights(self):
@@ -229,19 +239,5 @@ def from_dict(data: Any, source: str = "<inline>") -> Deployment:
 
 
 def load_deployment(path: str) -> Deployment:
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except FileNotFoundError:
-        raise DeploymentError(f"{path}: deployment file not found") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise DeploymentError(f"{path}: cannot read ({type(e).__name__}: {e})") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        raise DeploymentError(f"{path}: malformed YAML{where}: {getattr(e, 'problem', None) or e}") from None
-    if data is None:
-        raise DeploymentError(f"{path}: the file is empty; expected replicas, models and router")
+    data = read_yaml_file(path, "deployment", "replicas, models and router", DeploymentError)
     return from_dict(data, path)

@@ -40,10 +40,8 @@ def needs(replica: ReplicaEntry, dep: Deployment) -> list[str]:
             if d]
 
 
-def plan(dep: Deployment, records=None, flags: frozenset[str] = frozenset()) -> Plan:
-    """Check ``dep`` against this host's devices; raises DeploymentError listing every problem.
-    ``flags``: what ``polychip serve`` accepts here (``--tp-size`` and ``--quantization`` arrive
-    with their issues; without them, tp > 1 and quantized replicas are refused)."""
+def plan(dep: Deployment, records=None) -> Plan:
+    """Check ``dep`` against this host's devices; raises DeploymentError listing every problem."""
     src = dep.source
     records = discover_plugins() if records is None else records
     by_name = {r.name: r for r in records}
@@ -74,7 +72,8 @@ def plan(dep: Deployment, records=None, flags: frozenset[str] = frozenset()) -> 
         ids = sorted(table)
         start = ids[0] if index is None else index
         dtypes = table.get(start, ())
-        wanted = list(range(start, start + r.tp_size))
+        # ranks of a shareable device (the host's cpu) all run on it, as `serve --tp-size` does there
+        wanted = [start] if kind in SHAREABLE else list(range(start, start + r.tp_size))
         missing = [d for d in wanted if d not in ids]
         if missing:
             what = "tp_size" if r.tp_size > 1 and start in ids else "device"
@@ -87,12 +86,6 @@ def plan(dep: Deployment, records=None, flags: frozenset[str] = frozenset()) -> 
                     problems.append(f"{where}.device: {kind}:{d} is already given to replica {used[(kind, d)]!r}; "
                                     f"expected each {kind} device in one replica")
                 used.setdefault((kind, d), r.name)
-        if r.tp_size > 1 and "--tp-size" not in flags:
-            problems.append(f"{where}.tp_size: {r.tp_size}, but this polychip serve has no --tp-size "
-                            "(tensor parallelism is not in this build); expected 1")
-        if (r.quantization or _model(dep, r).quantization) and "--quantization" not in flags:
-            problems.append(f"{where}.quantization: this polychip serve has no --quantization yet; "
-                            "expected null")
         if r.dtype != "auto" and r.dtype not in dtypes:
             problems.append(f"{where}.dtype: {r.dtype} is not supported by {r.device}; expected one of "
                             f"{list(dtypes)}")
@@ -113,11 +106,6 @@ def plan(dep: Deployment, records=None, flags: frozenset[str] = frozenset()) -> 
             problems.append(f"{src}: models.{i}: no replica can serve model {m.name!r} ({why})")
     raise_problems(src, problems)
     return out
-
-
-def _model(dep: Deployment, r: ReplicaEntry):
-    return next(m for m in dep.models if m.name == r.model)
-
 
 def _entry(dep: Deployment, name: str) -> ReplicaEntry:
     return next(r for r in dep.replicas if r.name == name)

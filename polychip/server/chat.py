@@ -1,20 +1,23 @@
-"""POST /v1/chat/completions: chat template, reasoning split, streaming and not."""
+"""POST /v1/chat/completions: chat template, tools, structured outputs, reasoning split,
+streaming and not."""
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from polychip.config import RESERVED_TEMPLATE_ARGS
 from polychip.errors import InvalidRequestError
 from polychip.server.chat_template import render_and_encode
+from polychip.server.fields import CHAT, check_fields, log_identity
 from polychip.server.protocol import ChatCompletionRequest, usage
 from polychip.server.reasoning import PARSERS
 from polychip.server.serving import (ServerState, chat_logprobs, collect, engine_requests, finish_reason,
                                      request_params, submit, with_max_tokens)
 from polychip.server.streaming import ChunkBuilder, sse, sse_guard
-
-RESERVED_TEMPLATE_ARGS = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token"})
+from polychip.server.tool_calls import ReplyParser, plan_tools, request_grammar, template_messages
 
 
 async def render_prompt(state: ServerState, req: ChatCompletionRequest) -> tuple[str, list[int]]:
@@ -22,11 +25,11 @@ async def render_prompt(state: ServerState, req: ChatCompletionRequest) -> tuple
     off the event loop."""
     if not req.messages:
         raise InvalidRequestError("messages must not be empty")
-    msgs = [m.for_template() for m in req.messages]
-    kwargs = dict(req.chat_template_kwargs or {})
-    clash = sorted(RESERVED_TEMPLATE_ARGS & set(kwargs))
+    msgs = template_messages([m.for_template() for m in req.messages])
+    clash = sorted(set(RESERVED_TEMPLATE_ARGS) & set(req.chat_template_kwargs or {}))
     if clash:
         raise InvalidRequestError(f"chat_template_kwargs cannot set {clash}")
+    kwargs = {**state.config.chat_template_defaults(), **(req.chat_template_kwargs or {})}   # the request wins
     if req.tools:
         kwargs["tools"] = req.tools
     size_check = lambda text: state.engine.check_prompt_size(text, "messages")   # noqa: E731
@@ -36,15 +39,26 @@ async def render_prompt(state: ServerState, req: ChatCompletionRequest) -> tuple
 
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, request: Request) -> Response:
     state.check_model(req.model)
+    check_fields(req, CHAT)
+    rid = request.state.request_id
+    log_identity(req, rid)
     params = request_params(state, req, req.requested_max_tokens, req.num_logprobs())
     prompt_text, ids = await render_prompt(state, req)
     params = with_max_tokens(state, params, [ids], req.requested_max_tokens)
-    rid = request.state.request_id
+    plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, state.config.tool_call_parser,
+                      state.tokenizer.chat_template, prompt_text)
+    grammar = await request_grammar(state.grammar, req.grammar_spec(), plan)
+    if grammar is not None or (plan is not None and plan.stop):
+        params = dataclasses.replace(params, grammar=grammar, stop=params.stop + (plan.stop if plan else []))
     stream = await submit(state, engine_requests(rid, [ids], params, req.priority))
-    parser_cls = PARSERS.get(state.config.reasoning_parser) if req.separate_reasoning else None
+    reasoning_cls = PARSERS.get(state.config.reasoning_parser) if req.separate_reasoning else None
+
+    def reply_parser() -> ReplyParser:
+        return ReplyParser(reasoning_cls(prompt_text) if reasoning_cls else None, plan)
+
     meta = {"id": f"chatcmpl-{rid}", "created": int(time.time()), "model": state.model_name}
     if req.stream:
-        events = _stream_events(state, req, stream, meta, prompt_text, len(ids), parser_cls)
+        events = _stream_events(state, req, stream, meta, len(ids), reply_parser)
         return StreamingResponse(sse_guard(events, stream, rid), media_type="text/event-stream",
                                  headers={"cache-control": "no-cache"})
     finals = await collect(request, stream, params.n)
@@ -53,14 +67,10 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     choices = []
     for i, out in enumerate(finals):
         o = out.outputs[0]
-        msg = {"role": "assistant", "content": o.text}
-        if parser_cls is not None:
-            p = parser_cls(prompt_text)
-            r1, c1 = p.feed(o.text)
-            r2, c2 = p.finish()
-            msg = {"role": "assistant", "content": c1 + c2, "reasoning_content": (r1 + r2) or None}
-        choice = {"index": i, "message": msg, "finish_reason": finish_reason(out), "stop_reason": o.stop_reason,
-                  "logprobs": None}
+        parser = reply_parser()
+        msg = parser.message(o.text)
+        choice = {"index": i, "message": msg, "finish_reason": parser.finish_reason(finish_reason(out)),
+                  "stop_reason": o.stop_reason, "logprobs": None}
         if params.logprobs is not None:
             choice["logprobs"] = {"content": chat_logprobs(state.tokenizer, o.logprobs or [])}
         choices.append(choice)
@@ -69,28 +79,18 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
                          "usage": usage(len(ids), completion, finals[0].num_cached_tokens)})
 
 
-async def _stream_events(state, req, stream, meta, prompt_text, prompt_len, parser_cls):
+async def _stream_events(state, req, stream, meta, prompt_len, reply_parser):
     n = req.n
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     chunks = ChunkBuilder(meta, "chat.completion.chunk", "delta", include_usage)
     for i in range(n):
         yield chunks.choice(i, {"role": "assistant", "content": ""})
-    parsers = [parser_cls(prompt_text) if parser_cls else None for _ in range(n)]
+    parsers = [reply_parser() for _ in range(n)]
     seen = [0] * n
     completion_tokens, cached = 0, 0
     async for i, out in stream:
         o = out.outputs[0]
-        reasoning, content = "", o.delta_text
-        if parsers[i] is not None:
-            reasoning, content = parsers[i].feed(o.delta_text)
-            if out.finished:
-                r2, c2 = parsers[i].finish()
-                reasoning, content = reasoning + r2, content + c2
-        delta = {}
-        if reasoning:
-            delta["reasoning_content"] = reasoning
-        if content:
-            delta["content"] = content
+        delta = parsers[i].feed(o.delta_text, final=out.finished)
         lp = None
         if req.logprobs and len(o.token_ids) > seen[i]:
             lp = {"content": chat_logprobs(state.tokenizer, (o.logprobs or [])[seen[i]:])}
@@ -100,7 +100,7 @@ async def _stream_events(state, req, stream, meta, prompt_text, prompt_len, pars
         if out.finished:
             completion_tokens += len(o.token_ids)
             cached = out.num_cached_tokens if i == 0 else cached
-            yield chunks.choice(i, {}, o.finish_reason, stop_reason=o.stop_reason)
+            yield chunks.choice(i, {}, parsers[i].finish_reason(o.finish_reason), stop_reason=o.stop_reason)
     if include_usage:
         yield chunks.usage(usage(prompt_len, completion_tokens, cached))
     yield sse("[DONE]")

@@ -1,23 +1,28 @@
 """POST /v1/completions: prompt as text, texts, token ids or lists of token ids."""
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from polychip.errors import InvalidRequestError
+from polychip.server.fields import COMPLETIONS, check_fields, log_identity
 from polychip.server.protocol import MAX_TOP_LOGPROBS, CompletionRequest, usage
 from polychip.server.serving import (ServerState, collect, completion_logprobs, engine_requests, finish_reason,
                                      request_params, submit, with_max_tokens)
 from polychip.server.streaming import ChunkBuilder, sse, sse_guard
+from polychip.server.structured import compile_off_loop
 
 
 def _check_unsupported(req: CompletionRequest) -> int | None:
-    if req.suffix:
-        raise InvalidRequestError("suffix is not supported")
-    if req.best_of is not None and req.best_of != req.n:
-        raise InvalidRequestError("best_of is not supported (only best_of == n)")
+    check_fields(req, COMPLETIONS)
+    if req.best_of is not None:
+        if req.best_of < req.n:
+            raise InvalidRequestError(f"best_of must be >= n ({req.n}), got {req.best_of}")
+        if req.best_of > req.n and req.stream:
+            raise InvalidRequestError("best_of > n cannot stream: the best are known only at the end")
     if req.echo and req.logprobs is not None:
         raise InvalidRequestError("echo together with logprobs is not supported (no prompt logprobs)")
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
@@ -41,11 +46,19 @@ async def tokenize_prompts(state: ServerState, prompts: list[str | list[int]]) -
 async def create_completion(state: ServerState, req: CompletionRequest, request: Request) -> Response:
     state.check_model(req.model)
     logprobs = _check_unsupported(req)
+    rid = request.state.request_id
+    log_identity(req, rid)
     tok = state.tokenizer
     params = request_params(state, req, req.max_tokens, logprobs, len(req.prompts()))
+    grammar = await compile_off_loop(state.grammar, req.grammar_spec())
     prompts = await tokenize_prompts(state, req.prompts())
     params = with_max_tokens(state, params, prompts, req.max_tokens)
-    rid = request.state.request_id
+    if grammar is not None:
+        params = dataclasses.replace(params, grammar=grammar)
+    best_of = req.best_of if req.best_of is not None and req.best_of > params.n else None
+    if best_of is not None:   # candidates carry their chosen-token logprobs to be ranked
+        state.engine.check_group_size(len(prompts) * best_of)
+        params = dataclasses.replace(params, n=best_of, logprobs=logprobs or 0)
     stream = await submit(state, engine_requests(rid, prompts, params, req.priority))
     echoes = [(p if isinstance(p, str) else tok.decode(ids)) if req.echo else ""
               for p, ids in zip(req.prompts(), prompts)]
@@ -59,16 +72,29 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
     finals = await collect(request, stream, count)
     if finals is None:
         return Response(status_code=499)
+    completion = sum(len(out.token_ids) for out in finals)      # every candidate was generated
+    if best_of is not None:
+        finals = best_of_n(finals, best_of, req.n)
+        params = dataclasses.replace(params, n=req.n)
     choices = []
     for i, out in enumerate(finals):
         o = out.outputs[0]
         choices.append({"index": i, "text": echoes[i // params.n] + o.text, "finish_reason": finish_reason(out),
                         "stop_reason": o.stop_reason,
                         "logprobs": None if logprobs is None else completion_logprobs(tok, o.logprobs or [], 0)})
-    completion = sum(len(out.token_ids) for out in finals)
     cached = sum(out.num_cached_tokens for out in finals[::params.n])
     return JSONResponse({**meta, "object": "text_completion", "choices": choices,
                          "usage": usage(prompt_tokens, completion, cached)})
+
+
+def best_of_n(finals: list, best_of: int, n: int) -> list:
+    """Per prompt, the n of ``best_of`` candidates with the highest cumulative logprob, best first."""
+    out = []
+    for start in range(0, len(finals), best_of):
+        group = finals[start:start + best_of]
+        score = [sum(lp.logprob for lp in (g.outputs[0].logprobs or [])) for g in group]
+        out.extend(group[j] for j in sorted(range(len(group)), key=lambda j: -score[j])[:n])
+    return out
 
 
 async def _stream_events(state, req, stream, meta, echoes, prompt_tokens):

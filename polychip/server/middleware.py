@@ -94,8 +94,9 @@ class Gate:
             return b"", (408, error_body(f"the request body did not arrive within {self.body_timeout:g} s "
                                          "(--timeout-request-body)", "invalid_request_error", None, 408), {})
         # a body is JSON or nothing: a form or text/plain POST is what a web page can send cross-site.
+        # An empty POST needs no type (sglang-router fans POST /flush_cache out without one).
         # Checked once the body is read, so the connection stays usable (unread bytes make a reset).
-        if refusal is None and not is_json(headers):
+        if refusal is None and body and not is_json(headers):
             given = headers.get(b"content-type", b"").decode("latin-1") or "none"
             refusal = (415, error_body(f"the body must be sent as 'Content-Type: application/json' "
                                        f"(got {printable(given)!r})", "invalid_request_error", None, 415), {})
@@ -145,5 +146,5 @@ async def _send_json(send, status: int, body: dict, headers: dict) -> None:
 
 def _route_label(path: str) -> str:
     known = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/server_info",
-             "/flush_cache")
+             "/flush_cache", "/generate", "/model_info", "/get_model_info", "/get_server_info", "/health_generate")
     return path if path in known else "other"

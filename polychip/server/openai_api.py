@@ -1,5 +1,6 @@
-"""The FastAPI app: OpenAI routes, health, models, metrics, and two operator endpoints
-(``/server_info`` with the KV pool state and an integrity check, ``/flush_cache``).
+"""The FastAPI app: OpenAI routes, health, models, metrics, two operator endpoints
+(``/server_info`` with the KV pool state and an integrity check, ``/flush_cache``), and SGLang's
+native worker routes (server/sglang_api.py: /generate, /model_info, /health_generate).
 
 The routes are module-level handlers on one APIRouter; each finds the server's state on
 ``request.app.state.polychip``. Errors are turned into OpenAI error bodies by the app's exception
@@ -19,7 +20,7 @@ from polychip.config import ServerConfig
 from polychip.engine.async_engine import AsyncEngine
 from polychip.engine.engine import COUNTERS, Engine
 from polychip.models.gguf import default_gguf_path
-from polychip.server import chat, completions, server_info
+from polychip.server import chat, completions, server_info, sglang_api
 from polychip.server.errors import error_response, install_error_handlers, parse_body
 from polychip.server.metrics import CONTENT_TYPE, ServerMetrics
 from polychip.server.middleware import Gate
@@ -70,11 +71,11 @@ async def pool_info(ae: AsyncEngine) -> dict:
             "counters": {name: getattr(s, name) for name in COUNTERS}}
 
 
-@router.post("/flush_cache")
-async def flush_cache(request: Request):
+@router.api_route("/flush_cache", methods=["GET", "POST"])     # SGLang's methods; always 200 here:
+async def flush_cache(request: Request):                          # only pages no request holds are freed
     ae = state_of(request).engine
     released = await ae.flush_prefix_cache()
-    return {"released_pages": released, **await pool_info(ae)}
+    return {"message": "Cache flushed.", "released_pages": released, **await pool_info(ae)}
 
 
 @router.get("/metrics")
@@ -120,6 +121,7 @@ def build_app(engine: Engine, cfg: ServerConfig | None = None) -> tuple[Gate, Se
     install_error_handlers(app, KNOWN_PARAMS)
     app.include_router(router)
     app.include_router(server_info.router)     # /server_info, /get_server_info
+    app.include_router(sglang_api.router)      # /generate, /model_info, /get_model_info, /health_generate
     on_response = (lambda m, r, s: metrics.http.labels(m, r, str(s)).inc()) if metrics is not None else None
     gate = Gate(app, api_key=cfg.api_key, max_body_bytes=cfg.max_request_body_bytes,
                 body_timeout=cfg.timeout_request_body, on_response=on_response)

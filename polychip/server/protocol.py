@@ -12,6 +12,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_v
 
 from polychip.engine.sampling_params import MAX_N, SamplingParams
 from polychip.errors import InvalidRequestError
+from polychip.server.fields import RefusedFields
+from polychip.server.structured import StructuredFields
 
 MAX_TOP_LOGPROBS = 20
 # integers the engine hands to torch must fit in int64; seeds leave room for seed + j (n choices)
@@ -28,8 +30,9 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool = False
 
 
-class _Sampling(_Strict):
-    """Fields shared by chat and text completions."""
+class _Sampling(_Strict, RefusedFields, StructuredFields):
+    """Fields shared by chat and text completions (the structured-output ones and the refused ones
+    come from their owners: server/structured.py, server/fields.py)."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -53,6 +56,8 @@ class _Sampling(_Strict):
     stop_token_ids: list[Int64] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    spaces_between_special_tokens: bool = False
+    logit_bias: dict[str, float] | None = None
     priority: Int64 = 0
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
@@ -65,7 +70,20 @@ class _Sampling(_Strict):
             max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop or [],
             stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos, logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output)
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            logit_bias=self.token_logit_bias())
+
+    def token_logit_bias(self) -> dict[int, float] | None:
+        """OpenAI sends token ids as strings."""
+        if not self.logit_bias:
+            return None
+        out = {}
+        for key, bias in self.logit_bias.items():
+            if not key.strip().isdigit():
+                raise InvalidRequestError(f"logit_bias keys must be token ids (digits), got {key!r}")
+            out[int(key)] = bias
+        return out
 
 
 class ContentPart(_Strict):
@@ -101,6 +119,8 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: Int64 | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
     # extensions
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True

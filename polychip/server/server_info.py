@@ -3,6 +3,9 @@ about this replica — model id and version label, plugin and device, dtypes, tp
 live figures of ``Engine.stats()`` (queue lengths, KV usage, prefix-cache hit rate, pool pages),
 with the pool's integrity check.
 
+SGLang's fields (its ``ServerArgs`` names, ``status``, ``internal_states``; server/sglang_api.py)
+come first, so sglang-router can register the replica; polychip's own keys win where names meet.
+
 The version label comes from ``POLYCHIP_VERSION_LABEL`` (the router sets it for replicas it
 launches; a hand-started replica may set it too); unset it reads ``"default"``.
 """
@@ -19,6 +22,7 @@ from polychip.engine.engine import COUNTERS, Engine
 from polychip.engine.stats import EngineStats
 from polychip.errors import IntegrityError
 from polychip.server.serving import ServerState, state_of
+from polychip.server.sglang_api import server_args
 
 VERSION_ENV = "POLYCHIP_VERSION_LABEL"
 DEFAULT_VERSION = "default"
@@ -45,7 +49,8 @@ def identity(state: ServerState, version: str) -> dict[str, Any]:
             "device_type": plugin.name, "device_index": plugin.index, "device": f"{plugin.name}:{plugin.index}",
             "torch_device_type": plugin.torch_device_type, "dtype": str(engine.loaded.dtype).removeprefix("torch."),
             "kv_cache_dtype": str(engine.kv_dtype).removeprefix("torch."),
-            "device_dtypes": list(supported_dtypes(plugin)), "quantization": None, "tp_size": engine.config.tp_size,
+            "device_dtypes": list(supported_dtypes(plugin)), "quantization": engine.loaded.quantization,
+            "tp_size": engine.config.tp_size,
             "max_running_requests": engine.config.max_running_requests,
             "max_waiting_requests": state.config.max_waiting_requests}
 
@@ -67,6 +72,7 @@ async def server_info(request: Request):
     state = state_of(request)
     app_state = request.app.state
     if not hasattr(app_state, "server_identity"):     # fixed for the life of the server: built once
-        app_state.server_identity = identity(state, os.environ.get(VERSION_ENV) or DEFAULT_VERSION)
+        app_state.server_identity = {**server_args(state),
+                                     **identity(state, os.environ.get(VERSION_ENV) or DEFAULT_VERSION)}
     ae = state.engine
     return build_server_info(app_state.server_identity, await ae.current_stats(), await ae.call(integrity))

@@ -37,6 +37,11 @@ class ServerState:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
+    @property
+    def grammar(self):
+        """The engine's GrammarBackend (thread-safe compile)."""
+        return self.engine.engine.grammar
+
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
