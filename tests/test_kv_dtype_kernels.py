@@ -221,3 +221,23 @@ def test_native_attention_matches_the_reference_on_a_mixed_batch(dtype):
         if kernels is not None:    # the CPU plugin's op: the same frame with the kernels as its halves
             attention = cpu_ops.make_ops(kernels, NATIVE.native)["attention"]
             _close(attention(q, k, v, kc, vc, meta, d ** -0.5, **kw), want, v_scale)
+
+
+def test_the_kit_checks_attention_on_every_declared_kv_dtype():
+    """The conformance kit's op check runs a plugin's attention on each KV dtype it declares: one
+    that ignores the fp8 scales fails there, and only there."""
+    from polychip.pluginkit.numerics import check_registered_ops
+
+    def checks(attention):
+        registry = OpRegistry("fake")
+        register_native(registry)
+        registry.register("attention", 1, "float32", attention)
+        return {c.dtype: c for c in check_registered_ops(
+            registry, ("float32",), kv_cache_dtypes=lambda dt: (dt, "bfloat16", "float8_e4m3fn"))}
+
+    native = NATIVE.native("attention")
+    good = checks(native)
+    assert set(good) == {"float32", "float32, bfloat16 KV", "float32, float8_e4m3fn KV"}
+    assert all(c.ok for c in good.values())
+    bad = checks(lambda *args, k_scale=1.0, v_scale=1.0: native(*args))    # drops the scales
+    assert bad["float32"].ok and bad["float32, bfloat16 KV"].ok and not bad["float32, float8_e4m3fn KV"].ok
