@@ -1,6 +1,9 @@
 """Time of one decode step at batch B and context L, and the CPU kernels' share of it.
 
     .venv/bin/python bench/decode_step_ops.py B L     # e.g. 16 800, or 1 800
+
+The steps run eager (--disable-cuda-graph): the compiled decode step calls the kernels through the
+dispatcher, past this script's timing wrapper. bench/decode_overhead.py compares the two paths.
 """
 import collections
 import random
@@ -37,7 +40,7 @@ from polychip.engine.llm import LLM  # noqa: E402  (after the kernels are wrappe
 from polychip.engine.sampling_params import SamplingParams  # noqa: E402
 
 B, L = int(sys.argv[1]), int(sys.argv[2])
-llm = LLM(num_threads=2, dtype="float32")
+llm = LLM(num_threads=2, dtype="float32", disable_cuda_graph=True)
 rng = random.Random(0)
 engine = llm.engine
 for _ in range(B):

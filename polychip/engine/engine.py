@@ -267,6 +267,7 @@ class Engine:
                            self.pool.num_bytes if self.pool.storage is not None else 0, os.getpid()),)
 
     def shutdown(self) -> None:
+        self.runner.release_compiled()     # graphs and recorded steps hold the pool's caches
         self.pool.release()
         if self.tp is not None:
             self.tp.stop()       # destroys rank 0's device too

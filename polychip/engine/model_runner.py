@@ -141,6 +141,12 @@ class ModelRunner:
         if self.static is not None:
             self.static.compile_all(self.model, self.kv_caches, scratch_page, self.kv_scales)
 
+    def release_compiled(self) -> None:
+        """Drop the static path's compiled steps (at shutdown, before the KV pool they refer to)."""
+        if self.static is not None:
+            for bucket in self.static.buckets:
+                bucket.compiled = None
+
     def _next_buffers(self) -> StepInputs:
         buf = self.buffers[self._turn]
         self._turn ^= 1

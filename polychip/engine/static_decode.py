@@ -148,8 +148,7 @@ class StaticDecode:
 
     @torch.inference_mode()
     def warm(self, bucket: DecodeBucket) -> None:
-        empty = _Empty(self.page_size)
-        bucket.pack(empty, self.scratch_slot, self.page_size)
+        bucket.pack(_Empty(), self.scratch_slot, self.page_size)
         self.plugin.copy(bucket.ints, bucket.host_ints)
         bucket.compiled()
         self.plugin.synchronize()
@@ -158,7 +157,7 @@ class StaticDecode:
 class _Empty:
     """A step with no rows: every row of a bucket padding."""
 
-    def __init__(self, page_size: int):
+    def __init__(self):
         self.input_ids = self.positions = self.slot_mapping = self.decode_lens = self.sample_rows = \
             np.zeros(0, dtype=np.int64)
         self.decode_pages = np.zeros((0, 1), dtype=np.int64)

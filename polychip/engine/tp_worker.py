@@ -77,6 +77,7 @@ def serve_rank(config: EngineConfig, rank: int, device: str, host: str, port: in
             runner.execute(runner.to_device(host_batch))
             steps += 1
         log.info("rank %d: stopped by rank 0 after %d steps", rank, steps)
+        runner.release_compiled()
         pool.release()
     finally:
         beat.stop()

@@ -23,6 +23,7 @@ PyTorch ops, the native ops everywhere else.
 from __future__ import annotations
 
 import functools
+from contextlib import contextmanager
 from typing import Callable
 
 import torch
@@ -33,6 +34,30 @@ from polychip.devices.ops import AttentionMetadata, OpRegistrar
 
 TILES_MAX_M = 64       # rows up to which linear_tiles beats BLAS (bench/linear_kernels.py)
 BLOCK_ROWS_PREFILL = 256    # 576-row outputs split evenly across 2 threads; 512 left one thread idle for 64 rows
+
+
+#: the extension's kernels, each also a torch operator ``torch.ops.polychip_cpu.<name>`` (csrc/bindings.cpp)
+KERNELS = ("paged_decode_attention", "paged_prefill_attention", "linear_tiles", "linear_blocks",
+           "linear_int8_tiles", "linear_int8_blocks", "rms_norm", "add_rms_norm", "silu_mul", "rotary_embedding")
+
+
+class KernelTable:
+    """The kernels the ops call. Normally the extension's own functions (a pybind call, ~1.5 us
+    cheaper than the dispatcher's); while a step is recorded for replay (``as_operators``), the
+    same kernels as torch operators, so that the dispatcher, and the recorder in it, sees them."""
+
+    def __init__(self, module):
+        self.module = module
+        self._direct = {name: getattr(module, name) for name in KERNELS}
+        self.__dict__.update(self._direct)
+
+    @contextmanager
+    def as_operators(self):
+        self.__dict__.update({name: getattr(torch.ops.polychip_cpu, name).default for name in KERNELS})
+        try:
+            yield self
+        finally:
+            self.__dict__.update(self._direct)
 
 
 def make_ops(kernels, native: Callable[[str], Callable]) -> dict:
@@ -94,14 +119,17 @@ def make_int8_ops(kernels, native: Callable[[str], Callable]) -> dict:
 OPS = ("linear", "attention", "linear_int8") + row_ops.ROW_OPS
 
 
-def register(registry: OpRegistrar) -> None:
-    """Register the kernels' ops for float32 when they build; otherwise the native ops serve."""
-    kernels = cpu_kernels.load()
-    if kernels is None:
+def register(registry: OpRegistrar) -> KernelTable | None:
+    """Register the kernels' ops for float32 when they build; otherwise the native ops serve.
+    Returns the table the ops call the kernels through (None when they did not build)."""
+    module = cpu_kernels.load()
+    if module is None:
         for name in OPS:
             registry.register_unavailable(name, cpu_kernels.unavailable_reason())
-        return
+        return None
+    kernels = KernelTable(module)
     ops = make_ops(kernels, registry.native) | row_ops.make_ops(kernels, registry.native) | \
         make_int8_ops(kernels, registry.native)
     for name, fn in ops.items():
         registry.register(name, 1, "float32", fn)
+    return kernels

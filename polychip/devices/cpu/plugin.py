@@ -5,6 +5,7 @@ import logging
 import os
 import platform
 import re
+from typing import Callable
 
 import torch
 
@@ -94,6 +95,7 @@ class CpuPlugin(DevicePlugin):
     def __init__(self):
         super().__init__()
         self.memory = HugePageAllocator()
+        self.kernels = None      # the KernelTable the ops call, once register_ops found the kernels built
 
     def init(self, spec=None, index: int = 0, num_threads: int | None = None) -> None:
         """``num_threads``: torch's intra-op threads, which run the kernels and the native ops."""
@@ -135,7 +137,15 @@ class CpuPlugin(DevicePlugin):
     def register_ops(self, registry) -> None:
         """float32 C++ fast paths (decode attention, linear, row ops) when they build."""
         from polychip.devices.cpu import ops
-        ops.register(registry)
+        self.kernels = ops.register(registry)
+
+    def compile(self, fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        """The step recorded on its first call and replayed in C++ afterwards (compiled_step.py);
+        as is when the kernels (which hold the replay) did not build."""
+        if self.kernels is None:
+            return fn
+        from polychip.devices.cpu.compiled_step import CompiledStep
+        return CompiledStep(fn, self.kernels, getattr(fn, "label", "the step"))
 
     def versions(self) -> dict[str, str]:
         return {"runtime": f"torch {torch.__version__}", "blas": blas_version(),

@@ -21,6 +21,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up);
 std::vector<torch::Tensor> rotary_embedding(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin);
+void bind_replay(py::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
@@ -42,4 +43,49 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "(rms_norm(residual + x), residual + x) (float32)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up (float32)");
   m.def("rotary_embedding", &rotary_embedding, "neox rotary on q and k, new contiguous outputs (float32)");
+  bind_replay(m);
+}
+
+// The same kernels as torch operators (torch.ops.polychip_cpu.*), so that the dispatcher sees them:
+// a TorchDispatchMode records them and C++ can call them boxed by name (the compiled decode step,
+// ../compiled_step.py), and torch.compile traces them as single nodes.
+namespace {
+std::tuple<torch::Tensor, torch::Tensor> add_rms_norm_op(torch::Tensor x, torch::Tensor residual,
+                                                         torch::Tensor weight, double eps) {
+  auto r = add_rms_norm(x, residual, weight, eps);
+  return {r[0], r[1]};
+}
+std::tuple<torch::Tensor, torch::Tensor> rotary_embedding_op(torch::Tensor q, torch::Tensor k, torch::Tensor cos,
+                                                             torch::Tensor sin) {
+  auto r = rotary_embedding(q, k, cos, sin);
+  return {r[0], r[1]};
+}
+}  // namespace
+
+TORCH_LIBRARY(polychip_cpu, m) {
+  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor lens, "
+        "float scale) -> Tensor");
+  m.def("paged_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor(a!) out, Tensor segments, "
+        "Tensor block_table, float scale) -> ()");
+  m.def("linear_tiles(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.def("linear_blocks(Tensor x, Tensor w, Tensor? bias, int block) -> Tensor");
+  m.def("linear_int8_tiles(Tensor x, Tensor w, Tensor scales, Tensor? bias) -> Tensor");
+  m.def("linear_int8_blocks(Tensor x, Tensor w, Tensor scales, Tensor? bias, int block) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
+  m.def("rotary_embedding(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(polychip_cpu, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("paged_prefill_attention", &paged_prefill_attention);
+  m.impl("linear_tiles", &linear_tiles);
+  m.impl("linear_blocks", &linear_blocks);
+  m.impl("linear_int8_tiles", &linear_int8_tiles);
+  m.impl("linear_int8_blocks", &linear_int8_blocks);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm_op);
+  m.impl("silu_mul", &silu_mul);
+  m.impl("rotary_embedding", &rotary_embedding_op);
 }
