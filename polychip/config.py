@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from polychip.dtypes import MODEL_DTYPES
+from polychip.dtypes import KV_CACHE_DTYPES, MODEL_DTYPES
 from polychip.errors import ConfigError
 
 # Names owned here; the scheduler and the reasoning-parser table are keyed by them (tests/test_config.py).
@@ -103,6 +103,10 @@ class EngineConfig(_FromKwargs):
                                           group="KV pool and scheduler")
     mem_fraction_static: float | None = option(None, "share of free device memory for the KV pool "
                                                      "(default: the plugin's)", group="KV pool and scheduler")
+    kv_cache_dtype: str = option("auto", "what the KV pool stores: auto (the compute dtype), bfloat16, or fp8 "
+                                         "(fp8_e4m3, fp8_e5m2) with a per-layer scale of 1.0 as vLLM without "
+                                         "calibration; the device must support it", group="KV pool and scheduler",
+                                 choices=tuple(KV_CACHE_DTYPES))
     # scheduler
     chunked_prefill_size: int = option(512, "token budget of one step", group="KV pool and scheduler")
     max_running_requests: int = option(64, "requests decoded together at most", group="KV pool and scheduler")
@@ -135,6 +139,7 @@ class EngineConfig(_FromKwargs):
     def __post_init__(self):
         _check_choice("dtype", self.dtype, MODEL_DTYPES)
         _check_choice("schedule_policy", self.schedule_policy, SCHEDULE_POLICIES)
+        _check_choice("kv_cache_dtype", self.kv_cache_dtype, tuple(KV_CACHE_DTYPES))
         if self.quantization is not None:
             _check_choice("quantization", self.quantization, QUANTIZATIONS)
         _check_min(self, ("page_size", "chunked_prefill_size", "max_running_requests", "max_model_len",

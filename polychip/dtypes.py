@@ -7,6 +7,10 @@ from __future__ import annotations
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")            # compute dtypes a model may run in
 MODEL_DTYPES = ("auto",) + FLOAT_DTYPES                       # what --dtype accepts
-KNOWN_DTYPES = FLOAT_DTYPES + ("int8", "int4", "float8_e4m3fn", "float8_e5m2")   # what a spec may declare
+FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
+KNOWN_DTYPES = FLOAT_DTYPES + ("int8", "int4") + FP8_DTYPES   # what a spec may declare
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16",
                  "float": "float32", "fp8": "float8_e4m3fn"}
+#: --kv-cache-dtype (vLLM's and SGLang's names) -> the torch dtype name the KV pool is stored in;
+#: "auto" is the model's compute dtype
+KV_CACHE_DTYPES = {"auto": None, "bfloat16": "bfloat16", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}

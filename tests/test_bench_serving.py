@@ -26,6 +26,12 @@ def fake_app(state: dict) -> FastAPI:
     async def models():
         return {"object": "list", "data": [{"id": "fake-model", "object": "model"}]}
 
+    @app.get("/server_info")
+    async def server_info():
+        if "server_info" not in state:
+            return JSONResponse({"error": "not here"}, status_code=404)
+        return state["server_info"]
+
     @app.get("/metrics")
     async def metrics():
         n = state["completions"]
@@ -116,6 +122,8 @@ def test_cli_writes_json_markdown_and_plot_then_compare(fake_server, tmp_path, m
         assert (tmp_path / f"new.{ext}").stat().st_size > 0
     saved = report.load_json(str(tmp_path / "new.json"))
     assert saved["label"] == "new" and saved["steps"][1]["input_tokens"] == 2 * 12
+    assert "no /server_info" in saved["roofline"]["none"]            # another engine: said, not guessed
+    assert "No workload roofline: no /server_info" in (tmp_path / "new.md").read_text()
     # the same fake server twice: no regression at a generous threshold; a doctored one is flagged
     assert bench_cmd.main(["compare", str(tmp_path / "old.json"), str(tmp_path / "new.json"), "--threshold", "5"]) == 0
     saved["steps"][0]["output_throughput"] /= 10
@@ -123,3 +131,34 @@ def test_cli_writes_json_markdown_and_plot_then_compare(fake_server, tmp_path, m
     assert bench_cmd.main(["compare", str(tmp_path / "old.json"), str(tmp_path / "worse.json")]) == 1
     assert bench_cmd.main(["plot", str(tmp_path / "old.json"), str(tmp_path / "new.json"),
                            "-o", str(tmp_path / "both.png")]) == 0
+
+
+def test_cli_rates_each_step_against_the_servers_roofline(fake_server, tmp_path, monkeypatch, model_factory):
+    """A server that reports its model folder, dtype and KV dtype gets a roofline per step: the
+    machine measured before and after the sweep, each step against its own requests."""
+    url, state = fake_server
+    from polychip.bench import datasets, roofline
+
+    class WordTokenizer:
+        vocab_size = 1000
+        encode = staticmethod(lambda text, add_special_tokens=True: [int(w[1:]) for w in text.split()])
+        decode = staticmethod(lambda ids, skip_special_tokens=True: " ".join(f"w{i}" for i in ids))
+    monkeypatch.setattr(datasets, "load_tokenizer", lambda path=None: WordTokenizer())
+    small = roofline.measure_machine
+    calls = []
+
+    def measure(shape, plugin=None):
+        calls.append(plugin.name)
+        return small(shape, 1, plugin, mib=2)
+    monkeypatch.setattr(roofline, "measure_machine", measure)
+    state["server_info"] = {"model_path": model_factory("llama", False), "dtype": "float32",
+                            "kv_cache_dtype": "bfloat16", "quantization": None, "plugin": "cpu"}
+    assert bench_cmd.main(["serving", "--base-url", url, "--concurrency", "1,2", "--input-len", "12",
+                           "--output-len", "5", "--out-dir", str(tmp_path), "--no-progress", "--name", "r"]) == 0
+    saved = report.load_json(str(tmp_path / "r.json"))
+    assert calls == ["cpu", "cpu"] and len(saved["roofline"]["machine_measurements"]) == 2
+    assert saved["roofline"]["storage"] == "float32 weights, bfloat16 KV"
+    for step in saved["steps"]:
+        assert step["pct_roofline"] == pytest.approx(100 * step["output_throughput"] / step["roofline_output_tok_s"])
+        assert step["pct_roofline"] > 0 and step["pct_weights_only_roofline"] > 0
+    assert "% roofline (old)" in (tmp_path / "r.md").read_text()

@@ -29,4 +29,4 @@ def test_peers_has_an_int8_row(model_factory, tmp_path, monkeypatch):
     assert row["engine"] == "polychip int8" and row["output_tokens"] == 6 and row["decode_tok_s"] > 0
     assert "polychip-int8" in res["ratios"]
     table = (tmp_path / "peers.md").read_text()
-    assert "| polychip int8 |" in table and "its % columns are of the float32 rooflines" in table
+    assert "| polychip int8 |" in table and "its % columns are of its own int8 roofline" in table

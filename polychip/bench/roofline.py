@@ -2,8 +2,16 @@
 
 * memory bandwidth: the best of a few full reads (sum) of a tensor far larger than the caches;
 * matmul FLOP/s: the best of a few passes over one decoder layer's matmuls at the model's shapes;
-* the workload roofline: prompt tokens x 2 x (non-embedding params) / FLOP/s, plus, for each
-  decode step, the larger of weight bytes / bandwidth and batch x 2 x params / FLOP/s.
+* the workload roofline: every step takes the larger of its bytes / bandwidth and its FLOPs /
+  FLOP/s. A step's bytes are everything it must read: the weights as the engine stores them
+  (``Storage``: float32 4 bytes, int8 1 byte plus its per-row scales, a GGUF file's own tensor
+  bytes), the embedding rows of its tokens, and the KV cache of every sequence in the batch at
+  its current length in the KV dtype. Its FLOPs are the matmuls' (2 per weight per token, the LM
+  head only for the rows that sample) plus attention's (4 x heads x head_dim per query token per
+  key it attends to, causal in prefill).
+
+``weights_only_*`` is the roofline before issue 17 (float32 weights, no KV bytes, no attention
+FLOPs), kept to show the change once beside the honest one.
 
 Both are measured on a device plugin's device (the CPU when none is given); the plugin's
 ``synchronize`` runs before every clock read, since accelerator work is asynchronous.
@@ -55,7 +63,48 @@ class ModelShape:
 
     @property
     def decode_weight_bytes(self) -> int:
+        """float32 weights of the layers and the LM head: the weights-only roofline's bytes."""
         return self.decode_params * self.dtype_bytes
+
+    @property
+    def attention_flops_per_key(self) -> int:
+        """FLOPs of one query token against one cached token, all layers: q.k and p.v for every head."""
+        return 4 * self.num_layers * self.num_heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class Storage:
+    """How an engine stores what a step reads: bytes per matmul weight (4 float32, 1 int8) plus bytes
+    of scale per output row (int8's per-channel scales), or the measured bytes of all its weights
+    (a GGUF file); bytes per cached K or V element (the KV dtype); bytes per embedding and norm value."""
+
+    label: str
+    weight_bytes: float = 4
+    row_scale_bytes: int = 0
+    kv_bytes: float = 4
+    float_bytes: int = 4
+    file_weight_bytes: int | None = None
+
+    def weights(self, shape: ModelShape) -> int:
+        """Bytes of weights one forward reads: every layer's matmuls and norms, the final norm and
+        the LM head (a tied one reads the embedding matrix)."""
+        if self.file_weight_bytes is not None:
+            return self.file_weight_bytes
+        rows = sum(o for o, _ in shape.layer_matmuls()) * shape.num_layers + shape.vocab
+        norms = (2 * shape.num_layers + 1) * shape.hidden * self.float_bytes
+        return int(shape.decode_params * self.weight_bytes + rows * self.row_scale_bytes + norms)
+
+    def kv_per_token(self, shape: ModelShape) -> float:
+        """Bytes of K and V of one cached token, all layers."""
+        return 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * self.kv_bytes
+
+
+FLOAT32 = Storage("float32 weights, float32 KV")
+
+
+def kv_itemsize(dtype_name: str) -> int:
+    """Bytes per element of a torch dtype name (the KV dtype)."""
+    return getattr(torch, dtype_name).itemsize
 
 
 @dataclass
@@ -128,32 +177,90 @@ def best_of(a: Machine, b: Machine) -> Machine:
                    max(a.matmul_gflops, b.matmul_gflops), a.threads, a.device)
 
 
-def decode_step_seconds(shape: ModelShape, m: Machine, batch: int) -> float:
+@dataclass(frozen=True)
+class Step:
+    """One step's roofline: the bytes it reads, its FLOPs, and the time the slower limit gives."""
+
+    bytes: float
+    flops: float
+    seconds: float
+
+
+def _step(nbytes: float, flops: float, m: Machine) -> Step:
+    return Step(nbytes, flops, max(nbytes / (m.bandwidth_gbs * 1e9), flops / (m.matmul_gflops * 1e9)))
+
+
+def decode_step(shape: ModelShape, st: Storage, m: Machine, contexts: list[int]) -> Step:
+    """A decode step of ``len(contexts)`` sequences, each attending to ``contexts[i]`` tokens (its
+    cached ones and the new one): the weights once, the sequences' KV, their embedding rows."""
+    tokens = sum(contexts)
+    nbytes = st.weights(shape) + tokens * st.kv_per_token(shape) + len(contexts) * shape.hidden * st.float_bytes
+    flops = len(contexts) * 2 * shape.decode_params + tokens * shape.attention_flops_per_key
+    return _step(nbytes, flops, m)
+
+
+def prefill(shape: ModelShape, st: Storage, m: Machine, prompt_lens: list[int]) -> Step:
+    """The prompts' prefill (no cached prefix): the weights read once, the matmuls of every
+    prompt token, the LM head for each prompt's last token, causal attention over each prompt."""
+    tokens = sum(prompt_lens)
+    causal_keys = sum(n * (n + 1) // 2 for n in prompt_lens)
+    flops = (tokens * 2 * shape.non_embedding_params + len(prompt_lens) * 2 * shape.lm_head_params
+             + causal_keys * shape.attention_flops_per_key)
+    return _step(st.weights(shape) + tokens * shape.hidden * st.float_bytes, flops, m)
+
+
+def single_stream_decode_ceiling(shape: ModelShape, st: Storage, m: Machine, prompt_len: int, tokens: int) -> float:
+    """Tokens/s of one stream decoding ``tokens`` tokens after a ``prompt_len`` prompt (the first
+    decode step attends to prompt_len + 1 tokens), every step at its roofline."""
+    total = sum(decode_step(shape, st, m, [prompt_len + k]).seconds for k in range(1, tokens + 1))
+    return tokens / total
+
+
+def prefill_ceiling(shape: ModelShape, st: Storage, m: Machine, prompt_len: int) -> float:
+    """Prompt tokens/s of one ``prompt_len`` prefill at its roofline."""
+    return prompt_len / prefill(shape, st, m, [prompt_len]).seconds
+
+
+def workload_seconds(shape: ModelShape, st: Storage, m: Machine, num_requests: int, input_len: int,
+                     output_len: int, concurrency: int) -> dict:
+    """Roofline time of ``num_requests`` requests run in waves of ``concurrency``: each wave's
+    prefill, then ``output_len - 1`` decode steps (prefill gives the first token), step k of a
+    wave reading every sequence's input_len + k cached tokens."""
+    prefill_s = decode_s = 0.0
+    read = flops = 0.0
+    left = num_requests
+    while left > 0:
+        b = min(concurrency, left)
+        p = prefill(shape, st, m, [input_len] * b)
+        prefill_s, read, flops = prefill_s + p.seconds, read + p.bytes, flops + p.flops
+        for k in range(1, output_len):
+            d = decode_step(shape, st, m, [input_len + k] * b)
+            decode_s, read, flops = decode_s + d.seconds, read + d.bytes, flops + d.flops
+        left -= b
+    total = prefill_s + decode_s
+    return {"storage": st.label, "prefill_s": prefill_s, "decode_s": decode_s, "total_s": total,
+            "output_tok_s": num_requests * output_len / total if total else 0.0,
+            "bytes_read": read, "flops": flops}
+
+
+# The roofline before issue 17: float32 weights only, no KV bytes, no attention FLOPs (shown once
+# beside the honest one; see the module docstring).
+
+def weights_only_decode_step_seconds(shape: ModelShape, m: Machine, batch: int) -> float:
     memory = shape.decode_weight_bytes / (m.bandwidth_gbs * 1e9)
     compute = batch * 2 * shape.decode_params / (m.matmul_gflops * 1e9)
     return max(memory, compute)
 
 
-def single_stream_decode_ceiling(shape: ModelShape, m: Machine) -> float:
-    """Tokens/s of one stream if every decode step only read the weights once at full bandwidth."""
-    return 1.0 / decode_step_seconds(shape, m, 1)
-
-
-def prefill_ceiling(shape: ModelShape, m: Machine) -> float:
-    """Prompt tokens/s if prefill ran at the measured matmul speed."""
-    return m.matmul_gflops * 1e9 / (2 * shape.non_embedding_params)
-
-
-def workload_seconds(shape: ModelShape, m: Machine, num_requests: int, input_len: int, output_len: int,
-                     concurrency: int) -> dict:
-    """Roofline time of ``num_requests`` requests run in waves of ``concurrency``: prefill at matmul
-    speed, then ``output_len - 1`` decode steps per wave (prefill gives the first token)."""
-    prefill = num_requests * input_len * 2 * shape.non_embedding_params / (m.matmul_gflops * 1e9)
-    decode, left = 0.0, num_requests
+def weights_only_workload_seconds(shape: ModelShape, m: Machine, num_requests: int, input_len: int,
+                                  output_len: int, concurrency: int) -> dict:
+    prefill_s = num_requests * input_len * 2 * shape.non_embedding_params / (m.matmul_gflops * 1e9)
+    decode_s, left = 0.0, num_requests
     while left > 0:
         b = min(concurrency, left)
-        decode += max(output_len - 1, 0) * decode_step_seconds(shape, m, b)
+        decode_s += max(output_len - 1, 0) * weights_only_decode_step_seconds(shape, m, b)
         left -= b
-    total = prefill + decode
-    return {"prefill_s": prefill, "decode_s": decode, "total_s": total,
-            "output_tok_s": num_requests * output_len / total if total else 0.0}
+    total = prefill_s + decode_s
+    return {"prefill_s": prefill_s, "decode_s": decode_s, "total_s": total,
+            "output_tok_s": num_requests * output_len / total if total else 0.0,
+            "single_stream_decode_tok_s": 1.0 / weights_only_decode_step_seconds(shape, m, 1)}

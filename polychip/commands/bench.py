@@ -13,6 +13,8 @@ import os
 import sys
 import time
 
+from polychip.dtypes import KV_CACHE_DTYPES
+
 
 def _ints(text: str) -> list[int]:
     try:
@@ -66,7 +68,7 @@ def _requests_factory(args):
 
 
 def run_serving(args) -> int:
-    from polychip.bench import report
+    from polychip.bench import report, serving_roofline
     from polychip.bench.plot import plot_sweeps
     from polychip.bench.serving import ServingConfig, run_sweep
     kind = args.dataset[0]
@@ -74,7 +76,16 @@ def run_serving(args) -> int:
         print("error: --dataset is `synthetic` or `sharegpt-like FILE`", file=sys.stderr)
         return 2
     cfg = ServingConfig(args.base_url, args.model, args.api_key, not args.no_ignore_eos, progress=not args.no_progress)
+    roof, why = (None, "prompts of varying lengths (only --dataset synthetic has a roofline)") if kind != "synthetic" \
+        else serving_roofline.prepare(args.base_url, args.api_key)
+    if roof is not None:
+        serving_roofline.measure(roof)
     result = run_sweep(cfg, _requests_factory(args), args.concurrency)
+    if roof is not None:
+        serving_roofline.measure(roof)
+        result["roofline"] = serving_roofline.rate(result, roof, args.input_len, args.output_len)
+    else:
+        result["roofline"] = {"none": why}
     result.update(label=args.label or result["model"], base_url=args.base_url, time=time.strftime("%Y-%m-%d %H:%M:%S"),
                   config={k: v for k, v in vars(args).items() if k not in ("api_key", "func")})
     stem = args.name or f"serving-{result['label'].replace('/', '_')}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -83,7 +94,7 @@ def run_serving(args) -> int:
     others = [report.load_json(p) for p in args.plot_with]
     png = plot_sweeps([result] + others, base + ".png",
                       f"{args.input_len} in / {args.output_len} out ({kind})")
-    text = f"## {result['label']} ({args.base_url})\n\n{report.serving_table(result)}\n"
+    text = f"## {result['label']} ({args.base_url})\n\n{report.serving_table(result)}\n\n{report.roofline_line(result)}\n"
     stages = report.stage_table(result)
     if stages:
         text += f"\nEngine time per stage (server /metrics):\n\n{stages}\n"
@@ -132,7 +143,8 @@ def run_peers_cmd(args) -> int:
         print(f"error: unknown engine(s) {sorted(unknown)}; known: {', '.join(ENGINES)}", file=sys.stderr)
         return 2
     cfg = PeersConfig(args.model_path, args.input_len, args.output_len, args.concurrency, args.num_prompts,
-                      args.decode_tokens, args.shared_prefix_len, engines, args.seed, args.device)
+                      args.decode_tokens, args.shared_prefix_len, engines, args.seed, args.device,
+                      args.kv_cache_dtype)
     plugin = _open_peers_device(args.device)
     if plugin is None:
         return 2
@@ -170,6 +182,8 @@ def _peers_parser(sub) -> None:
     p.add_argument("--device", default="cpu",
                    help="where polychip, transformers and the rooflines run: cpu, cuda[:N] or a plugin name "
                         "(llama.cpp only runs on cpu)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=tuple(KV_CACHE_DTYPES),
+                   help="polychip's KV pool dtype (its engines' --kv-cache-dtype; their rooflines count it)")
     p.add_argument("--json", default=None, help="write the result here (and a .md beside it)")
 
 

@@ -163,6 +163,12 @@ class CudaPlugin(DevicePlugin):
             return model_dtype
         return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
 
+    def kv_cache_dtypes(self, compute_dtype: str) -> tuple[str, ...]:
+        """float32, bfloat16 and float16 pools (attention widens them as it reads). Not fp8 yet: the
+        native path would convert the pages it gathers, but a decode kernel of this plugin must
+        take the k_scale and v_scale that fp8 caches come with before it may be declared."""
+        return tuple(dict.fromkeys((compute_dtype, "float32", "bfloat16", "float16")))
+
     def set_seed(self, seed: int) -> None:
         torch.manual_seed(seed)
         torch.cuda.manual_seed_all(seed)

@@ -19,8 +19,12 @@ same dtypes and shapes (the conformance kit compares them on random inputs).
 Shapes: T tokens in the step's flat batch, H query heads, Hkv KV heads (H is a multiple of Hkv),
 D head size, P pages in the pool, S page size (tokens per page), B decode sequences.
 
-Paged-KV layout. One K and one V cache per layer, each ``[P, S, Hkv, D]`` in the compute dtype,
-contiguous, allocated once at start-up (they are views of one pool allocation). Token ``i`` of a
+Paged-KV layout. One K and one V cache per layer, each ``[P, S, Hkv, D]`` in the KV dtype,
+contiguous, allocated once at start-up (they are views of one pool allocation). The KV dtype is
+the compute dtype unless ``--kv-cache-dtype`` names another that the plugin declares in
+``kv_cache_dtypes`` (bfloat16, float8_e4m3fn, float8_e5m2): attention then stores each new k, v in
+it once (fp8: divided by the layer's scale, clamped to the format's largest finite value) and reads
+the stored values, converted to float, for every token, the new ones included. Token ``i`` of a
 sequence whose page list is ``pages`` lives in page ``pages[i // S]`` at row ``i % S``, that is at
 slot ``pages[i // S] * S + i % S`` of the flat ``[P * S, Hkv, D]`` view. Page ids are int64. Slots
 of a page past a sequence's length hold stale finite values: kernels must mask by length.
@@ -88,13 +92,17 @@ OPS: dict[tuple[str, int], OpSpec] = _specs(
            "q and k may be views of the qkv output; return new tensors or q, k updated in place"),
     OpSpec("attention", 1, "attention(q [T, H, D], k [T, Hkv, D], v [T, Hkv, D], k_cache [P, S, Hkv, D], "
                            "v_cache [P, S, Hkv, D], meta: AttentionMetadata, scale: float) -> [T, H, D]",
-           "q, k, v, caches and the result in the compute dtype; meta's tensors int64, decode_mask bool",
-           "first writes k, v to the caches at meta.slot_mapping, then attends: decode rows (the first "
+           "q, k, v and the result in the compute dtype; caches in the KV dtype (the compute dtype unless "
+           "the plugin declares others in kv_cache_dtypes); meta's tensors int64, decode_mask bool",
+           "fp8 caches come with keyword arguments k_scale, v_scale: float (stored x scale = real value; "
+           "given only for fp8, so an op written for float caches never sees them). "
+           "First writes k, v to the caches at meta.slot_mapping, then attends: decode rows (the first "
            "meta.num_decodes) over their sequence's pages, each prefill chunk causally over its cached "
            "prefix and itself. The native op is a frame that takes either half from a plugin: "
            "registry.native('attention')(..., decode_fn=, prefill_fn=) with decode_fn(q_decode [B, H, D], "
            "k_cache, v_cache, meta, scale) -> [B, H, D] and prefill_fn(q, k, v, k_cache, v_cache, meta, scale, "
-           "out) -> None writing every prefill chunk's rows of out"),
+           "out) -> None writing every prefill chunk's rows of out; the frame writes the caches and passes "
+           "k_scale, v_scale on to both for fp8 caches"),
 )
 
 #: fusion patterns a plugin may name in ``fusions()``: q/k/v projections as one linear, gate/up

@@ -340,6 +340,15 @@ class DevicePlugin(abc.ABC):
         """The dtype ``--dtype auto`` picks for a model stored in ``model_dtype``."""
         return "float32"
 
+    def kv_cache_dtypes(self, compute_dtype: str) -> tuple[str, ...]:
+        """(1.1) The dtypes (torch names) this plugin can keep the KV pool in for a model computing in
+        ``compute_dtype`` (``--kv-cache-dtype``): ones its ``alloc`` accepts and its attention reads.
+        The compute dtype is always allowed (``--kv-cache-dtype auto``). Default: the compute dtype
+        only, as in API 1.0. The native attention reads every float and fp8 KV dtype (it converts
+        the pages it gathers), so a plugin that keeps it, or whose kernels read more, declares more;
+        the attention op's contract (``polychip.devices.ops``) says what such caches look like."""
+        return (compute_dtype,)
+
     def set_seed(self, seed: int) -> None:
         """Seed the device's global random state (the engine calls it once, with ``--seed``)."""
         torch.manual_seed(seed)

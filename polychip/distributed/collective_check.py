@@ -65,6 +65,7 @@ def _timed(fn, plugin, iters: int) -> float:
 
 def _worker(rank: int, world: int, store_path: str, device: str, device_ids: list[int], plugins: tuple[str, ...],
             spec_path: str | None, nbytes: int, iters: int, timeout_s: float, results) -> None:
+    plugin = comm = None
     try:
         from polychip.devices.discovery import open_device
         plugin = open_device(f"{device}:{device_ids[rank]}", plugins, spec_path)
@@ -88,10 +89,13 @@ def _worker(rank: int, world: int, store_path: str, device: str, device_ids: lis
         t_gather = _timed(lambda: comm.all_gather(part), plugin, iters)
         results.put((rank, ok_reduce and ok_gather, lines, (n * 4, t_reduce, part.numel() * 4 * world, t_gather),
                      comm.backend))
-        comm.close()
-        plugin.destroy()
     except Exception as e:  # reported to the parent, which prints it
         results.put((rank, False, [f"rank {rank}: {type(e).__name__}: {e}"], None, "?"))
+    finally:   # a failed check too leaves its process group (NCCL warns at exit otherwise)
+        if comm is not None:
+            comm.close()
+        if plugin is not None:
+            plugin.destroy()
 
 
 def run_collective_check(device: str, device_ids: list[int], plugins: tuple[str, ...] = (),

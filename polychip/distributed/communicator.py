@@ -49,6 +49,11 @@ def check_backend(plugin_name: str, backend) -> str:
     return name
 
 
+#: one tensor gathered into one: torch 2.13 names it all_gather_single and deprecates the old name,
+#: which is all torch 2.11 (the GPU machine's) has
+ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 class Communicator:
     """One rank's collectives. Not a global: each instance owns its groups.
 
@@ -95,7 +100,7 @@ class Communicator:
         """Every rank's ``tensor`` concatenated along ``dim``, in rank order."""
         part = tensor.contiguous()
         out = torch.empty((self.world_size * part.shape[0], *part.shape[1:]), dtype=part.dtype, device=part.device)
-        dist.all_gather_into_tensor(out, part, group=self.group)  # all_gather_single is torch>=2.13 only
+        ALL_GATHER(out, part, group=self.group)
         if dim % max(part.dim(), 1) == 0:
             return out
         return torch.cat(out.chunk(self.world_size, 0), dim=dim)

@@ -14,7 +14,7 @@ from collections import defaultdict
 from polychip.config import EngineConfig
 from polychip.devices.discovery import open_from_config
 from polychip.engine.grammar import GrammarBackend
-from polychip.engine.kv_pool import KVPool
+from polychip.engine.kv_pool import KVPool, dtype_name, resolve_kv_dtype
 from polychip.engine.memory_plan import activation_bytes, size_pool
 from polychip.engine.model_runner import ModelRunner, StepLimits
 from polychip.engine.page_manager import PageManager
@@ -76,14 +76,15 @@ class Engine:
             activation_bytes(mc, limits.max_tokens, limits.max_seqs, self.loaded.dtype))
         page = config.page_size
         kv_heads = self.loaded.kv_heads          # this rank's share under tensor parallelism
-        per_page = KVPool.bytes_per_page(mc.num_layers, page, kv_heads, mc.head_dim, self.loaded.dtype)
+        self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.plugin, self.loaded.dtype)
+        per_page = KVPool.bytes_per_page(mc.num_layers, page, kv_heads, mc.head_dim, self.kv_dtype)
         num_pages = size_pool(config, self.plugin, per_page, page, self.max_model_len,
                               extra_pages=int(static_bs > 0))
         if tp is not None:   # the smallest rank's pool sets the page count for all
             num_pages = tp.agree_on_pool(num_pages, mc, per_page)
-        self.pool = KVPool(self.plugin, mc.num_layers, num_pages, page, kv_heads, mc.head_dim,
-                           self.loaded.dtype, scratch=static_bs > 0)
-        self.runner.kv_caches = self.pool.caches
+        self.pool = KVPool(self.plugin, mc.num_layers, num_pages, page, kv_heads, mc.head_dim, self.kv_dtype,
+                           scratch=static_bs > 0)
+        self.runner.attach_pool(self.pool)
         self.runner.compile_decode(self.pool.scratch_page)
         self.pages = PageManager(self.pool.allocator, page, prefix_cache=not config.disable_radix_cache)
         self.eos_ids = self.tokenizer.eos_token_ids
@@ -95,9 +96,9 @@ class Engine:
         self.stage_seconds: dict[str, float] = defaultdict(float)
         self._timer = StageTimer(self.stage_seconds, self._sync_device if config.profile_stages else None)
         self.counters: dict[str, int] = defaultdict(int)
-        log.info("KV pool: %d pages x %d tokens (%.1f MiB); step inputs %.1f MiB; activation reserve %.1f MiB",
-                 num_pages, page, num_pages * per_page / 2**20, self.runner.buffer_bytes / 2**20,
-                 self.activation_reserve / 2**20)
+        log.info("KV pool: %d pages x %d tokens in %s (%.1f MiB); step inputs %.1f MiB; activation reserve %.1f MiB",
+                 num_pages, page, dtype_name(self.kv_dtype), num_pages * per_page / 2**20,
+                 self.runner.buffer_bytes / 2**20, self.activation_reserve / 2**20)
 
     def _sync_device(self) -> None:
         self.plugin.synchronize()

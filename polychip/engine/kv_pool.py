@@ -1,11 +1,45 @@
 """The KV pool: pages allocated once through the device plugin, handed out by a
-reference-counted page allocator. Nothing is allocated on the device afterwards."""
+reference-counted page allocator. Nothing is allocated on the device afterwards.
+
+The pool is stored in the KV dtype (``--kv-cache-dtype``): the compute dtype, bfloat16, or fp8
+with one scale per layer for K and one for V (stored value x scale = real value). The scales are
+1.0, as vLLM's without calibration: a scale from the first prefill's amax measured no better on
+SmolLM2 and much worse when that prefill was short (docs/kv-cache-dtype.md).
+"""
 from __future__ import annotations
 
 import torch
 
 from polychip.devices import memory
+from polychip.dtypes import FP8_DTYPES, KV_CACHE_DTYPES
 from polychip.errors import ConfigError, IntegrityError, OutOfPagesError
+
+#: the scale every fp8 layer is stored with (see the module docstring)
+FP8_KV_SCALE = 1.0
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype_name(dtype) in FP8_DTYPES
+
+
+def resolve_kv_dtype(kv_cache_dtype: str, plugin, compute: torch.dtype) -> torch.dtype:
+    """The torch dtype of the pool for ``--kv-cache-dtype`` on ``plugin``; a ConfigError naming the
+    device and the dtype when the plugin does not declare it (``DevicePlugin.kv_cache_dtypes``)."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ConfigError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+    name, compute_name = KV_CACHE_DTYPES[kv_cache_dtype], dtype_name(compute)
+    if name is None or name == compute_name:
+        return compute
+    supported = tuple(plugin.kv_cache_dtypes(compute_name))
+    if name not in supported:
+        raise ConfigError(f"--kv-cache-dtype {kv_cache_dtype}: device {plugin.name}:{plugin.index} cannot keep the "
+                          f"KV cache in {name} for a {compute_name} model; plugin {plugin.name!r} supports "
+                          f"{sorted(set(supported) | {compute_name})} (use --kv-cache-dtype auto)")
+    return getattr(torch, name)
 
 
 class PageAllocator:
@@ -55,20 +89,23 @@ class PageAllocator:
 
 
 class KVPool:
-    """Per-layer K and V caches of shape [num_pages (+ 1 scratch page), page_size, kv_heads, head_dim].
+    """Per-layer K and V caches of shape [num_pages (+ 1 scratch page), page_size, kv_heads, head_dim]
+    in ``dtype``; for fp8, ``scales`` holds each layer's (k_scale, v_scale).
 
     With ``scratch``, one page more than the allocator hands out: the static decode path's padding
     rows write their K/V there (``scratch_page``), where no sequence reads."""
 
     def __init__(self, plugin, num_layers: int, num_pages: int, page_size: int, kv_heads: int,
                  head_dim: int, dtype: torch.dtype, scratch: bool = False):
-        self.plugin, self.page_size, self.num_pages = plugin, page_size, num_pages
+        self.plugin, self.page_size, self.num_pages, self.dtype = plugin, page_size, num_pages, dtype
         self.scratch_page = num_pages if scratch else None
         shape = (num_layers, 2, num_pages + int(scratch), page_size, kv_heads, head_dim)
         self.storage = memory.alloc(plugin, f"the KV pool ({num_pages} pages of {page_size} tokens, "
-                                            f"{num_layers} layers)", shape, dtype)
+                                            f"{num_layers} layers, {dtype_name(dtype)})", shape, dtype)
         self.storage.zero_()   # masked slots must hold finite values: NaN * 0 is NaN in attention
         self.caches = [(self.storage[i, 0], self.storage[i, 1]) for i in range(num_layers)]
+        #: per layer (k_scale, v_scale) for fp8, None otherwise (the attention op gets them only for fp8)
+        self.scales = [(FP8_KV_SCALE, FP8_KV_SCALE)] * num_layers if is_fp8(dtype) else None
         self.allocator = PageAllocator(num_pages)
 
     @staticmethod

@@ -119,12 +119,17 @@ class ModelRunner:
         engine/memory_plan.py), then ``compile_decode`` compiles the static path."""
         self.model, self.plugin, self.limits = model, plugin, limits
         self.page = limits.page_size
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []   # the engine sets them once the pool exists
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []   # attach_pool sets them once the pool exists
+        self.kv_scales: list[tuple[float, float]] | None = None         # per layer, for an fp8 pool
         self.buffers = [StepInputs(plugin, limits) for _ in range(2)]
         self.static = StaticDecode(plugin, static_max_bs, limits.max_pages, limits.page_size) \
             if static_max_bs > 0 else None
         self.copy_stream = plugin.stream()
         self._turn = 0
+
+    def attach_pool(self, pool) -> None:
+        """Run every step on ``pool`` (an ``engine.kv_pool.KVPool``): its caches and fp8 scales."""
+        self.kv_caches, self.kv_scales = pool.caches, pool.scales
 
     @property
     def buffer_bytes(self) -> int:
@@ -134,7 +139,7 @@ class ModelRunner:
         """Compile the static decode path's buckets (start-up; ``scratch_page``: the KV pool's page
         that padding rows write)."""
         if self.static is not None:
-            self.static.compile_all(self.model, self.kv_caches, scratch_page)
+            self.static.compile_all(self.model, self.kv_caches, scratch_page, self.kv_scales)
 
     def release_compiled(self) -> None:
         """Drop the static path's compiled steps (at shutdown, before the KV pool they refer to)."""
@@ -230,7 +235,7 @@ class ModelRunner:
         return Batch(bucket.input_ids, bucket.positions, bucket.meta, bucket.sample_rows[:sampled], [], bucket, host)
 
     def _run(self, input_ids, positions, meta, rows):
-        hidden = self.model(input_ids, positions, ForwardContext(meta, self.kv_caches))
+        hidden = self.model(input_ids, positions, ForwardContext(meta, self.kv_caches, self.kv_scales))
         return self.model.compute_logits(hidden[rows])
 
     @torch.inference_mode()

@@ -106,10 +106,10 @@ class StaticStep:
     ``batch_size`` rows on ``inputs`` (the bucket's static tensors); it returns float32 logits
     [batch_size, vocab]. ``label`` names it in logs."""
 
-    def __init__(self, model, kv_caches, bucket: DecodeBucket):
+    def __init__(self, model, kv_caches, bucket: DecodeBucket, kv_scales=None):
         self.model, self.batch_size = model, bucket.size
         self.inputs = bucket.inputs
-        self.ctx = ForwardContext(bucket.meta, kv_caches)
+        self.ctx = ForwardContext(bucket.meta, kv_caches, kv_scales)
         self.label = f"the decode step at batch {bucket.size}"
 
     def __call__(self) -> torch.Tensor:
@@ -136,14 +136,14 @@ class StaticDecode:
             return None
         return next(b for b in self.buckets if b.size >= n)
 
-    def compile_all(self, model, kv_caches, scratch_page: int) -> None:
+    def compile_all(self, model, kv_caches, scratch_page: int, kv_scales=None) -> None:
         """``plugin.compile`` per bucket, each then run once on padding rows only, so that what a plugin
         does on a first call (capture, recording, compilation) happens here, at start-up."""
         self.scratch_slot = scratch_page * self.page_size
         t_all = time.perf_counter()
         for i, bucket in enumerate(self.buckets):
             t0 = time.perf_counter()
-            bucket.compiled = self.plugin.compile(StaticStep(model, kv_caches, bucket))
+            bucket.compiled = self.plugin.compile(StaticStep(model, kv_caches, bucket, kv_scales))
             self.warm(bucket)
             log.info("decode step compiled for batch %d (%d of %d) in %.2f s", bucket.size, i + 1,
                      len(self.buckets), time.perf_counter() - t0)

@@ -18,7 +18,7 @@ from polychip.devices.discovery import open_device
 from polychip.distributed.communicator import Communicator
 from polychip.distributed.rendezvous import DuplicateRankError, Heartbeat, connect_store, join, report_failure
 from polychip.distributed.world import World
-from polychip.engine.kv_pool import KVPool
+from polychip.engine.kv_pool import KVPool, resolve_kv_dtype
 from polychip.engine.memory_plan import activation_bytes, size_pool
 from polychip.engine.model_runner import ModelRunner, StepLimits
 from polychip.engine.static_decode import static_decode_limit
@@ -57,14 +57,14 @@ def serve_rank(config: EngineConfig, rank: int, device: str, host: str, port: in
         static_bs, _ = static_decode_limit(config, plugin, loaded.resolutions)   # as rank 0 decides it
         runner = ModelRunner(loaded.model, plugin, limits, static_bs)
         plugin.reserve_for_activations(activation_bytes(mc, limits.max_tokens, limits.max_seqs, loaded.dtype))
-        per_page = KVPool.bytes_per_page(mc.num_layers, config.page_size, loaded.kv_heads, mc.head_dim,
-                                         loaded.dtype)
+        kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, plugin, loaded.dtype)
+        per_page = KVPool.bytes_per_page(mc.num_layers, config.page_size, loaded.kv_heads, mc.head_dim, kv_dtype)
         pages, _ = agree_on_pool(comm, size_pool(config, plugin, per_page, config.page_size, max_model_len,
                                                  int(static_bs > 0)),
                                  model_signature(mc), device_status(plugin, rank, node))
-        pool = KVPool(plugin, mc.num_layers, pages, config.page_size, loaded.kv_heads, mc.head_dim, loaded.dtype,
+        pool = KVPool(plugin, mc.num_layers, pages, config.page_size, loaded.kv_heads, mc.head_dim, kv_dtype,
                       scratch=static_bs > 0)
-        runner.kv_caches = pool.caches
+        runner.attach_pool(pool)
         runner.compile_decode(pool.scratch_page)
         kv_bytes[0] = pages * per_page
         log.info("rank %d ready on %s:%d: %d KV pages of %d KV head(s)", rank, plugin.name, plugin.index,

@@ -22,6 +22,7 @@ from polychip.ops.passes import FusedOp, MergeLinears
 class ForwardContext:
     meta: object                                   # devices.ops.AttentionMetadata
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    kv_scales: list[tuple[float, float]] | None = None   # per layer (k_scale, v_scale) of an fp8 pool
 
 
 class Linear(nn.Module):
@@ -100,7 +101,12 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.ops.rotary_embedding(q, k, cos, sin)
         k_cache, v_cache = ctx.kv_caches[self.layer]
-        o = self.ops.attention(q, k, v.contiguous(), k_cache, v_cache, ctx.meta, self.scale)
+        if ctx.kv_scales is None:
+            o = self.ops.attention(q, k, v.contiguous(), k_cache, v_cache, ctx.meta, self.scale)
+        else:   # an fp8 pool: the op gets its scales (devices/ops.py)
+            k_scale, v_scale = ctx.kv_scales[self.layer]
+            o = self.ops.attention(q, k, v.contiguous(), k_cache, v_cache, ctx.meta, self.scale,
+                                   k_scale=k_scale, v_scale=v_scale)
         return self.o_proj(o.reshape(t, self.nh * self.d))
 
 

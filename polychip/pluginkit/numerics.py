@@ -105,16 +105,35 @@ def _tensors(x) -> list[torch.Tensor]:
     return []
 
 
+def kv_attention_inputs(dtype: str, kv_dtype: str, device_put: Callable, seed: int = 0) -> tuple[tuple, dict]:
+    """The attention sample with its caches stored in ``kv_dtype`` (as the engine's write path
+    stores them), and the keywords an fp8 pool passes (scales other than 1, so they must be read)."""
+    from polychip.ops.attention import to_stored
+    q, k, v, kc, vc, meta, scale = sample_inputs("attention", dtype, device_put, seed)
+    kv = getattr(torch, kv_dtype)
+    fp8 = kv.is_floating_point and kv.itemsize == 1
+    k_scale, v_scale = (0.5, 2.0) if fp8 else (1.0, 1.0)
+    args = (q, k, v, to_stored(kc, kv, k_scale), to_stored(vc, kv, v_scale), meta, scale)
+    return args, ({"k_scale": k_scale, "v_scale": v_scale} if fp8 else {})
+
+
 def compare(name: str, version: int, dtype: str, plugin_fn: Callable, native_fn: Callable,
-            device_put: Callable = lambda t: t, seed: int = 0) -> OpCheck:
-    args = sample_inputs(name, dtype, device_put, seed) if version == 1 else None
+            device_put: Callable = lambda t: t, seed: int = 0, kv_dtype: str | None = None) -> OpCheck:
+    """The plugin's op against the native one on the same random inputs; for attention with
+    ``kv_dtype``, on caches stored in that dtype."""
+    kwargs = {}
+    if kv_dtype is not None:
+        args, kwargs = kv_attention_inputs(dtype, kv_dtype, device_put, seed)
+        dtype = f"{dtype}, {kv_dtype} KV"
+    else:
+        args = sample_inputs(name, dtype, device_put, seed) if version == 1 else None
     if args is None:
         return OpCheck(name, version, dtype, "skip", detail=f"no sample inputs for {name} v{version} {dtype}")
-    tol = TOLERANCE[dtype]
+    tol = TOLERANCE[dtype.split(",")[0]]
     ref_args, got_args = _clone(args), _clone(args)
-    ref = native_fn(*ref_args)
+    ref = native_fn(*ref_args, **kwargs)
     try:
-        got = plugin_fn(*got_args)
+        got = plugin_fn(*got_args, **kwargs)
     except Exception as e:  # a plugin kernel may raise anything
         return OpCheck(name, version, dtype, "fail", tolerance=tol, detail=f"raised {type(e).__name__}: {e}")
     want, have = _tensors((ref, ref_args)), _tensors((got, got_args))
@@ -126,7 +145,10 @@ def compare(name: str, version: int, dtype: str, plugin_fn: Callable, native_fn:
         if a.shape != b.shape or a.dtype != b.dtype:
             problems.append(f"tensor {i}: {tuple(b.shape)} {b.dtype}, expected {tuple(a.shape)} {a.dtype}")
             continue
-        a, b = a.detach().cpu().double(), b.detach().cpu().double()
+        a, b = a.detach().cpu(), b.detach().cpu()
+        if a.dtype.itemsize == 1 and a.dtype.is_floating_point:    # an fp8 cache: compare the values stored
+            a, b = a.float(), b.float()
+        a, b = a.double(), b.double()
         if not torch.isfinite(b).all():
             problems.append(f"tensor {i} has non-finite values")
             continue
@@ -139,8 +161,11 @@ def compare(name: str, version: int, dtype: str, plugin_fn: Callable, native_fn:
 
 
 def check_registered_ops(registry: OpRegistry, dtypes: tuple[str, ...],
-                         device_put: Callable = lambda t: t) -> list[OpCheck]:
-    """Every plugin-registered op against native; '*' entries are checked in each float dtype given."""
+                         device_put: Callable = lambda t: t,
+                         kv_cache_dtypes: Callable[[str], tuple[str, ...]] | None = None) -> list[OpCheck]:
+    """Every plugin-registered op against native; '*' entries are checked in each float dtype given.
+    The plugin's attention is also checked on every other KV dtype ``kv_cache_dtypes`` (the plugin's
+    declaration) lists for that compute dtype."""
     results = []
     for name, version, dtype in registry.plugin_ops():
         fn = registry.plugin_fn(name, version, dtype)
@@ -150,4 +175,8 @@ def check_registered_ops(registry: OpRegistry, dtypes: tuple[str, ...],
         native = registry.native(name, version)
         for dt in ([d for d in dtypes if d in FLOAT_DTYPES] if dtype == ANY_DTYPE else [dtype]):
             results.append(compare(name, version, dt, fn, native, device_put))
+            if name == "attention" and version == 1 and kv_cache_dtypes is not None:
+                for kv in dict.fromkeys(kv_cache_dtypes(dt)):
+                    if kv != dt:
+                        results.append(compare(name, version, dt, fn, native, device_put, kv_dtype=kv))
     return results

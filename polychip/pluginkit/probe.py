@@ -137,7 +137,7 @@ def check_ops(p, dtypes: tuple[str, ...]) -> tuple[list, object]:
     registry = OpRegistry(p.name)
     register_native(registry)
     p.register_ops(registry)
-    return check_registered_ops(registry, dtypes, p.to_device), registry
+    return check_registered_ops(registry, dtypes, p.to_device, p.kv_cache_dtypes), registry
 
 
 

@@ -48,6 +48,7 @@ def identity(state: ServerState, version: str) -> dict[str, Any]:
             "plugin": plugin.name, "plugin_version": plugin.plugin_version,
             "device_type": plugin.name, "device_index": plugin.index, "device": f"{plugin.name}:{plugin.index}",
             "torch_device_type": plugin.torch_device_type, "dtype": str(engine.loaded.dtype).removeprefix("torch."),
+            "kv_cache_dtype": str(engine.kv_dtype).removeprefix("torch."),
             "device_dtypes": list(supported_dtypes(plugin)), "quantization": engine.loaded.quantization,
             "tp_size": engine.config.tp_size,
             "max_running_requests": engine.config.max_running_requests,

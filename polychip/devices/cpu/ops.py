@@ -1,7 +1,8 @@
 """The CPU plugin's float32 ops: C++ kernels (``kernels``) where they beat the native
 PyTorch ops, the native ops everywhere else.
 
-* ``attention``: decode rows read K/V straight from the paged pool (the native op gathers
+* ``attention``: decode rows read K/V straight from the paged pool (float32, bfloat16 or fp8: the
+  kernels widen each element as they load it, so a bfloat16 pool is half the bytes per step) (the native op gathers
   every sequence's pages into a new tensor in each layer, then runs a masked SDPA); so do the
   prefill chunks, all of a batch's in one call (``paged_prefill_attention``: register-tiled
   flash attention that loads each K/V row once for the query heads sharing it, 174-186 GFLOP/s
@@ -64,14 +65,17 @@ def make_ops(kernels, native: Callable[[str], Callable]) -> dict:
     ops (the registry's), here the attention frame that takes the kernels as its two halves."""
 
     def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                         meta: AttentionMetadata, scale: float, k_scale: float = 1.0,
+                         v_scale: float = 1.0) -> torch.Tensor:
         return kernels.paged_decode_attention(q.contiguous(), k_cache, v_cache, meta.decode_pages,
-                                              meta.decode_lens, scale)
+                                              meta.decode_lens, scale, k_scale, v_scale)
 
     def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                          v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+                          v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor,
+                          k_scale: float = 1.0, v_scale: float = 1.0) -> None:
         segments, table = meta.prefill_tables()
-        kernels.paged_prefill_attention(q.contiguous(), k_cache, v_cache, out, segments, table, scale)
+        kernels.paged_prefill_attention(q.contiguous(), k_cache, v_cache, out, segments, table, scale, k_scale,
+                                        v_scale)
 
     def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if not (x.dim() == 2 and x.dtype == torch.float32 and weight.dtype == torch.float32

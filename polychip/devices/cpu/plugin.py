@@ -161,3 +161,8 @@ class CpuPlugin(DevicePlugin):
 
     def fusions(self) -> tuple[str, ...]:
         return ("qkv", "gate_up", "add_rms_norm")
+
+    def kv_cache_dtypes(self, compute_dtype: str) -> tuple[str, ...]:
+        """float32 models: the attention kernels read float32, bfloat16 and both fp8 pools; other
+        compute dtypes run the native attention, which converts the pages it gathers."""
+        return (compute_dtype, "bfloat16", "float8_e4m3fn", "float8_e5m2")

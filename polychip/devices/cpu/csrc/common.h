@@ -8,8 +8,14 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <optional>
 #include <vector>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 namespace polychip_cpu {
 
@@ -17,6 +23,106 @@ inline void check_f32(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
   TORCH_CHECK(t.scalar_type() == torch::kFloat32, name, " must be float32");
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+// What the attention kernels read a KV cache as (q and the output stay float32). Each element is
+// widened to float32 in registers as it is loaded, never copied out up front. The widening gives a
+// "raw" value, the stored value / kv_raw_scale: e4m3 goes through the fp16 bit pattern of its bits
+// (exact, subnormals included, and no float32 subnormal on the way, which flush-to-zero would
+// lose), which is 2^-8 of its value; the caller folds the 256 into the layer's scale.
+enum class KvKind { F32, BF16, E4M3, E5M2 };
+
+inline KvKind kv_kind(const torch::Tensor& t, const char* name) {
+  switch (t.scalar_type()) {
+    case torch::kFloat32: return KvKind::F32;
+    case torch::kBFloat16: return KvKind::BF16;
+    case torch::kFloat8_e4m3fn: return KvKind::E4M3;
+    case torch::kFloat8_e5m2: return KvKind::E5M2;
+    default: TORCH_CHECK(false, name, " must be float32, bfloat16, float8_e4m3fn or float8_e5m2, got ", t.scalar_type());
+  }
+}
+
+inline float kv_raw_scale(KvKind k) { return k == KvKind::E4M3 ? 256.f : 1.f; }
+
+// the KV caches: on the CPU, contiguous, one dtype of the KvKind list for both
+inline KvKind check_kv(const torch::Tensor& k_cache, const torch::Tensor& v_cache) {
+  for (const torch::Tensor* t : {&k_cache, &v_cache}) {
+    TORCH_CHECK(t->device().is_cpu(), "KV caches must be on the CPU");
+    TORCH_CHECK(t->is_contiguous(), "KV caches must be contiguous");
+  }
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k_cache and v_cache must have one dtype");
+  return kv_kind(k_cache, "k_cache");
+}
+
+inline float half_bits_to_float(uint16_t h) {
+  const uint32_t exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+  float v;
+  if (exp == 0) {
+    v = std::ldexp(static_cast<float>(man), -24);   // fp16 subnormal: a float32 normal
+  } else if (exp == 31) {
+    v = man ? NAN : INFINITY;
+  } else {
+    const uint32_t bits = ((exp + 112) << 23) | (man << 13);
+    std::memcpy(&v, &bits, 4);
+  }
+  return (h & 0x8000) ? -v : v;
+}
+
+inline uint16_t e4m3_half_bits(uint8_t b) {   // e4m3 (bias 7) read as fp16 (bias 15): 2^-8 of its value
+  return static_cast<uint16_t>(((b & 0x7F) << 7) | ((b & 0x80) << 8));
+}
+
+template <KvKind K> struct Kv;
+template <> struct Kv<KvKind::F32> {
+  using T = float;
+  static float raw(T x) { return x; }
+};
+template <> struct Kv<KvKind::BF16> {
+  using T = uint16_t;
+  static float raw(T x) {
+    const uint32_t bits = static_cast<uint32_t>(x) << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+  }
+};
+template <> struct Kv<KvKind::E4M3> {
+  using T = uint8_t;
+  static float raw(T x) { return half_bits_to_float(e4m3_half_bits(x)); }
+};
+template <> struct Kv<KvKind::E5M2> {
+  using T = uint8_t;
+  static float raw(T x) { return half_bits_to_float(static_cast<uint16_t>(x << 8)); }   // e5m2 is fp16's top byte
+};
+
+#ifdef __AVX512F__
+// 16 consecutive elements widened to raw float32 values
+template <KvKind K> inline __m512 kv_load16(const typename Kv<K>::T* p) {
+  if constexpr (K == KvKind::F32) {
+    return _mm512_loadu_ps(p);
+  } else if constexpr (K == KvKind::BF16) {
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+  } else {
+    const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    if constexpr (K == KvKind::E5M2) {
+      return _mm512_cvtph_ps(_mm256_slli_epi16(b, 8));
+    } else {
+      const __m256i mag = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7);
+      const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8);
+      return _mm512_cvtph_ps(_mm256_or_si256(mag, sign));
+    }
+  }
+}
+#endif
+
+// dst[0 .. n) = raw values of src[0 .. n)
+template <KvKind K> inline void kv_widen(const typename Kv<K>::T* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#ifdef __AVX512F__
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, kv_load16<K>(src + i));
+#endif
+  for (; i < n; ++i) dst[i] = Kv<K>::raw(src[i]);
 }
 
 // fn(c) for every c in [0, nchunks), chunks handed out one at a time to the intra-op threads (a

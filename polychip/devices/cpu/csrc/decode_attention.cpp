@@ -1,10 +1,7 @@
-// paged_decode_attention (float32): one query token per sequence, reading K/V straight from the
-// paged pool through the block table (no gather copy, no mask).
+// paged_decode_attention (float32 q and output): one query token per sequence, reading K/V straight
+// from the paged pool through the block table (no gather copy, no mask), in the pool's dtype
+// (float32, bfloat16, fp8 e4m3 / e5m2: each element widened in registers, see KvKind in common.h).
 #include "common.h"
-
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
 
 using namespace polychip_cpu;
 
@@ -39,14 +36,26 @@ inline float dot_vec(const float* __restrict a, const float* __restrict b, int64
 }
 
 // One (sequence, token range) piece of decode attention over all heads: unnormalised output
-// acc [H, D], running max m [H] and sum l [H], merged across pieces afterwards. Portable path.
-void decode_piece_portable(const float* qb, const float* kp, const float* vp, const int64_t* pages, int64_t t0,
-                           int64_t t1, int64_t page, int64_t H, int64_t Hkv, int64_t D, float scale, float* acc,
-                           float* m, float* l, std::vector<float>& scores) {
+// acc [H, D], running max m [H] and sum l [H], merged across pieces afterwards. Portable path; a
+// K or V row in another dtype is widened into a row of floats first.
+template <KvKind K>
+void decode_piece_portable(const float* qb, const typename Kv<K>::T* kp, const typename Kv<K>::T* vp,
+                           const int64_t* pages, int64_t t0, int64_t t1, int64_t page, int64_t H, int64_t Hkv,
+                           int64_t D, float scale, float* acc, float* m, float* l, std::vector<float>& scores) {
   const int64_t G = H / Hkv, row = Hkv * D, n = t1 - t0;
-  scores.resize(H * n);
+  scores.resize(H * n + row);
+  float* wide = scores.data() + H * n;
+  auto row_at = [&](const typename Kv<K>::T* base, int64_t t) -> const float* {
+    const auto* r = base + (pages[t / page] * page + t % page) * row;
+    if constexpr (K == KvKind::F32) {
+      return r;
+    } else {
+      kv_widen<K>(r, wide, row);
+      return wide;
+    }
+  };
   for (int64_t t = t0; t < t1; ++t) {
-    const float* kr = kp + (pages[t / page] * page + t % page) * row;
+    const float* kr = row_at(kp, t);
     for (int64_t h = 0; h < H; ++h) scores[h * n + (t - t0)] = dot_vec(qb + h * D, kr + (h / G) * D, D) * scale;
   }
   for (int64_t h = 0; h < H; ++h) {
@@ -63,7 +72,7 @@ void decode_piece_portable(const float* qb, const float* kp, const float* vp, co
   }
   std::fill(acc, acc + H * D, 0.f);
   for (int64_t t = t0; t < t1; ++t) {
-    const float* vr = vp + (pages[t / page] * page + t % page) * row;
+    const float* vr = row_at(vp, t);
     for (int64_t h = 0; h < H; ++h) axpy(acc + h * D, vr + (h / G) * D, scores[h * n + (t - t0)], D);
   }
 }
@@ -139,14 +148,15 @@ inline __m512 exp_nonpos(__m512 x) {
 }
 
 // One stream's rows, token by token through its pages; past its end, a zero row.
+template <typename T>
 struct RowWalk {
-  const float* base;
+  const T* base;
   const int64_t* pages;
-  const float* zero;
+  const T* zero;
   int64_t page, row, pi, po, left;
-  const float* r;
+  const T* r;
   RowWalk() = default;
-  RowWalk(const float* b, const int64_t* p, const float* z, int64_t pg, int64_t rw, int64_t t, int64_t n)
+  RowWalk(const T* b, const int64_t* p, const T* z, int64_t pg, int64_t rw, int64_t t, int64_t n)
       : base(b), pages(p), zero(z), page(pg), row(rw), pi(t / pg), po(t % pg), left(n),
         r(n > 0 ? b + (p[t / pg] * pg + t % pg) * rw : z) {}
   void next() {   // never reads the block table past the stream's last token
@@ -163,33 +173,35 @@ struct RowWalk {
 
 // A piece's n tokens as S streams of len tokens (the last ones shorter or empty), each with a
 // second walk kPrefetch tokens ahead for the software prefetch.
-template <int S>
+template <int S, KvKind K>
 struct Streams {
-  RowWalk w[S], ahead[S];
-  Streams(const float* base, const int64_t* pages, const float* zero, int64_t page, int64_t row, int64_t t0,
+  using T = typename Kv<K>::T;
+  RowWalk<T> w[S], ahead[S];
+  Streams(const T* base, const int64_t* pages, const T* zero, int64_t page, int64_t row, int64_t t0,
           int64_t len, int64_t n) {
     for (int s = 0; s < S; ++s) {
       const int64_t ts = std::min(n, s * len), ns = std::min(n, ts + len) - ts;
-      w[s] = RowWalk(base, pages, zero, page, row, t0 + ts, ns);
+      w[s] = RowWalk<T>(base, pages, zero, page, row, t0 + ts, ns);
       ahead[s] = w[s];
       for (int i = 0; i < kPrefetch && ahead[s].left > 0; ++i) ahead[s].next();
     }
   }
-  // x[s] = kv head g's D = DC * 16 values of stream s's current row
+  // x[s] = kv head g's D = DC * 16 values of stream s's current row, widened to float
   template <int DC>
   void load(int64_t g, __m512 (&x)[S][DC]) const {
 #pragma GCC unroll 4
     for (int s = 0; s < S; ++s)
 #pragma GCC unroll 8
-      for (int c = 0; c < DC; ++c) x[s][c] = _mm512_loadu_ps(w[s].r + g * DC * 16 + c * 16);
+      for (int c = 0; c < DC; ++c) x[s][c] = kv_load16<K>(w[s].r + g * DC * 16 + c * 16);
   }
   void next() {
     for (int s = 0; s < S; ++s) {
       w[s].next();
       if (ahead[s].left > 0) {
         const char* r = reinterpret_cast<const char*>(ahead[s].r);
-        for (int64_t b = 0; b < ahead[s].row * 4; b += 64) _mm_prefetch(r + b, _MM_HINT_T1);
-        _mm_prefetch(r + ahead[s].row * 4 - 1, _MM_HINT_T1);
+        const int64_t bytes = ahead[s].row * static_cast<int64_t>(sizeof(T));
+        for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(r + b, _MM_HINT_T1);
+        _mm_prefetch(r + bytes - 1, _MM_HINT_T1);
         ahead[s].next();
       }
     }
@@ -198,8 +210,8 @@ struct Streams {
 
 // Scores [H, blocks * 16] (stream order) against the scaled queries qs [H, D]; fold: room for
 // 16 / S vectors per head.
-template <int DC, int S>
-void score_piece(const float* qs, Streams<S> st, int64_t len, int64_t H, int64_t Hkv, float* sc, int64_t nsc,
+template <int DC, int S, KvKind K>
+void score_piece(const float* qs, Streams<S, K> st, int64_t len, int64_t H, int64_t Hkv, float* sc, int64_t nsc,
                  __m512* fold) {
   constexpr int64_t D = DC * 16, STEPS = 16 / S;
   const int64_t G = H / Hkv;
@@ -232,8 +244,8 @@ void score_piece(const float* qs, Streams<S> st, int64_t len, int64_t H, int64_t
 
 // acc [H, D] = the sum over the piece's tokens of weights w [H, blocks * 16] (stream order) times
 // their V rows.
-template <int DC, int S>
-void accumulate_piece(const float* w, Streams<S> st, int64_t len, int64_t H, int64_t Hkv, int64_t nsc, float* acc) {
+template <int DC, int S, KvKind K>
+void accumulate_piece(const float* w, Streams<S, K> st, int64_t len, int64_t H, int64_t Hkv, int64_t nsc, float* acc) {
   constexpr int64_t D = DC * 16;
   const int64_t G = H / Hkv;
   std::fill(acc, acc + H * D, 0.f);
@@ -260,10 +272,11 @@ void accumulate_piece(const float* w, Streams<S> st, int64_t len, int64_t H, int
   }
 }
 
-template <int DC, int S>
-void decode_piece_avx512(const float* qb, const float* kp, const float* vp, const int64_t* pages, int64_t t0,
-                         int64_t t1, int64_t page, int64_t H, int64_t Hkv, float scale, float* acc, float* m,
-                         float* l, std::vector<float>& buf) {
+template <int DC, int S, KvKind K>
+void decode_piece_avx512(const float* qb, const typename Kv<K>::T* kp, const typename Kv<K>::T* vp,
+                         const int64_t* pages, int64_t t0, int64_t t1, int64_t page, int64_t H, int64_t Hkv,
+                         float scale, float* acc, float* m, float* l, std::vector<float>& buf) {
+  using T = typename Kv<K>::T;
   constexpr int64_t D = DC * 16, STEPS = 16 / S;
   const int64_t row = Hkv * D, n = t1 - t0;
   const int64_t len = ((n + S - 1) / S + STEPS - 1) / STEPS * STEPS;   // tokens per stream, whole blocks
@@ -273,10 +286,11 @@ void decode_piece_avx512(const float* qb, const float* kp, const float* vp, cons
   float* sc = reinterpret_cast<float*>(fold + STEPS * H);
   float* qs = sc + H * nsc;
   float* zero = qs + H * D;
-  std::fill(zero, zero + row, 0.f);
+  std::fill(zero, zero + row, 0.f);      // all-zero bytes: 0 in every KV dtype
   for (int64_t i = 0; i < H * D; ++i) qs[i] = qb[i] * scale;
-  const Streams<S> ks(kp, pages, zero, page, row, t0, len, n), vs(vp, pages, zero, page, row, t0, len, n);
-  score_piece<DC, S>(qs, ks, len, H, Hkv, sc, nsc, fold);
+  const T* z = reinterpret_cast<const T*>(zero);
+  const Streams<S, K> ks(kp, pages, z, page, row, t0, len, n), vs(vp, pages, z, page, row, t0, len, n);
+  score_piece<DC, S, K>(qs, ks, len, H, Hkv, sc, nsc, fold);
   for (int s = 0; s < S; ++s)   // the slots past the end of stream s (it has n - s * len tokens, or none): -inf
     for (int64_t i = std::max<int64_t>(0, std::min(len, n - s * len)); i < len; ++i)
       for (int64_t h = 0; h < H; ++h) sc[h * nsc + i * S + s] = -INFINITY;
@@ -296,67 +310,52 @@ void decode_piece_avx512(const float* qb, const float* kp, const float* vp, cons
     m[h] = mh;
     l[h] = _mm512_reduce_add_ps(sum);
   }
-  accumulate_piece<DC, S>(sc, vs, len, H, Hkv, nsc, acc);
+  accumulate_piece<DC, S, K>(sc, vs, len, H, Hkv, nsc, acc);
 }
 #endif
 
-void decode_piece(const float* qb, const float* kp, const float* vp, const int64_t* pages, int64_t t0, int64_t t1,
-                  int64_t page, int64_t H, int64_t Hkv, int64_t D, float scale, float* acc, float* m, float* l,
-                  std::vector<float>& scores) {
+template <KvKind K>
+void decode_piece(const float* qb, const typename Kv<K>::T* kp, const typename Kv<K>::T* vp, const int64_t* pages,
+                  int64_t t0, int64_t t1, int64_t page, int64_t H, int64_t Hkv, int64_t D, float scale, float* acc,
+                  float* m, float* l, std::vector<float>& scores) {
 #ifdef __AVX512F__
   switch (D) {   // 4 streams where their 4 x DC row vectors leave registers for the rest, else 2
-    case 16: return decode_piece_avx512<1, 4>(qb, kp, vp, pages, t0, t1, page, H, Hkv, scale, acc, m, l, scores);
-    case 32: return decode_piece_avx512<2, 4>(qb, kp, vp, pages, t0, t1, page, H, Hkv, scale, acc, m, l, scores);
-    case 48: return decode_piece_avx512<3, 4>(qb, kp, vp, pages, t0, t1, page, H, Hkv, scale, acc, m, l, scores);
-    case 64: return decode_piece_avx512<4, 4>(qb, kp, vp, pages, t0, t1, page, H, Hkv, scale, acc, m, l, scores);
-    case 80: return decode_piece_avx512<5, 2>(qb, kp, vp, pages, t0, t1, page, H, Hkv, scale, acc, m, l, scores);
-    case 96: return decode_piece_avx512<6, 2>(qb, kp, vp, pages, t0, t1, page, H, Hkv, scale, acc, m, l, scores);
-    case 112: return decode_piece_avx512<7, 2>(qb, kp, vp, pages, t0, t1, page, H, Hkv, scale, acc, m, l, scores);
-    case 128: return decode_piece_avx512<8, 2>(qb, kp, vp, pages, t0, t1, page, H, Hkv, scale, acc, m, l, scores);
+    case 16: return decode_piece_avx512<1, 4, K>(qb, kp, vp, pages, t0, t1, page, H, Hkv, scale, acc, m, l, scores);
+    case 32: return decode_piece_avx512<2, 4, K>(qb, kp, vp, pages, t0, t1, page, H, Hkv, scale, acc, m, l, scores);
+    case 48: return decode_piece_avx512<3, 4, K>(qb, kp, vp, pages, t0, t1, page, H, Hkv, scale, acc, m, l, scores);
+    case 64: return decode_piece_avx512<4, 4, K>(qb, kp, vp, pages, t0, t1, page, H, Hkv, scale, acc, m, l, scores);
+    case 80: return decode_piece_avx512<5, 2, K>(qb, kp, vp, pages, t0, t1, page, H, Hkv, scale, acc, m, l, scores);
+    case 96: return decode_piece_avx512<6, 2, K>(qb, kp, vp, pages, t0, t1, page, H, Hkv, scale, acc, m, l, scores);
+    case 112: return decode_piece_avx512<7, 2, K>(qb, kp, vp, pages, t0, t1, page, H, Hkv, scale, acc, m, l, scores);
+    case 128: return decode_piece_avx512<8, 2, K>(qb, kp, vp, pages, t0, t1, page, H, Hkv, scale, acc, m, l, scores);
     default: break;
   }
 #endif
-  decode_piece_portable(qb, kp, vp, pages, t0, t1, page, H, Hkv, D, scale, acc, m, l, scores);
+  decode_piece_portable<K>(qb, kp, vp, pages, t0, t1, page, H, Hkv, D, scale, acc, m, l, scores);
 }
 
-}  // namespace
 
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_table, torch::Tensor lens, double scale) {
-  check_f32(q, "q");
-  check_f32(k_cache, "k_cache");
-  check_f32(v_cache, "v_cache");
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "q is [B, H, D], caches are [P, page, Hkv, D]");
-  TORCH_CHECK(block_table.scalar_type() == torch::kInt64 && block_table.is_contiguous(), "block_table: int64");
-  TORCH_CHECK(lens.scalar_type() == torch::kInt64 && lens.is_contiguous(), "lens: int64");
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t page = k_cache.size(1), Hkv = k_cache.size(2), P = k_cache.size(0);
-  TORCH_CHECK(k_cache.size(3) == D && H % Hkv == 0, "head sizes do not match");
-  TORCH_CHECK(block_table.size(0) == B && lens.size(0) == B, "one block-table row and length per query");
-  const int64_t W = block_table.size(1);
-  const int64_t* tab = block_table.data_ptr<int64_t>();
-  const int64_t* lp = lens.data_ptr<int64_t>();
+// Every sequence's attention, cut into pieces of whole pages on the intra-op threads, then merged by
+// their max and sum. The KV scales are folded in: k_mult into the scaled query, v_mult into the
+// final normalisation, so the loops see raw widened values only.
+template <KvKind K>
+void run_decode(const float* qp, const void* kc, const void* vc, const int64_t* tab, const int64_t* lp, int64_t B,
+                int64_t W, int64_t H, int64_t Hkv, int64_t D, int64_t page, float scale, float k_mult, float v_mult,
+                float* op) {
+  using T = typename Kv<K>::T;
+  const T* kp = static_cast<const T*>(kc);
+  const T* vp = static_cast<const T*>(vc);
   int64_t max_len = 0;
-  for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(lp[b] >= 1 && lp[b] <= W * page, "sequence length out of its block table");
-    for (int64_t i = 0; i < (lp[b] + page - 1) / page; ++i)
-      TORCH_CHECK(tab[b * W + i] >= 0 && tab[b * W + i] < P, "page id out of the pool");
-    max_len = std::max(max_len, lp[b]);
-  }
+  for (int64_t b = 0; b < B; ++b) max_len = std::max(max_len, lp[b]);
   // split each sequence into pieces of whole pages so that every thread has work even at batch 1
   const int64_t threads = at::get_num_threads();
   int64_t splits = std::max<int64_t>(1, std::min<int64_t>((2 * threads + B - 1) / B, (max_len + 255) / 256));
   while (splits > 1 && B * splits % threads != 0) --splits;   // as many tasks per thread: not 3 on 2 threads
   const int64_t piece = ((max_len + splits - 1) / splits + page - 1) / page * page;
-  auto out = torch::empty_like(q);
-  auto part_acc = torch::empty({B, splits, H, D}, q.options());
-  auto part_ml = torch::full({B, splits, 2, H}, 0.f, q.options());
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
-  float* pa = part_acc.data_ptr<float>();
-  float* pml = part_ml.data_ptr<float>();
-  const float sc = static_cast<float>(scale);
+  std::vector<float> part_acc(B * splits * H * D), part_ml(B * splits * 2 * H, 0.f);
+  float* pa = part_acc.data();
+  float* pml = part_ml.data();
+  const float sc = scale * k_mult;
   at::parallel_for(0, B * splits, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t task = begin; task < end; ++task) {
@@ -367,11 +366,10 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
         for (int64_t h = 0; h < H; ++h) ml[h] = -INFINITY;   // empty piece: weight zero in the merge
         continue;
       }
-      decode_piece(qp + b * H * D, kp, vp, tab + b * W, t0, t1, page, H, Hkv, D, sc, pa + task * H * D, ml,
-                   ml + H, scores);
+      decode_piece<K>(qp + b * H * D, kp, vp, tab + b * W, t0, t1, page, H, Hkv, D, sc, pa + task * H * D, ml,
+                      ml + H, scores);
     }
   });
-  float* op = out.data_ptr<float>();
   for (int64_t b = 0; b < B; ++b)
     for (int64_t h = 0; h < H; ++h) {
       float mx = -INFINITY;
@@ -386,9 +384,48 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
         total += w * ml[H + h];
         axpy(o, pa + ((b * splits + sp) * H + h) * D, w, D);
       }
-      const float inv = 1.f / total;
+      const float inv = v_mult / total;
       for (int64_t d = 0; d < D; ++d) o[d] *= inv;
     }
-  return out;
 }
 
+}  // namespace
+
+// q [B, H, D] float32; caches [P, page, Hkv, D] float32, bfloat16, float8_e4m3fn or float8_e5m2 (stored
+// value x k_scale / v_scale = real value); block_table [B, W], lens [B] int64. Returns [B, H, D] float32.
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_table, torch::Tensor lens, double scale, double k_scale,
+                                     double v_scale) {
+  check_f32(q, "q");
+  const KvKind kind = check_kv(k_cache, v_cache);
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "q is [B, H, D], caches are [P, page, Hkv, D]");
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), "k_cache and v_cache must have one shape");
+  TORCH_CHECK(block_table.scalar_type() == torch::kInt64 && block_table.is_contiguous(), "block_table: int64");
+  TORCH_CHECK(lens.scalar_type() == torch::kInt64 && lens.is_contiguous(), "lens: int64");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t page = k_cache.size(1), Hkv = k_cache.size(2), P = k_cache.size(0);
+  TORCH_CHECK(k_cache.size(3) == D && H % Hkv == 0, "head sizes do not match");
+  TORCH_CHECK(block_table.size(0) == B && lens.size(0) == B, "one block-table row and length per query");
+  const int64_t W = block_table.size(1);
+  const int64_t* tab = block_table.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(lp[b] >= 1 && lp[b] <= W * page, "sequence length out of its block table");
+    for (int64_t i = 0; i < (lp[b] + page - 1) / page; ++i)
+      TORCH_CHECK(tab[b * W + i] >= 0 && tab[b * W + i] < P, "page id out of the pool");
+  }
+  auto out = torch::empty_like(q);
+  const float raw = kv_raw_scale(kind), sc = static_cast<float>(scale);
+  const float km = static_cast<float>(k_scale) * raw, vm = static_cast<float>(v_scale) * raw;
+  const void* kc = k_cache.data_ptr();
+  const void* vc = v_cache.data_ptr();
+  const float* qp = q.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  switch (kind) {
+    case KvKind::F32: run_decode<KvKind::F32>(qp, kc, vc, tab, lp, B, W, H, Hkv, D, page, sc, km, vm, op); break;
+    case KvKind::BF16: run_decode<KvKind::BF16>(qp, kc, vc, tab, lp, B, W, H, Hkv, D, page, sc, km, vm, op); break;
+    case KvKind::E4M3: run_decode<KvKind::E4M3>(qp, kc, vc, tab, lp, B, W, H, Hkv, D, page, sc, km, vm, op); break;
+    case KvKind::E5M2: run_decode<KvKind::E5M2>(qp, kc, vc, tab, lp, B, W, H, Hkv, D, page, sc, km, vm, op); break;
+  }
+  return out;
+}

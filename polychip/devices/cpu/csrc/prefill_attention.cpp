@@ -1,5 +1,8 @@
-// paged_prefill_attention (float32): causal attention for prefill chunks (many query tokens per
-// sequence, after a cached prefix), reading K/V straight from the paged pool through a block table.
+// paged_prefill_attention (float32 q and output): causal attention for prefill chunks (many query
+// tokens per sequence, after a cached prefix), reading K/V straight from the paged pool through a
+// block table, in the pool's dtype. A float32 pool is read in place; from a bfloat16 or fp8 pool each
+// key block's rows of the item's kv head are widened into a float tile (128 x D) as the block is
+// reached, and the item's G x positions rows then reuse it (~1/48 of the work: no copy of the cache).
 //
 // One work item is (segment, kv head g, block of query positions). Its rows are the G = H / Hkv
 // query heads that share g times the block's positions, so every K/V row loaded serves G heads.
@@ -12,10 +15,6 @@
 // Key blocks run up to the block's causal limit; only blocks that cross the diagonal are masked.
 // Items are handed out dynamically, the most expensive (latest positions) first.
 #include "common.h"
-
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
 
 using namespace polychip_cpu;
 
@@ -108,12 +107,26 @@ struct Item {
 };
 
 struct Problem {
-  const float *q, *kc, *vc;
+  const float* q;
+  const char *kc, *vc;         // the caches' bytes, elements of kind
   float* out;
   int64_t H, Hkv, D, page;
-  float qscale;                // scale * log2 e
+  KvKind kind;
+  int64_t elem;                // bytes per element
+  float qscale;                // scale * log2 e * the K scale (raw values, KvKind)
+  float vscale;                // the V scale (raw values)
   std::vector<Segment> segs;
 };
+
+// n elements of kind at src -> raw floats at dst
+inline void widen_row(KvKind kind, const char* src, float* dst, int64_t n) {
+  switch (kind) {
+    case KvKind::BF16: return kv_widen<KvKind::BF16>(reinterpret_cast<const uint16_t*>(src), dst, n);
+    case KvKind::E4M3: return kv_widen<KvKind::E4M3>(reinterpret_cast<const uint8_t*>(src), dst, n);
+    case KvKind::E5M2: return kv_widen<KvKind::E5M2>(reinterpret_cast<const uint8_t*>(src), dst, n);
+    case KvKind::F32: return kv_widen<KvKind::F32>(reinterpret_cast<const float*>(src), dst, n);
+  }
+}
 
 // St[n][rows r0 .. r0 + kL NR] for keys n0 .. n0 + kNK: Qt rows dotted with the keys' K rows
 template <int NR>
@@ -192,7 +205,9 @@ void run_item(const Problem& pb, const Item& it, Scratch& sc) {
   const int64_t rows = nq * G, RV = (rows + kL - 1) / kL, RP = RV * kL;
   const int64_t kend = off + q0 + nq;              // keys 0 .. kend serve this block's positions
 
-  const int64_t need = 2 * round16(D * RP) + round16(kKeyBlock * RP) + 4 * round16(RP) + 15;
+  const bool widen = pb.kind != KvKind::F32;
+  const int64_t tiles = widen ? 2 * round16(kKeyBlock * D) : 0;
+  const int64_t need = 2 * round16(D * RP) + round16(kKeyBlock * RP) + 4 * round16(RP) + tiles + 15;
   if (static_cast<int64_t>(sc.buf.size()) < need) sc.buf.assign(need, 0.f);
   int64_t used = (16 - (reinterpret_cast<uintptr_t>(sc.buf.data()) / 4) % 16) % 16;
   float* Qt = sc.take(D * RP, used);
@@ -202,6 +217,8 @@ void run_item(const Problem& pb, const Item& it, Scratch& sc) {
   float* l = sc.take(RP, used);
   float* alpha = sc.take(RP, used);
   float* lim = sc.take(RP, used);
+  float* ktile = widen ? sc.take(kKeyBlock * D, used) : nullptr;   // a key block's K and V rows, widened
+  float* vtile = widen ? sc.take(kKeyBlock * D, used) : nullptr;
   sc.kp.resize(kKeyBlock + kNK);
   sc.vp.resize(kKeyBlock + kNK);
   const float** kp = sc.kp.data();
@@ -227,9 +244,16 @@ void run_item(const Problem& pb, const Item& it, Scratch& sc) {
     const int64_t nb = std::min(kKeyBlock, kend - kb), nbp = (nb + kNK - 1) / kNK * kNK;
     for (int64_t n = 0; n < nb; ++n) {
       const int64_t t = kb + n;
-      const int64_t slot = (s.pages[t / page] * page + t % page) * row_stride + g * D;
-      kp[n] = pb.kc + slot;
-      vp[n] = pb.vc + slot;
+      const int64_t slot = ((s.pages[t / page] * page + t % page) * row_stride + g * D) * pb.elem;
+      if (widen) {
+        widen_row(pb.kind, pb.kc + slot, ktile + n * D, D);
+        widen_row(pb.kind, pb.vc + slot, vtile + n * D, D);
+        kp[n] = ktile + n * D;
+        vp[n] = vtile + n * D;
+      } else {
+        kp[n] = reinterpret_cast<const float*>(pb.kc + slot);
+        vp[n] = reinterpret_cast<const float*>(pb.vc + slot);
+      }
     }
     for (int64_t n = nb; n < nbp; ++n) kp[n] = kp[nb - 1];   // tile padding, never read back
     // S = K Qt
@@ -293,7 +317,7 @@ void run_item(const Problem& pb, const Item& it, Scratch& sc) {
       }
   }
 
-  for (int64_t r = 0; r < rows; ++r) l[r] = 1.f / l[r];
+  for (int64_t r = 0; r < rows; ++r) l[r] = pb.vscale / l[r];
   for (int64_t i = 0; i < nq; ++i) {
     float* orow = pb.out + ((s.start + q0 + i) * H + g * G) * D;
     for (int64_t j = 0; j < G; ++j) {
@@ -305,14 +329,15 @@ void run_item(const Problem& pb, const Item& it, Scratch& sc) {
 
 }  // namespace
 
-// q, out [T, H, D]; caches [P, page, Hkv, D]; segments [S, 3] int64 rows (start, q_len, kv_len);
+// q, out [T, H, D] float32; caches [P, page, Hkv, D] float32, bfloat16, float8_e4m3fn or float8_e5m2
+// (stored value x k_scale / v_scale = real value); segments [S, 3] int64 rows (start, q_len, kv_len);
 // block_table [S, W] int64. For every segment, writes out[start .. start + q_len]: query row i
 // attends to keys 0 .. kv_len - q_len + i of its sequence. Other rows of out are left alone.
 void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor out,
-                             torch::Tensor segments, torch::Tensor block_table, double scale) {
+                             torch::Tensor segments, torch::Tensor block_table, double scale, double k_scale,
+                             double v_scale) {
   check_f32(q, "q");
-  check_f32(k_cache, "k_cache");
-  check_f32(v_cache, "v_cache");
+  const KvKind kind = check_kv(k_cache, v_cache);
   check_f32(out, "out");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "q is [T, H, D], caches are [P, page, Hkv, D]");
   TORCH_CHECK(out.sizes() == q.sizes(), "out must have q's shape");
@@ -327,8 +352,11 @@ void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tens
   const int64_t S = segments.size(0), W = block_table.size(1);
   TORCH_CHECK(block_table.size(0) == S, "one block-table row per segment");
 
-  Problem pb{q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), out.data_ptr<float>(),
-             H, Hkv, D, page, static_cast<float>(scale) * kLog2e, {}};
+  const float raw = kv_raw_scale(kind);
+  Problem pb{q.data_ptr<float>(), static_cast<const char*>(k_cache.data_ptr()),
+             static_cast<const char*>(v_cache.data_ptr()), out.data_ptr<float>(), H, Hkv, D, page, kind,
+             k_cache.element_size(), static_cast<float>(scale * k_scale) * raw * kLog2e,
+             static_cast<float>(v_scale) * raw, {}};
   const int64_t* sg = segments.data_ptr<int64_t>();
   const int64_t* tab = block_table.data_ptr<int64_t>();
   const int64_t G = H / Hkv, per_item = std::max<int64_t>(1, kRows / G);
