@@ -82,10 +82,12 @@ class Counting:
         return self.fn()
 
 
-@pytest.mark.parametrize("arch,quantization", [("llama", None), ("qwen3", None), ("qwen2", "int8")])
-def test_greedy_tokens_equal_with_compile_on_and_off(model_factory, arch, quantization):
+@pytest.mark.parametrize("arch,quantization,kv", [("llama", None, "auto"), ("qwen3", None, "fp8_e4m3"),
+                                                   ("qwen2", "int8", "auto")])
+def test_greedy_tokens_equal_with_compile_on_and_off(model_factory, arch, quantization, kv):
     path = model_factory(arch, arch == "llama")
-    kw = dict(device="cpu", dtype="float32", max_total_tokens=1024, cuda_graph_max_bs=4, quantization=quantization)
+    kw = dict(device="cpu", dtype="float32", max_total_tokens=1024, cuda_graph_max_bs=4, quantization=quantization,
+              kv_cache_dtype=kv)
     eager, static = LLM(path, disable_cuda_graph=True, **kw), LLM(path, **kw)
     assert eager.engine.runner.static is None
     buckets = static.engine.runner.static.buckets
