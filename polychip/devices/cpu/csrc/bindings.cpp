@@ -64,9 +64,9 @@ std::tuple<torch::Tensor, torch::Tensor> rotary_embedding_op(torch::Tensor q, to
 
 TORCH_LIBRARY(polychip_cpu, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor lens, "
-        "float scale) -> Tensor");
+        "float scale, float k_scale=1.0, float v_scale=1.0) -> Tensor");
   m.def("paged_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor(a!) out, Tensor segments, "
-        "Tensor block_table, float scale) -> ()");
+        "Tensor block_table, float scale, float k_scale=1.0, float v_scale=1.0) -> ()");
   m.def("linear_tiles(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("linear_blocks(Tensor x, Tensor w, Tensor? bias, int block) -> Tensor");
   m.def("linear_int8_tiles(Tensor x, Tensor w, Tensor scales, Tensor? bias) -> Tensor");
