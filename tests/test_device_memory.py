@@ -98,7 +98,7 @@ def test_a_pool_beyond_the_largest_block_is_reported_with_it(tmp_path, model_fac
     kept = fragment(plugin, 4 * MiB, 12)                       # 6 holes of 4 MiB
     with pytest.raises(DeviceOutOfMemoryError) as e:
         Engine(small_config(model_factory("llama", True), None, max_total_tokens=81920), plugin=plugin)
-    m = re.search(r"^\[hardware\] simxpu:0 out of memory allocating the KV pool \(5120 pages of 16 tokens, 2 layers\): "
+    m = re.search(r"^\[hardware\] simxpu:0 out of memory allocating the KV pool \(5120 pages of 16 tokens, 2 layers, float32\): "
                   r"requested 40.0 MiB; ([0-9.]+) MiB free of 128.0 MiB, largest free block ([0-9.]+) MiB", str(e.value))
     assert m, str(e.value)
     assert float(m.group(1)) > 40 > float(m.group(2))
