@@ -30,6 +30,9 @@ class FakeEngine:
     def stats(self):
         return SimpleNamespace(num_waiting=self.num_waiting, num_running=self.num_running)
 
+    def bind_thread(self):
+        """A host-only fake has no device to make current."""
+
     def check_request(self, prompt_ids, params):
         if not prompt_ids:
             raise InvalidRequestError("prompt is empty")
