@@ -131,23 +131,23 @@ class FakeGraphRuntime:
 def test_decode_graphs_warm_up_capture_once_then_replay(monkeypatch):
     """The first call warms up outside the capture, captures, then replays; later calls only replay
     and hand back the captured output buffer."""
-    from polychip.devices.cuda_graphs import DecodeGraphs
+    from polychip.devices.cuda_graphs import DecodeGraph
     rt = FakeGraphRuntime(monkeypatch)
     out = object()
 
     def step():
         rt.log.append("capture" if rt.capturing else "eager")
         return out
-    graphs = DecodeGraphs(step, "cuda:0", "the decode step at batch 4")
+    graphs = DecodeGraph(step, "cuda:0", "pool", "the decode step at batch 4")
     assert graphs() is out and graphs() is out and graphs() is out
     assert rt.log == ["side stream", "eager", "capture", "replay", "replay", "replay"]
 
 
 def test_a_step_that_cannot_be_captured_runs_eager_and_says_why(monkeypatch, caplog):
-    from polychip.devices.cuda_graphs import DecodeGraphs
+    from polychip.devices.cuda_graphs import DecodeGraph
     rt = FakeGraphRuntime(monkeypatch, fail_capture=True)
     calls = []
-    graphs = DecodeGraphs(lambda: calls.append(1) or len(calls), "cuda:0", "the decode step at batch 2")
+    graphs = DecodeGraph(lambda: calls.append(1) or len(calls), "cuda:0", "pool", "the decode step at batch 2")
     with caplog.at_level(logging.WARNING, logger="polychip.devices.cuda"):
         assert graphs() == 2 and graphs() == 3            # warm-up, then eager each call
     assert "replay" not in rt.log

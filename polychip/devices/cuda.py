@@ -48,6 +48,10 @@ class CudaPlugin(DevicePlugin):
     default_mem_fraction = 0.85
     priority = 100
 
+    def __init__(self):
+        super().__init__()
+        self.graph_pool = None      # the memory pool all of its CUDA graphs share (made at the first compile)
+
     def is_available(self) -> Availability:
         if not torch.backends.cuda.is_built():
             return Availability(False, "this torch build has no CUDA support")
@@ -154,9 +158,12 @@ class CudaPlugin(DevicePlugin):
         return "nccl"
 
     def compile(self, fn: Callable) -> Callable:
-        """CUDA graphs of the decode step, one per batch-size bucket (devices/cuda_graphs.py)."""
-        from polychip.devices.cuda_graphs import DecodeGraphs
-        return DecodeGraphs(fn, self.device_handle(), getattr(fn, "label", "decode step"))
+        """A CUDA graph of the decode step at one batch size (devices/cuda_graphs.py); every size's
+        graph allocates from one memory pool, so the buckets' activations share memory."""
+        from polychip.devices.cuda_graphs import DecodeGraph
+        if self.graph_pool is None:
+            self.graph_pool = torch.cuda.graph_pool_handle()
+        return DecodeGraph(fn, self.device_handle(), self.graph_pool, getattr(fn, "label", "decode step"))
 
     def default_dtype(self, model_dtype: str) -> str:
         if model_dtype in ("bfloat16", "float16"):
