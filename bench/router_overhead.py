@@ -6,7 +6,8 @@ the same machine load), then a router over two replicas.
         [--concurrency 1,16] [--rounds 3] [--two-replicas] [--json out.json]
 
 Prints median TTFT (direct, via router, added) and output throughput (cost %) per round and
-over all rounds; with --two-replicas, the same workload on a router over 2 replicas.
+over all rounds, and the router process's CPU time (per request, and as a share of the CPU the
+router and the replica spent in that step: a figure the machine's noise barely moves); with --two-replicas, the same workload on a router over 2 replicas.
 
 ``--echo`` puts an echo replica (no model: it streams ``output_len`` chunks at once) in place of
 polychip serve, so what is left is the router's own cost per request and per streamed chunk,
@@ -43,6 +44,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process and its live descendants, from /proc (Linux)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    stats = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rpartition(")")[2].split()
+            except OSError:
+                continue
+            stats[int(entry)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick)
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        total += stats.get(p, (0, 0.0))[1]
+        todo += [c for c, (ppid, _) in stats.items() if ppid == p]
+    return total
+
+
 def start_router(replica_urls: list[str]):
     port = free_port()
     cmd = [sys.executable, "-m", "polychip.cli", "router", "--port", str(port), "--log-level", "warning",
@@ -64,16 +85,20 @@ def start_router(replica_urls: list[str]):
     raise RuntimeError("router not ready")
 
 
-async def measure(url: str, reqs: list[BenchRequest], concurrency: int) -> dict:
+async def measure(url: str, reqs: list[BenchRequest], concurrency: int, pids: dict[str, int]) -> dict:
+    """One bench serving step; ``pids`` are processes whose CPU seconds over the step are reported."""
     cfg = ServingConfig(url, progress=False)
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(3600, connect=30), limits=limits) as client:
         model = await discover_model(client, cfg)
         await send_request(client, cfg, model, BenchRequest("Warm-up: count from one to ten.", 8, 4))
+        cpu0 = {k: cpu_seconds(p) for k, p in pids.items()}
         results, wall = await run_step(cfg, model, reqs, concurrency, client)
+        cpu = {k: cpu_seconds(p) - cpu0[k] for k, p in pids.items()}
     step = summarize(results, wall, concurrency)
     return {"ttft_median_ms": step["ttft_ms"]["p50"], "output_throughput": step["output_throughput"],
-            "completed": step["completed"]}
+            "completed": step["completed"], "output_tokens": sum(r.output_len for r in results),
+            "wall_s": wall, "cpu_s": cpu}
 
 
 def echo_app():
@@ -169,15 +194,25 @@ def main() -> int:
                     for j, name in enumerate(order):
                         reqs = datasets.synthetic(tok, args.num_prompts or max(16, 2 * c), args.input_len, args.output_len,
                                                   seed=10_000 * i + 100 * c + j)
-                        row[name] = asyncio.run(measure(replica.url if name == "direct" else rurl, reqs, c))
+                        pids = {"replica": replica.proc.pid}
+                        if name == "router":
+                            pids["router"] = router.pid
+                        row[name] = asyncio.run(measure(replica.url if name == "direct" else rurl, reqs, c, pids))
                     row["ttft_added_ms"] = row["router"]["ttft_median_ms"] - row["direct"]["ttft_median_ms"]
                     row["throughput_cost_pct"] = 100 * (1 - row["router"]["output_throughput"] /
                                                         row["direct"]["output_throughput"])
+                    rcpu = row["router"]["cpu_s"]
+                    # the router's CPU as a share of all CPU spent serving (router + replica) in that step:
+                    # on a machine whose cores the engine fills, what the router takes from it
+                    row["router_cpu_share_pct"] = 100 * rcpu["router"] / (rcpu["router"] + rcpu["replica"])
+                    row["router_cpu_ms_per_request"] = 1000 * rcpu["router"] / row["router"]["completed"]
                     out["rounds"].append(row)
                     print(f"round {i} c{c}: TTFT median direct {row['direct']['ttft_median_ms']:.1f} ms, via router "
                           f"{row['router']['ttft_median_ms']:.1f} ms (added {row['ttft_added_ms']:+.1f} ms); output "
                           f"tok/s direct {row['direct']['output_throughput']:.1f}, via router "
-                          f"{row['router']['output_throughput']:.1f} (cost {row['throughput_cost_pct']:+.1f}%)",
+                          f"{row['router']['output_throughput']:.1f} (cost {row['throughput_cost_pct']:+.1f}%); router CPU "
+                          f"{row['router_cpu_ms_per_request']:.2f} ms/request, {row['router_cpu_share_pct']:.2f}% of "
+                          f"serving CPU",
                           flush=True)
         finally:
             router.send_signal(signal.SIGTERM)
@@ -187,18 +222,21 @@ def main() -> int:
             rows = [r for r in out["rounds"] if r["concurrency"] == c]
             added = statistics.median(r["ttft_added_ms"] for r in rows)
             cost = statistics.median(r["throughput_cost_pct"] for r in rows)
-            out["summary"][f"c{c}"] = {"ttft_added_ms_median": added, "throughput_cost_pct_median": cost}
+            share = statistics.median(r["router_cpu_share_pct"] for r in rows)
+            out["summary"][f"c{c}"] = {"ttft_added_ms_median": added, "throughput_cost_pct_median": cost,
+                                       "router_cpu_share_pct_median": share}
             print(f"concurrency {c}, {args.rounds} rounds, {args.input_len} in / {args.output_len} out: median TTFT "
-                  f"added {added:+.1f} ms, median output throughput cost {cost:+.1f}%")
+                  f"added {added:+.1f} ms, median output throughput cost {cost:+.1f}%, router CPU "
+                  f"{share:.2f}% of serving CPU")
         if args.two_replicas:
             with replica_cm() as second:
                 router, rurl = start_router([replica.url, second.url])
                 try:
                     c = max(args.concurrency)
                     reqs = datasets.synthetic(tok, c * 2, args.input_len, args.output_len, seed=77)
-                    two = asyncio.run(measure(rurl, reqs, c))
+                    two = asyncio.run(measure(rurl, reqs, c, {}))
                     reqs = datasets.synthetic(tok, c * 2, args.input_len, args.output_len, seed=78)
-                    one = asyncio.run(measure(replica.url, reqs, c))
+                    one = asyncio.run(measure(replica.url, reqs, c, {}))
                 finally:
                     router.send_signal(signal.SIGTERM)
                     router.wait(30)
