@@ -7,7 +7,8 @@ the same machine load), then a router over two replicas.
 
 Prints median TTFT (direct, via router, added) and output throughput (cost %) per round and
 over all rounds, and the router process's CPU time (per request, and as a share of the CPU the
-router and the replica spent in that step: a figure the machine's noise barely moves); with --two-replicas, the same workload on a router over 2 replicas.
+router and the replica spent in that step: a figure the machine's noise barely moves); with --two-replicas, the same workload on a router
+over 2 replicas.
 
 ``--echo`` puts an echo replica (no model: it streams ``output_len`` chunks at once) in place of
 polychip serve, so what is left is the router's own cost per request and per streamed chunk,

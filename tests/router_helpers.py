@@ -52,12 +52,14 @@ class ThreadServer:
 class FakeReplica:
     """Answers /server_info and the two OpenAI routes, JSON or SSE, after ``delay`` seconds per
     token; ``mode`` makes it fail: "http500", "error_event" (stream error before any token),
-    "die_mid_stream" (drops the connection after the first token)."""
+    "die_mid_stream" (drops the connection after the first token). ``tail`` seconds pass between
+    a stream's [DONE] and the end of its body (a busy server's late last write)."""
 
     def __init__(self, model="tiny", version="v1", device="cpu:0", dtypes=("float32", "bfloat16"),
-                 max_running=64, delay=0.0, tokens=3, mode=None, cached_rate=0.0):
+                 max_running=64, delay=0.0, tokens=3, mode=None, cached_rate=0.0, tail=0.0):
         self.model, self.version, self.device, self.dtypes = model, version, device, tuple(dtypes)
         self.max_running, self.delay, self.tokens, self.mode = max_running, delay, tokens, mode
+        self.tail = tail
         self.served = 0
         self.hold = False              # while True, requests wait before answering
         self.inflight = 0
@@ -121,6 +123,7 @@ class FakeReplica:
                                              **({"delta": {}} if chat else {"text": ""})}], "usage": usage})
                     yield "data: [DONE]\n\n"
                     self.served += 1
+                    await asyncio.sleep(self.tail)
                 finally:
                     self.inflight -= 1
             return StreamingResponse(events(), media_type="text/event-stream")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import logging
+import time
 
 import httpx
 import pytest
@@ -189,3 +190,22 @@ def test_a_client_that_leaves_mid_stream_frees_the_replica(cluster):
     # the connection is closed after one event: the router lets go of the replica, which stops too
     wait_for(lambda: router.dispatcher.replicas["r0"].inflight == 0 and fake.inflight == 0, 10, "released")
     assert fake.served == 0
+
+
+def test_a_finished_stream_frees_its_slot_at_done_not_at_the_body_end(cluster):
+    """With one slot per replica, the next request must not wait in the router for the end of
+    the last body when [DONE] already said the request is over."""
+    fake = FakeReplica(tokens=2, tail=3.0)
+    url, router, _ = cluster([fake], max_inflight_per_replica=1)
+    with httpx.stream("POST", url + "/v1/completions", json={"prompt": "x", "max_tokens": 2, "stream": True},
+                      timeout=30) as r:
+        lines = []
+        for line in r.iter_lines():
+            lines.append(line)
+            if line == "data: [DONE]":
+                break
+        assert router.dispatcher.replicas["r0"].inflight == 0       # freed before [DONE] reached us
+        t0 = time.monotonic()
+        nxt = complete(url)       # the body above is still open for ~3 s
+        assert nxt.status_code == 200 and nxt.json()["choices"][0]["text"] == "xxx"
+        assert time.monotonic() - t0 < 2.0

@@ -212,6 +212,12 @@ class Proxy:
                             if "error" in msg:
                                 ok, kind = False, "stream_error"
                             tokens = (msg.get("usage") or {}).get("completion_tokens", tokens)
+                if done and not released:
+                    # the replica has finished this request: free its slot now, not after the body's
+                    # end arrives (which may wait for the replica's next step), or the client's next
+                    # request would queue here behind a request that is already over
+                    released.append(True)
+                    self.d.release(replica)
                 yield b"".join(batch)
                 if done:
                     await events.drain()        # read the body's end, so the connection is reused
