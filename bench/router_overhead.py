@@ -86,20 +86,45 @@ def start_router(replica_urls: list[str]):
     raise RuntimeError("router not ready")
 
 
-async def measure(url: str, reqs: list[BenchRequest], concurrency: int, pids: dict[str, int]) -> dict:
-    """One bench serving step; ``pids`` are processes whose CPU seconds over the step are reported."""
+async def engine_ttft(client: httpx.AsyncClient, replica_url: str | None) -> tuple[float, float]:
+    """(sum, count) of the replica engine's own TTFT histogram (arrival in the engine to first
+    token), from its /metrics; (0, 0) for a replica without one (the echo)."""
+    if replica_url is None:
+        return 0.0, 0.0
+    text = (await client.get(replica_url + "/metrics")).text
+    got = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name.startswith("polychip_time_to_first_token_seconds_sum") or \
+                name.startswith("polychip_time_to_first_token_seconds_count"):
+            got[name.split("{")[0].rsplit("_", 1)[1]] = float(value)
+    return got.get("sum", 0.0), got.get("count", 0.0)
+
+
+async def measure(url: str, reqs: list[BenchRequest], concurrency: int, pids: dict[str, int],
+                  replica_url: str | None = None) -> dict:
+    """One bench serving step; ``pids`` are processes whose CPU seconds over the step are
+    reported; with ``replica_url`` (a polychip replica with /metrics), the mean TTFT spent
+    outside its engine (client TTFT minus the engine's own), which queueing in the engine does
+    not move."""
     cfg = ServingConfig(url, progress=False)
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(3600, connect=30), limits=limits) as client:
         model = await discover_model(client, cfg)
         await send_request(client, cfg, model, BenchRequest("Warm-up: count from one to ten.", 8, 4))
         cpu0 = {k: cpu_seconds(p) for k, p in pids.items()}
+        e0 = await engine_ttft(client, replica_url)
         results, wall = await run_step(cfg, model, reqs, concurrency, client)
+        e1 = await engine_ttft(client, replica_url)
         cpu = {k: cpu_seconds(p) - cpu0[k] for k, p in pids.items()}
     step = summarize(results, wall, concurrency)
+    outside = None
+    if e1[1] > e0[1]:
+        ttfts = [r.ttft for r in results if r.ttft is not None]
+        outside = 1000 * (statistics.mean(ttfts) - (e1[0] - e0[0]) / (e1[1] - e0[1]))
     return {"ttft_median_ms": step["ttft_ms"]["p50"], "output_throughput": step["output_throughput"],
             "completed": step["completed"], "output_tokens": sum(r.output_len for r in results),
-            "wall_s": wall, "cpu_s": cpu}
+            "wall_s": wall, "cpu_s": cpu, "ttft_outside_engine_mean_ms": outside}
 
 
 def echo_app():
@@ -178,7 +203,7 @@ def main() -> int:
     p.add_argument("--json", default=None)
     args = p.parse_args()
     tok = datasets.load_tokenizer(args.model_path)
-    serve_args = ["--max-running-requests", str(max(args.concurrency))]
+    serve_args = ["--max-running-requests", str(max(args.concurrency)), "--enable-metrics"]
     if args.model_path:
         serve_args += ["--model-path", args.model_path]
     serve_args += shlex.split(args.serve_args)
@@ -198,10 +223,14 @@ def main() -> int:
                         pids = {"replica": replica.proc.pid}
                         if name == "router":
                             pids["router"] = router.pid
-                        row[name] = asyncio.run(measure(replica.url if name == "direct" else rurl, reqs, c, pids))
+                        row[name] = asyncio.run(measure(replica.url if name == "direct" else rurl, reqs, c, pids,
+                                                        None if args.echo else replica.url))
                     row["ttft_added_ms"] = row["router"]["ttft_median_ms"] - row["direct"]["ttft_median_ms"]
                     row["throughput_cost_pct"] = 100 * (1 - row["router"]["output_throughput"] /
                                                         row["direct"]["output_throughput"])
+                    if row["router"]["ttft_outside_engine_mean_ms"] is not None:
+                        row["ttft_added_outside_engine_ms"] = (row["router"]["ttft_outside_engine_mean_ms"]
+                                                               - row["direct"]["ttft_outside_engine_mean_ms"])
                     rcpu = row["router"]["cpu_s"]
                     # the router's CPU as a share of all CPU spent serving (router + replica) in that step:
                     # on a machine whose cores the engine fills, what the router takes from it
@@ -211,7 +240,11 @@ def main() -> int:
                     print(f"round {i} c{c}: TTFT median direct {row['direct']['ttft_median_ms']:.1f} ms, via router "
                           f"{row['router']['ttft_median_ms']:.1f} ms (added {row['ttft_added_ms']:+.1f} ms); output "
                           f"tok/s direct {row['direct']['output_throughput']:.1f}, via router "
-                          f"{row['router']['output_throughput']:.1f} (cost {row['throughput_cost_pct']:+.1f}%); router CPU "
+                          f"{row['router']['output_throughput']:.1f} (cost {row['throughput_cost_pct']:+.1f}%); "
+                          + (f"TTFT outside the engine, mean: direct {row['direct']['ttft_outside_engine_mean_ms']:.1f} "
+                             f"ms, via router {row['router']['ttft_outside_engine_mean_ms']:.1f} ms (added "
+                             f"{row['ttft_added_outside_engine_ms']:+.1f} ms); "
+                             if "ttft_added_outside_engine_ms" in row else "") + f"router CPU "
                           f"{row['router_cpu_ms_per_request']:.2f} ms/request, {row['router_cpu_share_pct']:.2f}% of "
                           f"serving CPU",
                           flush=True)
@@ -224,11 +257,14 @@ def main() -> int:
             added = statistics.median(r["ttft_added_ms"] for r in rows)
             cost = statistics.median(r["throughput_cost_pct"] for r in rows)
             share = statistics.median(r["router_cpu_share_pct"] for r in rows)
+            outside = [r["ttft_added_outside_engine_ms"] for r in rows if "ttft_added_outside_engine_ms" in r]
             out["summary"][f"c{c}"] = {"ttft_added_ms_median": added, "throughput_cost_pct_median": cost,
-                                       "router_cpu_share_pct_median": share}
+                                       "router_cpu_share_pct_median": share,
+                                       "ttft_added_outside_engine_ms_median": statistics.median(outside) if outside else None}
             print(f"concurrency {c}, {args.rounds} rounds, {args.input_len} in / {args.output_len} out: median TTFT "
                   f"added {added:+.1f} ms, median output throughput cost {cost:+.1f}%, router CPU "
-                  f"{share:.2f}% of serving CPU")
+                  f"{share:.2f}% of serving CPU" + (f"; TTFT added outside the engine (mean per round, median of "
+                                                    f"rounds) {statistics.median(outside):+.1f} ms" if outside else ""))
         if args.two_replicas:
             with replica_cm() as second:
                 router, rurl = start_router([replica.url, second.url])

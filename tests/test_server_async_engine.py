@@ -19,8 +19,9 @@ pytestmark = pytest.mark.device_independent   # names its devices, or runs none 
 class FakeEngine:
     """Each request yields ``max_tokens`` tokens, one per step; at most ``running`` at a time."""
 
-    def __init__(self, max_waiting=8, running=2, crash_at_step=None):
-        self.max_waiting = max_waiting
+    def __init__(self, max_waiting=8, running=2, crash_at_step=None, step_s=0.002):
+        self.max_waiting, self.step_s = max_waiting, step_s
+        self.added: dict[str, tuple[float, float]] = {}      # id -> (arrival given, when add_request ran)
         self.reqs: dict[str, list] = {}          # id -> [tokens left, tokens made]
         self.running_cap, self.crash_at_step = running, crash_at_step
         self.tokenizer = SimpleNamespace(min_tokens=lambda text: len(text) // 4)
@@ -41,6 +42,7 @@ class FakeEngine:
         if request_id in self.reqs:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         self.reqs[request_id] = [params.max_tokens, 0]
+        self.added[request_id] = (arrival, time.monotonic())
         return request_id
 
     def abort(self, rid):
@@ -64,7 +66,7 @@ class FakeEngine:
         self.counters["steps"] += 1
         if self.counters["steps"] == self.crash_at_step:
             raise RuntimeError("device fell over")
-        time.sleep(0.002)
+        time.sleep(self.step_s)
         outs = []
         for rid in list(self.reqs)[:self.running_cap]:
             r = self.reqs[rid]
@@ -101,6 +103,27 @@ def test_group_streams_all_choices_to_the_end():
     assert [x for x in seen if x[0] == 0][-1] == (0, "xxx", True)
     assert [x for x in seen if x[0] == 1][-1] == (1, "xxxxx", True)
     assert len(seen) == 8
+
+
+def test_arrival_is_when_the_request_was_sent_not_when_the_step_ended():
+    """A request sent during a long step is stamped at sending, so the engine's TTFT and queue
+    time include the wait for that step, as the client's do."""
+    eng = FakeEngine(step_s=0.3)
+
+    async def go(ae):
+        first = await ae.submit([sub("a", 3)])
+        await asyncio.sleep(0.05)                     # "a" is in its first 0.3 s step now
+        sent = time.monotonic()
+        second = await ae.submit([sub("b", 1)])
+        async for _ in first:
+            pass
+        async for _ in second:
+            pass
+        return sent
+    sent = run(go, eng)
+    arrival, added_at = eng.added["b"]
+    assert added_at - sent > 0.1                      # the engine thread took it after the step
+    assert abs(arrival - sent) < 0.05                 # but it arrived when it was sent
 
 
 def test_invalid_request_admits_none_of_the_group():

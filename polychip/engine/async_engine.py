@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from polychip.engine.engine import Engine
@@ -51,6 +51,9 @@ class AddGroup:
     subs: tuple[SubRequest, ...]
     stream: "RequestStream"
     done: asyncio.Future
+    # when it was sent, not when the engine thread takes it after its current step: TTFT and
+    # queue time count that wait too, as a client sees it
+    arrival: float = field(default_factory=time.monotonic)
 
 
 @dataclass(frozen=True)
@@ -270,7 +273,7 @@ class AsyncEngine:
 
     def _handle(self, cmd: Command) -> None:
         if isinstance(cmd, AddGroup):
-            self._resolve(cmd.done, self._add(cmd.subs, cmd.stream))
+            self._resolve(cmd.done, self._add(cmd.subs, cmd.stream, cmd.arrival))
         elif isinstance(cmd, Abort):
             for rid in cmd.request_ids:
                 self._streams.pop(rid, None)
@@ -284,7 +287,7 @@ class AsyncEngine:
                 result = e
             self._resolve(cmd.done, result)
 
-    def _add(self, subs: tuple[SubRequest, ...], stream: RequestStream) -> BaseException | None:
+    def _add(self, subs: tuple[SubRequest, ...], stream: RequestStream, arrival: float) -> BaseException | None:
         eng = self.engine
         if eng.num_waiting + len(subs) > self.max_waiting:
             return EngineOverloadedError(f"the waiting queue is full ({eng.num_waiting} waiting, limit "
@@ -296,9 +299,8 @@ class AsyncEngine:
                 if id(s.prompt_ids) not in checked:
                     eng.check_request(s.prompt_ids, s.params)
                     checked.add(id(s.prompt_ids))
-            now = time.monotonic()
             for s in subs:
-                added.append(eng.add_request(s.prompt_ids, s.params, s.request_id, s.priority, now))
+                added.append(eng.add_request(s.prompt_ids, s.params, s.request_id, s.priority, arrival))
         except Exception as e:  # InvalidRequestError or a bug: admit none of the group
             for rid in added:
                 eng.abort(rid)
