@@ -6,9 +6,10 @@ the same machine load), then a router over two replicas.
         [--concurrency 1,16] [--rounds 3] [--two-replicas] [--json out.json]
 
 Prints median TTFT (direct, via router, added) and output throughput (cost %) per round and
-over all rounds, and the router process's CPU time (per request, and as a share of the CPU the
-router and the replica spent in that step: a figure the machine's noise barely moves); with --two-replicas, the same workload on a router
-over 2 replicas.
+over all rounds; the TTFT spent outside the replica's engine (client TTFT minus the engine's
+own, from its /metrics), which queueing in the engine does not move; and the router process's
+CPU time (per request, and as a share of what the router and the replica spent in that step).
+With --two-replicas, the same workload on a router over 2 replicas.
 
 ``--echo`` puts an echo replica (no model: it streams ``output_len`` chunks at once) in place of
 polychip serve, so what is left is the router's own cost per request and per streamed chunk,
@@ -31,6 +32,7 @@ import time
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
+from prometheus_client.parser import text_string_to_metric_families
 
 from polychip.bench import datasets
 from polychip.bench.serving import ServingConfig, discover_model, run_step, send_request
@@ -87,18 +89,16 @@ def start_router(replica_urls: list[str]):
 
 
 async def engine_ttft(client: httpx.AsyncClient, replica_url: str | None) -> tuple[float, float]:
-    """(sum, count) of the replica engine's own TTFT histogram (arrival in the engine to first
-    token), from its /metrics; (0, 0) for a replica without one (the echo)."""
+    """(sum, count) of the replica engine's own TTFT histogram (arrival to first token), from its
+    /metrics; (0, 0) for a replica without one (the echo)."""
     if replica_url is None:
         return 0.0, 0.0
     text = (await client.get(replica_url + "/metrics")).text
-    got = {}
-    for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        if name.startswith("polychip_time_to_first_token_seconds_sum") or \
-                name.startswith("polychip_time_to_first_token_seconds_count"):
-            got[name.split("{")[0].rsplit("_", 1)[1]] = float(value)
-    return got.get("sum", 0.0), got.get("count", 0.0)
+    for family in text_string_to_metric_families(text):
+        if family.name == "polychip_time_to_first_token_seconds":
+            got = {s.name.rsplit("_", 1)[1]: s.value for s in family.samples if s.name.endswith(("_sum", "_count"))}
+            return got["sum"], got["count"]
+    return 0.0, 0.0
 
 
 async def measure(url: str, reqs: list[BenchRequest], concurrency: int, pids: dict[str, int],

@@ -19,6 +19,13 @@ from polychip.commands import bench as bench_cmd  # noqa: E402
 pytestmark = pytest.mark.device_independent   # names its devices, or runs none (conftest.py)
 
 
+class WordTokenizer:
+    """Prompt words "w<id>" are token ids: the bench's datasets without a real tokenizer."""
+    vocab_size = 1000
+    encode = staticmethod(lambda text, add_special_tokens=True: [int(w[1:]) for w in text.split()])
+    decode = staticmethod(lambda ids, skip_special_tokens=True: " ".join(f"w{i}" for i in ids))
+
+
 def fake_app(state: dict) -> FastAPI:
     app = FastAPI()
 
@@ -109,10 +116,6 @@ def test_cli_writes_json_markdown_and_plot_then_compare(fake_server, tmp_path, m
     url, _ = fake_server
     from polychip.bench import datasets
 
-    class WordTokenizer:
-        vocab_size = 1000
-        encode = staticmethod(lambda text, add_special_tokens=True: [int(w[1:]) for w in text.split()])
-        decode = staticmethod(lambda ids, skip_special_tokens=True: " ".join(f"w{i}" for i in ids))
     monkeypatch.setattr(datasets, "load_tokenizer", lambda path=None: WordTokenizer())
     common = ["serving", "--base-url", url, "--concurrency", "1,2", "--input-len", "12", "--output-len", "5",
               "--out-dir", str(tmp_path), "--no-progress"]
@@ -139,10 +142,6 @@ def test_cli_rates_each_step_against_the_servers_roofline(fake_server, tmp_path,
     url, state = fake_server
     from polychip.bench import datasets, roofline
 
-    class WordTokenizer:
-        vocab_size = 1000
-        encode = staticmethod(lambda text, add_special_tokens=True: [int(w[1:]) for w in text.split()])
-        decode = staticmethod(lambda ids, skip_special_tokens=True: " ".join(f"w{i}" for i in ids))
     monkeypatch.setattr(datasets, "load_tokenizer", lambda path=None: WordTokenizer())
     small = roofline.measure_machine
     calls = []

@@ -4,10 +4,12 @@ import torch
 import torch.nn.functional as F
 
 from polychip.devices.cpu import kernels as cpu_kernels, ops as cpu_ops
-from polychip.devices.ops import AttentionMetadata, PrefillSegment
+from polychip.devices.ops import AttentionMetadata
 from polychip.ops.attention import decode_attention, paged_attention
 from polychip.ops.native import register_native
 from polychip.ops.registry import OpRegistry
+
+from attention_helpers import mixed_batch, prefill_segments
 
 kernels = cpu_kernels.load()
 NATIVE = OpRegistry("cpu")             # the registry the plugin takes its native ops from
@@ -84,10 +86,7 @@ def _prefill_case(heads, kv_heads, d, specs, page, seed=0, first_row=5):
     pool = sum(widths) + 3
     kc, vc = torch.randn(pool, page, kv_heads, d, generator=g), torch.randn(pool, page, kv_heads, d, generator=g)
     perm = torch.randperm(pool, generator=g)
-    segs, start, used = [], first_row, 0
-    for (q_len, kv_len), w in zip(specs, widths):
-        segs.append(PrefillSegment(start, q_len, kv_len, perm[used:used + w]))
-        start, used = start + q_len + 2, used + w
+    segs, start = prefill_segments(perm, specs, page, first_row)
     q = torch.randn(start, heads, d, generator=g)
     scale = d ** -0.5
     want = {}
@@ -192,28 +191,7 @@ def test_plugin_attention_mixed_batch_matches_native(threads):
     kc, vc = torch.randn(pool, page, kv_heads, d, generator=g), torch.randn(pool, page, kv_heads, d, generator=g)
     perm = torch.randperm(pool, generator=g)
     # two decodes (kv 30 and 17), then chunks of 20 after a 45-token prefix and of 9 with none
-    seqs = [(30, 1), (17, 1), (65, 20), (9, 9)]
-    slots, prefills, dec_pages, dec_lens, start, used = [], [], [], [], 0, 0
-    for kv_len, n in seqs:
-        w = (kv_len + page - 1) // page
-        pages = perm[used:used + w]
-        used += w
-        pos = torch.arange(kv_len - n, kv_len)
-        slots.append(pages[pos // page] * page + pos % page)
-        if n == 1:
-            dec_pages.append(pages)
-            dec_lens.append(kv_len)
-        else:
-            prefills.append(PrefillSegment(start, n, kv_len, pages))
-        start += n
-    width = max(len(p) for p in dec_pages)
-    table = torch.zeros(len(dec_pages), width, dtype=torch.long)
-    for i, p in enumerate(dec_pages):
-        table[i, :len(p)] = p
-    lens = torch.tensor(dec_lens)
-    meta = AttentionMetadata(slot_mapping=torch.cat(slots), num_decodes=len(dec_pages), decode_pages=table,
-                             decode_lens=lens, prefills=prefills,
-                             decode_mask=(torch.arange(width * page)[None, :] < lens[:, None])[:, None, None, :])
+    meta, start = mixed_batch(perm, [(30, 1), (17, 1), (65, 20), (9, 9)], page)
     q = torch.randn(heads, start, d, generator=g).transpose(0, 1)       # [T, H, D], not contiguous
     k, v = torch.randn(start, kv_heads, d, generator=g), torch.randn(start, kv_heads, d, generator=g)
     attention = cpu_ops.make_ops(kernels, NATIVE.native)["attention"]

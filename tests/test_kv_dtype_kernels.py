@@ -5,10 +5,12 @@ import pytest
 import torch
 
 from polychip.devices.cpu import kernels as cpu_kernels, ops as cpu_ops
-from polychip.devices.ops import AttentionMetadata, PrefillSegment
+from polychip.devices.ops import AttentionMetadata
 from polychip.ops import attention as native_attention
 from polychip.ops.native import register_native
 from polychip.ops.registry import OpRegistry
+
+from attention_helpers import mixed_batch, prefill_segments
 
 kernels = cpu_kernels.load()
 NATIVE = OpRegistry("cpu")
@@ -106,10 +108,7 @@ def _prefill_case(dtype, heads, kv_heads, d, specs, page, seed=0, k_scale=1.0, v
     kc = _stored(torch.randn(pool, page, kv_heads, d, generator=g), dtype, k_scale)
     vc = _stored(torch.randn(pool, page, kv_heads, d, generator=g), dtype, v_scale)
     perm = torch.randperm(pool, generator=g)
-    segs, start, used = [], 3, 0
-    for (q_len, kv_len), w in zip(specs, widths):
-        segs.append(PrefillSegment(start, q_len, kv_len, perm[used:used + w]))
-        start, used = start + q_len + 2, used + w
+    segs, start = prefill_segments(perm, specs, page, first_row=3)
     q = torch.randn(start, heads, d, generator=g)
     return q, kc, vc, segs
 
@@ -193,20 +192,8 @@ def test_native_attention_matches_the_reference_on_a_mixed_batch(dtype):
     kc = _stored(torch.randn(30, page, kv_heads, d, generator=g), dtype, k_scale)
     vc = _stored(torch.randn(30, page, kv_heads, d, generator=g), dtype, v_scale)
     perm = torch.randperm(30, generator=g)
-    seqs, slots, prefills, dec, start, used = [(21, 1), (40, 12), (9, 9)], [], [], [], 0, 0
-    for kv_len, n in seqs:
-        w = (kv_len + page - 1) // page
-        pages = perm[used:used + w]
-        used += w
-        pos = torch.arange(kv_len - n, kv_len)
-        slots.append(pages[pos // page] * page + pos % page)
-        (dec.append((pages, kv_len)) if n == 1 else prefills.append(PrefillSegment(start, n, kv_len, pages)))
-        start += n
-    table = dec[0][0][None]
-    lens = torch.tensor([dec[0][1]])
-    meta = AttentionMetadata(slot_mapping=torch.cat(slots), num_decodes=1, decode_pages=table, decode_lens=lens,
-                             prefills=prefills,
-                             decode_mask=(torch.arange(table.shape[1] * page)[None, :] < lens[:, None])[:, None, None])
+    meta, start = mixed_batch(perm, [(21, 1), (40, 12), (9, 9)], page)
+    table, lens, prefills = meta.decode_pages, meta.decode_lens, meta.prefills
     q = torch.randn(start, heads, d, generator=g)
     k, v = torch.randn(start, kv_heads, d, generator=g), torch.randn(start, kv_heads, d, generator=g)
     kw = {"k_scale": k_scale, "v_scale": v_scale} if dtype.itemsize == 1 else {}

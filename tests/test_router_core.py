@@ -199,9 +199,7 @@ def test_a_finished_stream_frees_its_slot_at_done_not_at_the_body_end(cluster):
     url, router, _ = cluster([fake], max_inflight_per_replica=1)
     with httpx.stream("POST", url + "/v1/completions", json={"prompt": "x", "max_tokens": 2, "stream": True},
                       timeout=30) as r:
-        lines = []
         for line in r.iter_lines():
-            lines.append(line)
             if line == "data: [DONE]":
                 break
         assert router.dispatcher.replicas["r0"].inflight == 0       # freed before [DONE] reached us

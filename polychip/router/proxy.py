@@ -192,7 +192,7 @@ class Proxy:
         released = []
         relay = self._relay(call, replica, resp, events, held, ttft, released)
         # a response the server drops before iterating it (client gone at once) still frees the slot
-        weakref.finalize(relay, lambda: released or (released.append(True), self.d.release(replica)))
+        weakref.finalize(relay, self._release_once, replica, released)
         return StreamingResponse(relay, media_type="text/event-stream", headers=self._where(replica, call, None))
 
     async def _relay(self, call, replica, resp, events: "_SSE", held: list[bytes], ttft, released: list):
@@ -212,12 +212,11 @@ class Proxy:
                             if "error" in msg:
                                 ok, kind = False, "stream_error"
                             tokens = (msg.get("usage") or {}).get("completion_tokens", tokens)
-                if done and not released:
+                if done:
                     # the replica has finished this request: free its slot now, not after the body's
                     # end arrives (which may wait for the replica's next step), or the client's next
                     # request would queue here behind a request that is already over
-                    released.append(True)
-                    self.d.release(replica)
+                    self._release_once(replica, released)
                 yield b"".join(batch)
                 if done:
                     await events.drain()        # read the body's end, so the connection is reused
@@ -237,12 +236,16 @@ class Proxy:
         finally:
             with anyio.CancelScope(shield=True):
                 await _close(resp)
-                if not released:
-                    released.append(True)
-                    self.d.release(replica)
+                self._release_once(replica, released)
                 self._finish(call, replica, status, ttft, ok=ok, tokens=tokens, kind=kind)
 
     # bookkeeping
+    def _release_once(self, replica: Replica, released: list) -> None:
+        """Give the replica's slot back, once per request (``released`` records that it was)."""
+        if not released:
+            released.append(True)
+            self.d.release(replica)
+
     def _where(self, replica: Replica, call: Call, e2e) -> dict:
         return {"x-polychip-replica": replica.name, "x-polychip-device": replica.device_name,
                 "x-polychip-plugin": replica.info.plugin if replica.info else replica.device_type,
