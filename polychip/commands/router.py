@@ -50,9 +50,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--queue-timeout", type=float, default=None, help="longest wait in the queue (60 s)")
     g.add_argument("--request-timeout", type=float, default=None, help="longest silence from a replica (600 s)")
     g.add_argument("--priority-weights", default=None, help="WFQ weights, e.g. high=3,normal=1,low=1")
-    g.add_argument("--canary-max-error-rate", type=float, default=None, help="guard limit (0.001)")
-    g.add_argument("--canary-max-p95-ratio", type=float, default=None, help="guard limit vs baseline (1.5)")
-    g.add_argument("--canary-min-samples", type=int, default=None, help="guard sample minimum (20)")
+    g.add_argument("--first-token-timeout", type=float, default=None,
+                   help="arrival to a stream's first token, queue and retries included (300 s)")
+    g.add_argument("--total-timeout", type=float, default=None, help="arrival to the last byte (default: none)")
+    g.add_argument("--canary-max-error-rate", type=float, default=None,
+                   help="guard: the canary error rate's Wilson lower bound must stay under it (0.01)")
+    g.add_argument("--canary-confidence", type=float, default=None, help="guard: of that bound (0.95)")
+    g.add_argument("--canary-max-ttft-ratio", type=float, default=None, help="guard: TTFT p95 vs baseline (2.0)")
+    g.add_argument("--canary-max-tpot-ratio", type=float, default=None, help="guard: TPOT p95 vs baseline (1.5)")
+    g.add_argument("--canary-min-samples", type=int, default=None, help="guard sample minimum (50)")
+    g.add_argument("--cb-failure-threshold", type=int, default=None, help="failures in a row that open a circuit (5)")
+    g.add_argument("--cb-success-threshold", type=int, default=None, help="half-open successes that close it (2)")
+    g.add_argument("--cb-open-seconds", type=float, default=None, help="open time before half-open probes (30)")
+    g.add_argument("--cb-failure-rate", type=float, default=None, help="outlier ejection failure rate (0.5)")
+    g.add_argument("--retry-budget-ratio", type=float, default=None, help="retries per request in the window (0.2)")
     g.add_argument("--api-key", default=None, help="clients must send it (not /health, /metrics)")
     g.add_argument("--replica-api-key", default=None, help="sent to the replicas")
     g.add_argument("--drain-timeout", type=float, default=None, help="in-flight grace on SIGTERM (30 s)")
@@ -64,17 +75,26 @@ def router_config(args, base=None):
     """RouterConfig from the deployment's router section (or defaults), then the flags given."""
     import dataclasses
 
-    from polychip.router.config import GuardConfig, HealthConfig, RouterConfig, parse_priority_weights
+    from polychip.router.config import BreakerConfig, GuardConfig, HealthConfig, RouterConfig, parse_priority_weights
     cfg = base or RouterConfig()
     health = dataclasses.replace(cfg.health, **_given(interval=args.health_check_interval,
                                                       timeout=args.health_check_timeout,
                                                       failure_threshold=args.health_failure_threshold,
                                                       success_threshold=args.health_success_threshold))
     guard = dataclasses.replace(cfg.guard, **_given(max_error_rate=args.canary_max_error_rate,
-                                                    max_p95_ratio=args.canary_max_p95_ratio,
+                                                    confidence=args.canary_confidence,
+                                                    max_ttft_ratio=args.canary_max_ttft_ratio,
+                                                    max_tpot_ratio=args.canary_max_tpot_ratio,
                                                     min_samples=args.canary_min_samples))
+    breaker = dataclasses.replace(cfg.breaker, **_given(failure_threshold=args.cb_failure_threshold,
+                                                        success_threshold=args.cb_success_threshold,
+                                                        open_seconds=args.cb_open_seconds,
+                                                        failure_rate=args.cb_failure_rate,
+                                                        retry_budget_ratio=args.retry_budget_ratio))
     weights = parse_priority_weights(args.priority_weights) if args.priority_weights else None
     return cfg.replace(health=HealthConfig(**vars(health)), guard=GuardConfig(**vars(guard)),
+                       breaker=BreakerConfig(**vars(breaker)), **_given(first_token_timeout=args.first_token_timeout,
+                                                                        total_timeout=args.total_timeout),
                        **_given(policy=args.policy, max_retries=args.max_retries,
                                 max_inflight_per_replica=args.max_inflight_per_replica, max_queue=args.max_queue,
                                 queue_timeout=args.queue_timeout, request_timeout=args.request_timeout,

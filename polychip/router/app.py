@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, Response
 from polychip.errors import ConfigError
 from polychip.router.config import PRIORITY_CLASSES, RouterConfig
 from polychip.router.deployment import Deployment, DeploymentError, load_deployment
-from polychip.router.dispatch import Dispatcher, capable
+from polychip.router.dispatch import Dispatcher, capable, token_cost
 from polychip.router.health import HealthChecker
 from polychip.router.metrics import CONTENT_TYPE, RouterMetrics
 from polychip.router.placement import effective_dtype, plan
@@ -44,7 +44,8 @@ class Router:
     def __init__(self, cfg: RouterConfig, replica_urls: list[str] = (), deployment: Deployment | None = None,
                  deployment_path: str | None = None, placed=None):
         self.cfg = cfg
-        self.rollout = Rollout(cfg.guard, on_rollback=self._rolled_back)
+        self.rollout = Rollout(cfg.guard, on_rollback=self._rolled_back, on_kept=self._rollback_refused,
+                               serving=self._version_serving)
         self.dispatcher = Dispatcher(cfg, self.rollout, make_policy(cfg.policy, cfg.prefix))
         self.metrics = RouterMetrics(self.dispatcher)
         self.supervisor = Supervisor()
@@ -89,6 +90,13 @@ class Router:
 
     def _rolled_back(self, model: str, version: str, reason: str) -> None:
         self.metrics.rollbacks.labels(model, version).inc()
+
+    def _rollback_refused(self, model: str, version: str, reason: str) -> None:
+        self.metrics.rollbacks_refused.labels(model, version).inc()
+
+    def _version_serving(self, model: str, version: str) -> bool:
+        return any(r.up and not r.draining and r.model_name == model and r.version_label == version
+                   for r in self.dispatcher.replicas.values())
 
     # deployment files
     async def _apply(self, dep: Deployment, placed) -> None:
@@ -239,8 +247,12 @@ def _call_from(router: Router, request: Request, body: bytes, path: str, rid: st
         raise _Refusal(400, "preferred_device_types: expected a list of device types such as [\"simxpu\", \"cpu\"]",
                        "invalid_request_error")
     user = data.get("user") if isinstance(data.get("user"), str) else None
+    if "priority" not in data:      # the class reaches the replica's scheduler (lower runs first)
+        data["priority"] = router.cfg.replica_priorities[priority]
+        body = json.dumps(data, separators=(",", ":")).encode()
+    prompt = prompt_text(path, data)
     return Call(rid, path, body, model, router.version_for(model, user), priority, tuple(preferred),
-                prompt_text(path, data), bool(data.get("stream")))
+                prompt, bool(data.get("stream")), cost=token_cost(prompt, data))
 
 
 async def _unless_client_leaves(request: Request, work):
