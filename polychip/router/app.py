@@ -13,6 +13,7 @@ import contextlib
 import hmac
 import json
 import logging
+import os
 import re
 import socket
 import time
@@ -48,7 +49,7 @@ class Router:
                                serving=self._version_serving)
         self.dispatcher = Dispatcher(cfg, self.rollout, make_policy(cfg.policy, cfg.prefix))
         self.metrics = RouterMetrics(self.dispatcher)
-        self.supervisor = Supervisor()
+        self.supervisor = Supervisor(scope=os.path.abspath(deployment_path) if deployment_path else "")
         self.deployment, self.deployment_path, self.placed = deployment, deployment_path, placed
         self.excluded: dict[str, str] = {}
         for i, url in enumerate(replica_urls):
@@ -119,12 +120,16 @@ class Router:
             if entry.url is not None:
                 replica = Replica(name, entry.url, entry.model, entry.version)
             else:
-                port = entry.port or _free_port(entry.host)
-                replica = Replica(name, f"http://{_url_host(entry.host)}:{port}", entry.model, entry.version,
+                port = entry.port or 0          # 0: the replica binds a free port and reports it
+                base = f"http://{_url_host(entry.host)}:"
+                replica = Replica(name, f"{base}{port}" if port else "", entry.model, entry.version,
                                   entry.device, launched=True)
+                if not port:
+                    replica.down_reason = "starting: its port is not reported yet"
                 model = next(m for m in dep.models if m.name == entry.model)
                 self.supervisor.start(entry, port, effective_dtype(entry, dep),
-                                      entry.quantization or model.quantization)
+                                      entry.quantization or model.quantization,
+                                      on_port=lambda p, r=replica, b=base: setattr(r, "url", f"{b}{p}"))
             self.dispatcher.add(replica)
         self.deployment = dep
 
@@ -191,12 +196,6 @@ class _Refusal(Exception):
     def __init__(self, status: int, message: str, type_: str, headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.headers = status, message, type_, headers
-
-
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _url_host(host: str) -> str:
