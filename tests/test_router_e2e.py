@@ -17,7 +17,7 @@ from collections import Counter
 import httpx
 import pytest
 
-from polychip.router.config import HealthConfig, RouterConfig
+from polychip.router.settings import HealthConfig, RouterConfig
 from router_helpers import RouterProcess, start_router, wait_for
 
 pytestmark = pytest.mark.device_independent   # pins the devices it checks (conftest.py)

@@ -13,23 +13,14 @@ import time
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from polychip.commands.common import add_engine_args, engine_config_from_args, fail, setup_logging
-from polychip.commands.options import add_config_args, config_from_args
+from polychip.commands.common import engine_config_from_args, fail, setup_logging
+from polychip.commands.options import config_from_args
+from polychip.commands.serve_flags import build_parser
 from polychip.config import EngineConfig, ServerConfig
 from polychip.errors import PolychipError
 from polychip.http import server as edge
 
 log = logging.getLogger("polychip.serve")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="polychip serve", description=__doc__)
-    add_engine_args(p)
-    add_config_args(p, ServerConfig)
-    p.add_argument("--dp-size", type=int, default=None, help="N replicas behind a router (polychip router)")
-    from polychip.package.opening import PackageOptions
-    add_config_args(p, PackageOptions)
-    return p
 
 
 @contextlib.contextmanager
@@ -54,7 +45,7 @@ def progress(label: str):
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if any(a == "--dp-size" or a.startswith("--dp-size=") for a in argv):   # N replicas behind a router
-        from polychip.commands.router import serve_dp
+        from polychip.commands.serve_dp import serve_dp
         return serve_dp(argv)
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
