@@ -14,7 +14,7 @@ from collections import Counter
 import httpx
 import pytest
 
-from polychip.router.config import GuardConfig, HealthConfig, RouterConfig
+from polychip.router.settings import GuardConfig, HealthConfig, RouterConfig
 from polychip.router.deployment import from_dict
 from router_helpers import FakeReplica, ThreadServer, start_router, wait_for
 
@@ -223,7 +223,7 @@ def test_a_replica_that_fails_fast_is_ejected(stack):
 
 
 def test_half_open_probes_close_the_circuit_of_a_replica_that_recovers(stack):
-    from polychip.router.config import BreakerConfig
+    from polychip.router.settings import BreakerConfig
     bad, good = FakeReplica(mode="http503"), FakeReplica()
     url, router = stack([bad, good], policy="round_robin", breaker=BreakerConfig(open_seconds=4.0))
     assert all(_post(url, {}).status_code == 200 for _ in range(12))

@@ -20,7 +20,7 @@ import logging
 import time
 from collections import deque
 
-from polychip.router.config import BreakerConfig
+from polychip.router.settings import BreakerConfig
 
 log = logging.getLogger("polychip.router")
 

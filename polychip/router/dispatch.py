@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 from polychip.router.breaker import Breaker
-from polychip.router.config import RouterConfig
+from polychip.router.settings import RouterConfig
 from polychip.router.policies import Policy
 from polychip.router.replica import Replica
 from polychip.router.rollout import ModelRoute, Rollout

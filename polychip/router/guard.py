@@ -20,7 +20,7 @@ import time
 
 from ddsketch import DDSketch
 
-from polychip.router.config import GuardConfig
+from polychip.router.settings import GuardConfig
 
 RELATIVE_ACCURACY = 0.01      # sketch quantiles within 1% of the true value
 

@@ -27,10 +27,11 @@ from dataclasses import dataclass, field
 
 import anyio
 import httpx
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
+from polychip.http.errors import error_body, error_response
 from polychip.router.breaker import RetryBudget
-from polychip.router.config import RouterConfig
+from polychip.router.settings import RouterConfig
 from polychip.router.dispatch import Dispatcher, NoReplicaError, QueueFullError, Ticket
 from polychip.router.metrics import RouterMetrics
 from polychip.router.replica import Replica
@@ -42,14 +43,6 @@ access = logging.getLogger("polychip.router.access")
 RETRYABLE_STATUS = frozenset({502, 503, 504})
 CONNECT_FAILED = (httpx.ConnectError, httpx.ConnectTimeout)
 BROKEN = CONNECT_FAILED + (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError, httpx.PoolTimeout)
-
-
-def error_body(message: str, type_: str, code=None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": None, "code": code}}
-
-
-def error_json(status: int, message: str, type_: str, headers: dict | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, type_, status), status_code=status, headers=headers)
 
 
 def sse_text(data: dict | str) -> bytes:
@@ -184,7 +177,7 @@ class Proxy:
             why = self._deadline_text(call, [])
         else:
             why = f"it sent nothing for the request_timeout of {self.cfg.request_timeout:g}s ({type(e).__name__})"
-        return Final(error_json(504, f"replica {replica.name}: {why}", "timeout"))
+        return Final(error_response(504, f"replica {replica.name}: {why}", "timeout"))
 
     def _bad_status(self, call: Call, replica: Replica, status: int, content: bytes, headers) -> Exception:
         """What a non-200 answer from the replica means: Retry, or Final (the client gets it)."""
@@ -307,7 +300,7 @@ class Proxy:
                 except TimeoutError:
                     ok, status, kind = False, 504, "deadline"
                     yield sse_text(error_body(f"the answer passed the router's total_timeout "
-                                              f"({self.cfg.total_timeout:g}s) and is incomplete", "timeout", 504))
+                                              f"({self.cfg.total_timeout:g}s) and is incomplete", "timeout", None, 504))
                     yield sse_text("[DONE]")
                     break
                 if batch is None:
@@ -316,7 +309,7 @@ class Proxy:
             ok, status, kind = False, 599, "stream_broken"
             log.warning("%s: stream from %s broke after the first token: %s", call.request_id, replica.name, e)
             yield sse_text(error_body(f"the replica {replica.name} failed mid-stream ({type(e).__name__}: {e}); "
-                                      "the answer is incomplete", "upstream_error", 502))
+                                      "the answer is incomplete", "upstream_error", None, 502))
             yield sse_text("[DONE]")
         except asyncio.CancelledError:
             status, kind = 499, "client_gone"
@@ -392,7 +385,7 @@ class Proxy:
                     (time.perf_counter() - call.t0) * 1000)
         headers = {"Retry-After": str(max(1, math.ceil(retry_after)))} if retry_after is not None else None
         type_ = {"queue_full": "server_overloaded", "deadline": "timeout"}.get(kind, "service_unavailable")
-        return error_json(status, message, type_, headers)
+        return error_response(status, message, type_, headers=headers)
 
 
 def _tpot(ttft: float | None, e2e: float, tokens: int | None) -> float | None:

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 from polychip.errors import ConfigError
-from polychip.router.config import GuardConfig
+from polychip.router.settings import GuardConfig
 from polychip.router.guard import VersionWindow, verdict
 
 log = logging.getLogger("polychip.router")
