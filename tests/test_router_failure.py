@@ -203,7 +203,7 @@ def test_the_guard_judges_speed_not_output_length(stack):
     httpx.post(url + "/admin/rollout", json={"model": "m", "weights": {"v1": 50, "v2": 50}})
     codes = asyncio.run(streams(80))
     status = httpx.get(url + "/admin/rollout").json()["models"]["m"]
-    print(f"\nfault 2: a canary with 4x longer answers at the same speed: weights {status['weights']}")
+    print(f"\nfault 2: a canary with 4x longer answers at the same speed: weights {router.rollout.models['m'].weights}")
     assert set(codes) == {200} and status["versions"]["v2"]["weight"] == 50.0
     assert status["guard"]["state"] == "watching" and status["versions"]["v2"]["tpot_p95"] is not None
 
