@@ -45,6 +45,10 @@ LAYER_OF = {
     "polychip.config": "leaves",
     "polychip.errors": "leaves",
     "polychip.dtypes": "leaves",            # the dtype vocabulary
+    # the kit's API 1.0 paths, aliases of polychip.pluginkit for one minor version: the kit's layer
+    "polychip.devices.conformance": "pluginkit",
+    "polychip.devices.probe": "pluginkit",
+    "polychip.ops.numerics": "pluginkit",
 }
 
 ABOVE_ENGINE = {"pluginkit", "entry points"}
