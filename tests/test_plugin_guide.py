@@ -41,7 +41,7 @@ def test_the_worked_example_grows_simxpu_by_linear(tmp_path):
     path = tmp_path / "my_simxpu.py"
     path.write_text(code)
     model = conformance.make_tiny_model(str(tmp_path / "tiny"))
-    rows, lm, plugin = coverage_rows(model, "simxpu", (str(path),))
+    rows, lm, plugin, _ = coverage_rows(model, "simxpu", (str(path),))
     linear = next(r for r in rows if r["op"] == "linear")
     assert type(plugin).__name__ == "SimXpuWithLinear"
     assert linear["implementation"] == "plugin:simxpu" and linear["reason"] == "registered for float32"

@@ -55,9 +55,15 @@ def coverage_rows(model_path, device, plugins=(), device_config=None, dtype="aut
         registry = RecordingRegistry(plugin.name)
         register_native(registry)
         plugin.register_ops(registry)
-        lm = load_model(model_path, plugin, dtype, enable_fusion, registry=registry, quantization=quantization)
+        try:
+            lm = load_model(model_path, plugin, dtype, enable_fusion, registry=registry, quantization=quantization)
+        except PolychipError as e:   # the plugin's own reasons say why the device refuses (e.g. int8)
+            if not registry.unavailable():
+                raise
+            raise type(e)(f"{e.args[0]}; {plugin.name} says it cannot provide here: "
+                          f"{unavailable_text(registry)}", layer=e.layer) from e
         one_forward(lm, plugin)
-        return op_rows(registry), lm, plugin
+        return op_rows(registry), lm, plugin, registry
     finally:
         plugin.destroy()
 
@@ -74,6 +80,10 @@ def op_rows(registry) -> list[dict]:
 
     return [{"op": r.name, "version": r.version, "dtype": r.dtype, "calls": calls,
              "implementation": r.source, "reason": why(r)} for r, calls in registry.used()]
+
+
+def unavailable_text(registry) -> str:
+    return "; ".join(f"{name}: {why}" for name, why in registry.unavailable().items())
 
 
 def format_table(rows: list[dict]) -> str:
@@ -96,7 +106,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     try:
-        rows, lm, plugin = coverage_rows(args.model_path, args.device, args.plugins, args.device_config,
+        rows, lm, plugin, registry = coverage_rows(args.model_path, args.device, args.plugins, args.device_config,
                                          args.dtype, not args.disable_fusion, args.quantization)
     except PolychipError as e:
         return fail(e)
@@ -107,6 +117,8 @@ def main(argv: list[str]) -> int:
     print(f"model {lm.config.architecture} ({lm.model_dir}), dtype {str(lm.dtype).removeprefix('torch.')}, "
           f"device {plugin.name}:{plugin.index}, fusions {lm.fusions}")
     print(format_table(rows))
+    if registry.unavailable():
+        print(f"ops {plugin.name} cannot provide here: {unavailable_text(registry)}")
     print(f"{len(rows)} ops used by one forward: {len(rows) - n_fb} from the plugin, {n_fb} native fallback",
           file=sys.stderr)
     return 0
