@@ -36,7 +36,7 @@ def test_every_public_method_of_the_plugin_api_has_a_docstring_and_is_in_the_gui
 
 
 def test_the_worked_example_grows_simxpu_by_linear(tmp_path):
-    from polychip.commands.coverage import coverage_rows
+    from polychip.engine.coverage import coverage_rows
     code = re.search(r"```python\n(# my_simxpu\.py\n.*?)```", guide(), re.S).group(1)
     path = tmp_path / "my_simxpu.py"
     path.write_text(code)
