@@ -192,3 +192,47 @@ def test_learnt_models_take_the_heaviest_version_as_baseline():
     assert ro.models["m"].baseline == "v1"                 # equal weights: the first by name
     ro.set_weights("m", {"v1": 10, "v2": 90})
     assert ro.models["m"].baseline == "v2"
+
+
+def test_breaker_opens_on_failures_in_a_row_or_a_failure_rate_and_probes_back():
+    from polychip.router.breaker import Breaker
+    from polychip.router.settings import BreakerConfig
+    now = [0.0]
+    b = Breaker(BreakerConfig(failure_threshold=3, open_seconds=10, min_requests=10, failure_rate=0.5),
+                "r", clock=lambda: now[0])
+    for ok in (False, False, True, False, False):
+        b.record(ok)
+    assert b.state == "closed"                   # a success broke the run
+    b.record(False)
+    assert b.state == "open" and not b.allows() and "3 failures in a row" in b.reason
+    now[0] = 10.0
+    assert b.state == "half_open" and b.allows()
+    b.started()
+    assert not b.allows()                        # one probe at a time
+    b.record(True)
+    b.started()
+    b.record(True)
+    assert b.state == "closed"
+    for i in range(10):                          # every other request fails: the rate ejects it
+        b.record(i % 2 == 0)
+    assert b.state == "open" and "failure rate" in b.reason
+    b.came_back(now[0] + 1)                      # the health check saw it restart
+    assert b.state == "half_open"
+    b.started()
+    b.record(False)
+    assert b.state == "open"
+
+
+def test_retry_budget_and_wilson_bounds():
+    from polychip.router.breaker import RetryBudget
+    from polychip.router.guard import wilson
+    now = [0.0]
+    budget = RetryBudget(0.2, 2, 60, clock=lambda: now[0])
+    for _ in range(20):
+        budget.request()
+    assert [budget.try_spend() for _ in range(5)] == [True, True, True, True, False]   # 20% of 20
+    now[0] = 61.0
+    assert budget.try_spend() and budget.try_spend() and not budget.try_spend()      # the floor of 2
+    low, high = wilson(1, 20, 0.95)
+    assert 0.008 < low < 0.01 and 0.23 < high < 0.25
+    assert wilson(5, 50, 0.95)[0] > 0.04 and wilson(0, 0, 0.95) == (0.0, 1.0)

@@ -87,6 +87,8 @@ class Router:
             await self.client.aclose()
 
     def _replica_changed(self, replica: Replica) -> None:
+        if replica.up and replica.breaker is not None:
+            replica.breaker.came_back(replica.changed_at)
         if replica.info is not None:
             self.rollout.learn(replica.info.model, replica.info.version)
         self.dispatcher.pump()

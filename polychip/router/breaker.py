@@ -53,6 +53,12 @@ class Breaker:
         if self._state == HALF_OPEN:
             self.probes += 1
 
+    def came_back(self, at: float) -> None:
+        """The health check brought the replica up at ``at`` (e.g. restarted): an open circuit that
+        opened before that goes half-open now, so probes decide instead of the rest of the open time."""
+        if self._state == OPEN and at > self.opened_at:
+            self._move(HALF_OPEN, "the health check saw the replica come back")
+
     def neutral(self) -> None:
         """A request ended with no verdict on the replica (client gone, replica full)."""
         if self._state == HALF_OPEN:
