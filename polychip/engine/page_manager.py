@@ -74,6 +74,14 @@ class PageManager:
             self.cache.unlock(req.cache_node)
         req.cache_node = node
 
+    def trim(self, req: Request) -> None:
+        """Give back the pages past ``req``'s computed tokens (those only rejected draft tokens used).
+        They are past every page the cache holds, so ``req`` is their only holder."""
+        keep = self.pages_for(req.num_computed_tokens)
+        if len(req.pages) > keep:
+            self.allocator.decref(req.pages[keep:])
+            del req.pages[keep:]
+
     def release(self, req: Request) -> None:
         """Take back every page ``req`` holds; its full computed pages stay in the cache."""
         if req.pages:
