@@ -115,6 +115,13 @@ class EngineConfig(_FromKwargs):
     schedule_policy: str = option("fcfs", "waiting-queue order: fcfs, or lpm (longest cached prefix first)",
                                   group="KV pool and scheduler", choices=SCHEDULE_POLICIES)
     disable_radix_cache: bool = option(False, "no prefix cache", group="KV pool and scheduler")
+    enable_hierarchical_cache: bool = option(False, "keep the radix cache's evicted pages in host memory (pinned "
+                                                    "where the device offers it) and copy them back on a hit "
+                                                    "(SGLang's flag)", group="KV pool and scheduler")
+    hicache_ratio: float = option(2.0, "host tier size as a multiple of the device KV pool",
+                                  group="KV pool and scheduler")
+    hicache_size: float = option(0.0, "host tier size in GiB; overrides --hicache-ratio when > 0",
+                                 group="KV pool and scheduler")
     enable_fusion: bool = option(True, "no fused qkv / gate-up / add+norm ops", group="KV pool and scheduler",
                                  flag="--disable-fusion")
     seed: int = option(0, "seed of the sampler's default generator", group="KV pool and scheduler")
@@ -174,6 +181,13 @@ class EngineConfig(_FromKwargs):
             raise ConfigError("plugins must be a tuple of module paths or files")
         self._check_parallel()
         self._check_speculative()
+        if self.enable_hierarchical_cache and self.disable_radix_cache:
+            raise ConfigError("enable_hierarchical_cache keeps the radix cache's evicted pages; it cannot be used "
+                              "with disable_radix_cache")
+        _check_min(self, ("hicache_ratio", "hicache_size"), 0)
+        if self.enable_hierarchical_cache and self.tp_size > 1:
+            raise ConfigError("enable_hierarchical_cache copies rank 0's KV pool only; it cannot be used with "
+                              f"tp_size {self.tp_size} yet")
 
     def _check_speculative(self) -> None:
         if self.speculative_algorithm is not None:

@@ -14,6 +14,7 @@ from collections import defaultdict
 from polychip.config import EngineConfig
 from polychip.devices.discovery import open_from_config
 from polychip.engine.grammar import GrammarBackend
+from polychip.engine.host_cache import HostTier
 from polychip.engine.kv_pool import KVPool, dtype_name, resolve_kv_dtype
 from polychip.engine.memory_plan import activation_bytes, size_pool
 from polychip.engine.model_runner import ModelRunner, StepLimits
@@ -88,7 +89,10 @@ class Engine:
                            scratch=static_bs > 0)
         self.runner.attach_pool(self.pool)
         self.runner.compile_decode(self.pool.scratch_page)
-        self.pages = PageManager(self.pool.allocator, page, prefix_cache=not config.disable_radix_cache)
+        self.host_tier = HostTier(self.plugin, self.pool, HostTier.slots_for(config, self.pool)) \
+            if config.enable_hierarchical_cache else None
+        self.pages = PageManager(self.pool.allocator, page, prefix_cache=not config.disable_radix_cache,
+                                 host_tier=self.host_tier)
         self.eos_ids = self.tokenizer.eos_token_ids
         self.proposer = NgramProposer(NgramSettings.of(config)) if config.speculative_algorithm else None
         self.scheduler = Scheduler(self.pages, config.chunked_prefill_size, config.max_running_requests,
@@ -186,6 +190,8 @@ class Engine:
             with timer("prepare"):
                 batch = self.runner.prepare(sched.scheduled)
             with timer("forward"):
+                if self.host_tier is not None:    # pages it copied back are read, pages it evicted rewritten
+                    self.host_tier.wait()
                 logits = self.runner.execute(batch)
             with timer("sample"):
                 sampled = batch.sample_reqs
@@ -261,7 +267,15 @@ class Engine:
             prefix_cache_hit_rate=c.get("prompt_tokens_cached", 0) / queried if queried else 0.0,
             **{k: c.get(k, 0) for k in COUNTERS},
             stage_seconds=tuple((s, self.stage_seconds.get(s, 0.0)) for s in STAGES),
-            **self._device_memory())
+            **self._host_tier_stats(), **self._device_memory())
+
+    def _host_tier_stats(self) -> dict:
+        t = self.host_tier
+        if t is None:
+            return {}
+        return {"host_tier_pages": t.num_slots, "host_tier_pages_used": t.num_slots - t.num_free,
+                "host_hit_tokens": self.pages.host_hit_tokens, "host_tier_bytes_to_host": t.bytes_to_host,
+                "host_tier_bytes_to_device": t.bytes_to_device}
 
     def _device_memory(self) -> dict:
         try:
@@ -302,6 +316,8 @@ class Engine:
     def shutdown(self) -> None:
         self.runner.release_compiled()     # graphs and recorded steps hold the pool's caches
         self.pool.release()
+        if self.host_tier is not None:
+            self.host_tier.release()
         if self.tp is not None:
             self.tp.stop()       # destroys rank 0's device too
         else:
