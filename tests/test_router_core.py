@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from polychip.router.config import HealthConfig, RouterConfig
+from polychip.router.settings import HealthConfig, RouterConfig
 from router_helpers import FakeReplica, ThreadServer, start_router, wait_for
 
 pytestmark = pytest.mark.device_independent   # runs no model on the test device (conftest.py)
@@ -116,11 +116,11 @@ def test_a_replica_that_comes_back_rejoins_after_the_success_threshold(cluster):
         again.stop()
 
 
-@pytest.mark.parametrize("mode", ["http500", "error_event"])
+@pytest.mark.parametrize("mode", ["http503", "error_event"])
 def test_failure_before_the_first_token_is_retried(cluster, mode):
     bad, good = FakeReplica(mode=mode), FakeReplica()
     url, router, _ = cluster([bad, good], policy="round_robin")
-    kinds = (False, True, False, True) if mode == "http500" else (True, True, True, True)   # error events: SSE only
+    kinds = (False, True, False, True) if mode == "http503" else (True, True, True, True)   # error events: SSE only
     for stream in kinds:
         if stream:
             r, lines = complete(url, stream=True)
@@ -161,8 +161,10 @@ def test_api_key_models_and_bad_requests(cluster):
     assert httpx.get(url + "/v1/models", headers=auth).json()["data"][0]["id"] == "m1"
     r = httpx.post(url + "/v1/completions", json={"model": "nope", "prompt": "x"}, headers=auth)
     assert r.status_code == 404 and "m1" in r.json()["error"]["message"]
-    r = httpx.post(url + "/v1/completions", content=b"{not json", headers=auth)
-    assert r.status_code == 400
+    r = httpx.post(url + "/v1/completions", content=b"{not json", headers={**auth, "content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("invalid JSON body")
+    r = httpx.post(url + "/v1/completions", content=b"{}", headers=auth)      # the edge: JSON or nothing
+    assert r.status_code == 415
     r = httpx.post(url + "/v1/completions", json={"prompt": "x", "priority_class": "urgent"}, headers=auth)
     assert r.status_code == 400 and "priority_class" in r.json()["error"]["message"]
     r = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers=auth)

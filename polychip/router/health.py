@@ -11,7 +11,7 @@ from typing import Callable
 
 import httpx
 
-from polychip.router.config import HealthConfig
+from polychip.router.settings import HealthConfig
 from polychip.router.replica import Replica, ReplicaInfo
 
 log = logging.getLogger("polychip.router")
@@ -31,7 +31,8 @@ class HealthChecker:
             await asyncio.sleep(self.cfg.interval)
 
     async def check_all(self) -> None:
-        await asyncio.gather(*(self.check(r) for r in self.replicas()))
+        # a launched replica that has not reported its port yet has no URL to check
+        await asyncio.gather(*(self.check(r) for r in self.replicas() if r.url))
 
     async def check(self, replica: Replica) -> None:
         was_up = replica.up
