@@ -232,3 +232,19 @@ def test_smollm2_greedy_identical_with_speculation(test_device):
         llm.engine.shutdown()
     assert got[0] == got[1]
     assert stats.spec_accepted_tokens > len(got[1]) // 3      # a repeat is mostly looked up
+
+
+@pytest.mark.device_independent
+@pytest.mark.parametrize("kwargs, match", [
+    ({"speculative_algorithm": "EAGLE"}, "speculative_algorithm must be one of"),
+    ({"speculative_ngram_min_match_window_size": 4, "speculative_ngram_max_match_window_size": 2}, "must be >="),
+    ({"speculative_num_draft_tokens": 0}, "speculative_num_draft_tokens must be >= 1"),
+    ({"speculative_num_draft_tokens": 512}, "below chunked_prefill_size"),
+    ({"speculative_ngram_min_acceptance": 1.5}, r"in \[0, 1\]"),
+    ({"enable_hierarchical_cache": True, "disable_radix_cache": True}, "cannot be used with disable_radix_cache"),
+])
+def test_bad_speculative_and_host_tier_settings_are_refused(kwargs, match):
+    from polychip.config import EngineConfig
+    from polychip.errors import ConfigError
+    with pytest.raises(ConfigError, match=match):
+        EngineConfig.from_kwargs(**kwargs)
