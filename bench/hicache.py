@@ -54,13 +54,16 @@ def main() -> None:
     ap.add_argument("--max-total-tokens", type=int, default=None, help="cap the pool (default: from the card)")
     ap.add_argument("--hicache-ratio", type=float, default=None, help="default: room for every context")
     ap.add_argument("--max-tokens", type=int, default=4)
+    ap.add_argument("--num-threads", type=int, default=None, help="compute threads per engine (default: the "
+                    "plugin's; 1 on a shared, loaded machine)")
     ap.add_argument("--fits", action="store_true", help="2 users whose contexts fit in the pool")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     spec = os.path.join(tempfile.mkdtemp(prefix="hicache-"), "card.yaml")
     with open(spec, "w") as f:
         f.write(SPEC.format(card=a.card))
-    common = dict(device_config=spec, dtype=a.dtype, max_total_tokens=a.max_total_tokens, page_size=16)
+    common = dict(device_config=spec, dtype=a.dtype, max_total_tokens=a.max_total_tokens, page_size=16,
+                  num_threads=a.num_threads)
     plain = LLM(device="simxpu:0", **common)
     pool = plain.engine.pool.num_tokens
     users = 2 if a.fits else a.users

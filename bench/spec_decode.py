@@ -135,11 +135,14 @@ def main() -> None:
     ap.add_argument("--draft-tokens", type=int, default=4)
     ap.add_argument("--quantization", default=None)
     ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--num-threads", type=int, default=None, help="compute threads per engine (default: the "
+                    "plugin's; 1 on a shared, loaded machine)")
     ap.add_argument("--workloads", default="grounded,random,concurrent")
     ap.add_argument("--json", default=None, help="write the rows here")
     a = ap.parse_args()
     common = dict(max_total_tokens=max(a.concurrency, 1) * (a.length + a.max_tokens + 300) + 2048,
-                  quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype, disable_radix_cache=True)
+                  quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype, disable_radix_cache=True,
+                  num_threads=a.num_threads)
     engines = {"plain": LLM(a.model, **common),
                "spec": LLM(a.model, speculative_algorithm="NGRAM", speculative_num_draft_tokens=a.draft_tokens,
                            **common)}
