@@ -41,7 +41,7 @@ def passages(tokenizer, n: int, length: int) -> list[str]:
         chunk = []
         while len(tokenizer.encode(" ".join(chunk))) < length:
             chunk += words[i:i + 40]
-            i += 40
+            i = (i + 40) % max(1, len(words) - 40)     # wraps round when the docs run out
         out.append(" ".join(chunk))
     return out
 
