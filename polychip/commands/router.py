@@ -2,6 +2,7 @@
 
   polychip router --replica http://h1:30000 --replica http://h2:30000 [--policy least_load]
   polychip router --deployment deploy.yaml          (launches and supervises the replicas)
+  polychip router --state-dir DIR                   (no replicas yet: `polychip workload submit` adds them)
   polychip router rollout status [--url URL]
   polychip router rollout set MODEL v1=90 v2=10 [--url URL]
   polychip router reload [--url URL]                (re-read the deployment file; SIGHUP does too)
@@ -56,6 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--api-key", default=None, help="clients must send it (not /health, /metrics)")
     g.add_argument("--replica-api-key", default=None, help="sent to the replicas")
     g.add_argument("--drain-timeout", type=float, default=None, help="in-flight grace on SIGTERM (30 s)")
+    g = p.add_argument_group("workloads")
+    g.add_argument("--state-dir", default=None,
+                   help="keeps workload records (relaunched after a restart) and replica logs; default: memory")
+    g.add_argument("--node-id", default=None, help="this host's name in workload placement (default: hostname)")
+    g.add_argument("--replica-log-max-bytes", type=int, default=None,
+                   help="each launched replica's log rotates at this size (10 MiB; 3 old files kept)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -79,7 +86,9 @@ def router_config(args, base=None):
                                 max_inflight_per_replica=args.max_inflight_per_replica, max_queue=args.max_queue,
                                 queue_timeout=args.queue_timeout, request_timeout=args.request_timeout,
                                 priority_weights=weights, api_key=args.api_key,
-                                replica_api_key=args.replica_api_key, drain_timeout=args.drain_timeout))
+                                replica_api_key=args.replica_api_key, drain_timeout=args.drain_timeout,
+                                state_dir=args.state_dir, node_id=args.node_id,
+                                replica_log_max_bytes=args.replica_log_max_bytes))
 
 
 def _given(**kw) -> dict:
@@ -95,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)     # one line per health check otherwise
     try:
         if not args.replica and not args.deployment:
-            raise ConfigError("give --replica URL (repeatable) or --deployment FILE.yaml")
+            log.info("no --replica or --deployment: the router starts empty; `polychip workload submit` "
+                     "launches replicas on it")
         deployment = placed = None
         if args.deployment:
             from polychip.router.deployment import load_deployment
@@ -153,6 +163,7 @@ class RouterServer(uvicorn.Server):
     async def startup(self, sockets=None):
         await super().startup(sockets)
         if self.started:
+            self.router.url = self.url
             loop = asyncio.get_running_loop()
             loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(self._reload()))
             log.info("polychip router ready: %s (%d replica(s), policy %s)", self.url,

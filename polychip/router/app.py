@@ -2,7 +2,7 @@
 
 Routes: the OpenAI ones (/v1/chat/completions, /v1/completions, /v1/models), /health,
 /metrics, and the admin routes behind the API key (/admin/replicas, /admin/rollout,
-/admin/reload). Request extension fields: ``preferred_device_types`` (list of device types,
+/admin/reload; /admin/workloads and /admin/devices in ``workload_routes``). Request extension fields: ``preferred_device_types`` (list of device types,
 most preferred first) and ``priority_class`` (high | normal | low; or the header
 ``x-polychip-priority``).
 """
@@ -13,8 +13,10 @@ import contextlib
 import hmac
 import json
 import logging
+import os
 import re
 import socket
+import tempfile
 import time
 import uuid
 
@@ -31,9 +33,14 @@ from polychip.router.metrics import CONTENT_TYPE, RouterMetrics
 from polychip.router.placement import effective_dtype, plan
 from polychip.router.policies import make_policy
 from polychip.router.proxy import Call, Proxy, error_json
+from polychip.router.device_inventory import read_inventory
 from polychip.router.replica import Replica
+from polychip.router.replica_logs import ReplicaLogs
 from polychip.router.rollout import ModelRoute, Rollout
 from polychip.router.supervisor import Supervisor
+from polychip.router.workload_routes import workload_routes
+from polychip.router.workload_store import JsonFileKV, MemoryKV
+from polychip.router.workloads import Workloads
 
 log = logging.getLogger("polychip.router")
 
@@ -47,7 +54,9 @@ class Router:
         self.rollout = Rollout(cfg.guard, on_rollback=self._rolled_back)
         self.dispatcher = Dispatcher(cfg, self.rollout, make_policy(cfg.policy, cfg.prefix))
         self.metrics = RouterMetrics(self.dispatcher)
-        self.supervisor = Supervisor()
+        self.supervisor = Supervisor(_replica_logs(cfg), self._process_event)
+        self.workloads = Workloads(self, _workload_store(cfg), cfg.node_id or socket.gethostname(), read_inventory)
+        self.url: str | None = None          # set once the server listens
         self.deployment, self.deployment_path, self.placed = deployment, deployment_path, placed
         self.excluded: dict[str, str] = {}
         for i, url in enumerate(replica_urls):
@@ -72,12 +81,16 @@ class Router:
                                     headers, self._replica_changed)
         if self.deployment is not None:
             await self._apply(self.deployment, self.placed or plan(self.deployment))
+        await self.workloads.start()
+        if self.deployment is not None:
+            await self.workloads.declare(self.deployment.workloads, self.deployment.source)
         self._tasks.append(asyncio.ensure_future(self.health.run()))
 
     async def stop(self) -> None:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.workloads.stop()
         await self.supervisor.stop_all(self.cfg.drain_timeout)
         if self.client is not None:
             await self.client.aclose()
@@ -85,7 +98,11 @@ class Router:
     def _replica_changed(self, replica: Replica) -> None:
         if replica.info is not None:
             self.rollout.learn(replica.info.model, replica.info.version)
+        self.workloads.replica_changed(replica)
         self.dispatcher.pump()
+
+    def _process_event(self, name: str, kind: str, detail) -> None:
+        self.workloads.process_event(name, kind, detail)
 
     def _rolled_back(self, model: str, version: str, reason: str) -> None:
         self.metrics.rollbacks.labels(model, version).inc()
@@ -100,7 +117,7 @@ class Router:
                                             declared=True))
         self.rollout.forget_undeclared({m.name for m in dep.models})
         wanted = {r.name: r for r in placed.launch + placed.remote}
-        current = dict(self.dispatcher.replicas)
+        current = {n: r for n, r in self.dispatcher.replicas.items() if n not in self.workloads}
         old_entries = {r.name: r for r in self.deployment.replicas} if self.deployment is not dep else {}
         for name, replica in current.items():
             if name not in wanted or (name in old_entries and old_entries[name] != wanted[name]):
@@ -138,8 +155,10 @@ class Router:
         async with self._reload_lock:
             dep = load_deployment(self.deployment_path)
             placed = plan(dep)
+            self.workloads.check_declared(dep.workloads, dep.source)
             before = set(self.dispatcher.replicas)
             await self._apply(dep, placed)
+            await self.workloads.declare(dep.workloads, dep.source)
             after = set(self.dispatcher.replicas)
             log.info("deployment reloaded from %s: +%s -%s", self.deployment_path, sorted(after - before),
                      sorted(before - after))
@@ -183,6 +202,18 @@ class _Refusal(Exception):
     def __init__(self, status: int, message: str, type_: str, headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.headers = status, message, type_, headers
+
+
+def _replica_logs(cfg: RouterConfig) -> ReplicaLogs:
+    """Launched replicas' own log files: under the state dir, else a fresh folder for this router."""
+    where = (os.path.join(cfg.state_dir, "replica-logs") if cfg.state_dir
+             else tempfile.mkdtemp(prefix="polychip-replica-logs-"))
+    log.info("launched replicas log to %s/NAME.log (rotated at %d bytes)", where, cfg.replica_log_max_bytes)
+    return ReplicaLogs(where, cfg.replica_log_max_bytes, cfg.replica_log_backups)
+
+
+def _workload_store(cfg: RouterConfig):
+    return JsonFileKV(os.path.join(cfg.state_dir, "workloads.json")) if cfg.state_dir else MemoryKV()
 
 
 def _free_port(host: str) -> int:
@@ -319,6 +350,8 @@ def build_app(router: Router) -> FastAPI:
         now = int(time.time())
         return {"object": "list", "data": [{"id": m, "object": "model", "created": now, "owned_by": "polychip"}
                                            for m in router.dispatcher.models()]}
+
+    app.include_router(workload_routes(router, locked_out))
 
     @app.get("/health")
     async def health():

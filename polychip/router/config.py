@@ -75,6 +75,10 @@ class RouterConfig:
     drain_timeout: float = 30.0             # in-flight requests get this long on SIGTERM / removal
     api_key: str | None = None              # clients must send it (not /health, /metrics)
     replica_api_key: str | None = None      # sent to the replicas
+    node_id: str | None = None              # this host's name for workloads (None: the hostname)
+    state_dir: str | None = None            # workload records and replica logs (None: kept in memory)
+    replica_log_max_bytes: int = 10 * 2**20  # each launched replica's log file rotates at this size
+    replica_log_backups: int = 3            # rotated files kept per replica
 
     def __post_init__(self):
         if self.policy not in POLICY_NAMES:
@@ -86,6 +90,9 @@ class RouterConfig:
             raise ConfigError(f"max_inflight_per_replica must be >= 1, got {self.max_inflight_per_replica}")
         if self.max_queue < 0:
             raise ConfigError(f"max_queue must be >= 0, got {self.max_queue}")
+        if self.replica_log_max_bytes < 1024 or self.replica_log_backups < 1:
+            raise ConfigError(f"replica logs need max_bytes >= 1024 and backups >= 1, got "
+                              f"{self.replica_log_max_bytes}, {self.replica_log_backups}")
         for name in ("queue_timeout", "connect_timeout", "request_timeout", "drain_timeout"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0 seconds, got {getattr(self, name)}")

@@ -1,7 +1,8 @@
 """Launches ``polychip serve`` replicas from a deployment and keeps them running: one that exits
-is restarted with exponential backoff (reset after it ran a while), its output goes to the
-router's log under its name, and ``stop`` sends SIGTERM (the replica drains) then kills it
-after a grace period.
+is restarted with exponential backoff (reset after it ran a while), its output goes to its own
+rotated file (``ReplicaLogs``; the router's log when there is none), ``on_event(name, kind,
+detail)`` hears each start ("started", pid) and exit ("exited", the exit status), and ``stop``
+sends SIGTERM (the replica drains) then kills it after a grace period.
 """
 from __future__ import annotations
 
@@ -51,9 +52,21 @@ class Managed:
     exits: list[int] = field(default_factory=list)
 
 
+def exit_reason(code: int) -> str:
+    """'exit status 1' or 'killed by SIGKILL' for a subprocess return code."""
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit status {code}"
+
+
 class Supervisor:
-    def __init__(self):
+    def __init__(self, logs=None, on_event=None):
         self.managed: dict[str, Managed] = {}
+        self.logs = logs              # ReplicaLogs, or None: output into the router's log
+        self.on_event = on_event or (lambda name, kind, detail: None)
 
     def start(self, entry: ReplicaEntry, port: int, dtype: str, quantization: str | None) -> Managed:
         env = {**os.environ, **entry.env, VERSION_ENV: entry.version}
@@ -75,9 +88,11 @@ class Supervisor:
                 code = -1
             else:
                 log.info("replica %s: started (pid %d, port %d)", m.entry.name, m.proc.pid, m.port)
+                self.on_event(m.entry.name, "started", m.proc.pid)
                 await self._pipe_output(m)
                 code = await m.proc.wait()
             m.exits.append(code)
+            self.on_event(m.entry.name, "exited", code)
             if m.stopping:
                 break
             if time.monotonic() - m.started_at > STABLE_AFTER:
@@ -88,7 +103,7 @@ class Supervisor:
             backoff = min(backoff * 2, BACKOFF_MAX)
 
     async def _pipe_output(self, m: Managed) -> None:
-        out = logging.getLogger(f"polychip.replica.{m.entry.name}")
+        out = self.logs.writer(m.entry.name) if self.logs else logging.getLogger(f"polychip.replica.{m.entry.name}")
         async for raw in m.proc.stdout:
             out.info("%s", raw.decode(errors="replace").rstrip())
 

@@ -1,5 +1,6 @@
 """``GET /server_info`` (and SGLang's older ``/get_server_info``): what a router needs to know
-about this replica — model id and version label, plugin and device, dtypes, tp size, and the
+about this replica — model id and version label, plugin and device, dtypes, tp size, its
+``startup`` times (``load``, ``compile``, ``warmup`` seconds, with ``*_at`` wall clocks), and the
 live figures of ``Engine.stats()`` (queue lengths, KV usage, prefix-cache hit rate, pool pages),
 with the pool's integrity check.
 
@@ -52,7 +53,9 @@ def identity(state: ServerState, version: str) -> dict[str, Any]:
             "device_dtypes": list(supported_dtypes(plugin)), "quantization": engine.loaded.quantization,
             "tp_size": engine.config.tp_size,
             "max_running_requests": engine.config.max_running_requests,
-            "max_waiting_requests": state.config.max_waiting_requests}
+            "max_waiting_requests": state.config.max_waiting_requests,
+            # seconds (and wall-clock ends) of the start-up steps: weights + KV pool, compile, warm-up
+            "startup": dict(engine.startup)}
 
 
 def build_server_info(ident: dict[str, Any], s: EngineStats, integrity_check: str) -> dict[str, Any]:
