@@ -82,7 +82,8 @@ class Router:
         if self.deployment is not None:
             await self._apply(self.deployment, self.placed or plan(self.deployment))
         await self.workloads.start()
-        if self.deployment is not None:
+        if self.deployment is not None and self.deployment.workloads:
+            await self.workloads.inventory_ready()
             await self.workloads.declare(self.deployment.workloads, self.deployment.source)
         self._tasks.append(asyncio.ensure_future(self.health.run()))
 

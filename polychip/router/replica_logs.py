@@ -3,7 +3,9 @@
 replica cannot fill the disk and none is interleaved into the router's log.
 
 ``tail`` reads the last lines (through the rotated files when the current one is short);
-``follow`` yields what is appended, across rotations.
+``follow`` yields what is appended, across rotations (one rotation per 0.25 s poll is kept up
+with: a replica writing more than the size cap in a quarter second loses lines in the follow,
+not in the files).
 """
 from __future__ import annotations
 

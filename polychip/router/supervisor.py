@@ -92,9 +92,9 @@ class Supervisor:
                 await self._pipe_output(m)
                 code = await m.proc.wait()
             m.exits.append(code)
-            self.on_event(m.entry.name, "exited", code)
             if m.stopping:
                 break
+            self.on_event(m.entry.name, "exited", code)
             if time.monotonic() - m.started_at > STABLE_AFTER:
                 backoff = BACKOFF_START
             m.restarts += 1

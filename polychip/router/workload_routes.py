@@ -90,7 +90,8 @@ def workload_routes(router, locked_out) -> APIRouter:
     async def devices(request: Request, refresh: bool = False):
         if (refused := locked_out(request)) is not None:
             return refused
-        if refresh or wl.inventory is None:
+        await wl.inventory_ready()
+        if refresh:
             await wl.refresh_inventory()
         return {"hosts": [host_view(router)]}
 

@@ -95,31 +95,45 @@ class Workloads:
         self.inventory_error: str | None = None
         self._lock = asyncio.Lock()
         self._tasks: set[asyncio.Task] = set()
+        self._inventory_read: asyncio.Future | None = None
 
     def __contains__(self, name: str) -> bool:
         return name in self.items
 
     # start and stop
     async def start(self) -> None:
-        await self.refresh_inventory()
+        """List the stored workloads at once; read the devices and relaunch ours in the background."""
+        ours = []
         for entry in self.store.list(PREFIX)[0]:
             w = Workload.from_record(entry.value)
             self.items[w.id] = w
-            if w.host != self.node or w.status == "stopped":
+            if w.host == self.node and w.status != "stopped":
+                self._set(w, "pending", "relaunched", "the router restarted; launching it again on its devices")
+                ours.append(w)
+        self._inventory_read = asyncio.ensure_future(self.refresh_inventory())
+        self._spawn(self._relaunch(ours))
+
+    async def inventory_ready(self) -> None:
+        await asyncio.shield(self._inventory_read)
+
+    async def _relaunch(self, ours: list[Workload]) -> None:
+        await self.inventory_ready()
+        for w in ours:
+            if w.status != "pending" or self.items.get(w.id) is not w:     # deleted or replaced meanwhile
                 continue
             gone = [d for d in w.devices if self.inventory is None or self.inventory.get(d) is None]
             if gone:
                 self._set(w, "failed", "not relaunched", f"{gone} not found on host {self.node} "
                           f"({self.inventory_error or 'not in the device inventory'})")
                 continue
-            w.event("relaunched", "the router restarted; launching it again on its devices")
             self._launch(w)
 
     async def stop(self) -> None:
         """The router stops: its replicas stop with it; the records stay (a restart relaunches them)."""
-        for t in list(self._tasks):
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for t in [*self._tasks, self._inventory_read]:
+            if t is not None:
+                t.cancel()
+        await asyncio.gather(*self._tasks, *filter(None, [self._inventory_read]), return_exceptions=True)
 
     async def refresh_inventory(self) -> Inventory | None:
         try:
@@ -134,6 +148,7 @@ class Workloads:
     async def submit(self, spec: WorkloadSpec, wid: str | None = None, source: str = "api",
                      devices: list[str] | None = None) -> Workload:
         """Place and launch; returns at once (status pending). Refused when it cannot be placed."""
+        await self.inventory_ready()
         async with self._lock:
             devices = devices or self.placement(spec)
             w = Workload(wid or f"wl-{uuid.uuid4().hex[:10]}", spec, self.node, devices, source)
@@ -240,6 +255,7 @@ class Workloads:
         if w is None or w.status in ("draining", "stopped"):
             return
         if kind == "started":
+            w.startup = None              # this process's own start-up times are read when it is ready
             what = f"pid {detail}" + (f" (restart {w.restarts})" if w.restarts else "")
             self._set(w, "loading", "process started", what)
         elif kind == "exited":
