@@ -102,7 +102,8 @@ class Workloads:
 
     # start and stop
     async def start(self) -> None:
-        """List the stored workloads at once; read the devices and relaunch ours in the background."""
+        """List the stored workloads at once; read the devices and relaunch ours in the background.
+        The devices are read when first needed (a router without workloads never reads them)."""
         ours = []
         for entry in self.store.list(PREFIX)[0]:
             w = Workload.from_record(entry.value)
@@ -110,10 +111,12 @@ class Workloads:
             if w.host == self.node and w.status != "stopped":
                 self._set(w, "pending", "relaunched", "the router restarted; launching it again on its devices")
                 ours.append(w)
-        self._inventory_read = asyncio.ensure_future(self.refresh_inventory())
-        self._spawn(self._relaunch(ours))
+        if ours:
+            self._spawn(self._relaunch(ours))
 
     async def inventory_ready(self) -> None:
+        if self._inventory_read is None:
+            self._inventory_read = asyncio.ensure_future(self.refresh_inventory())
         await asyncio.shield(self._inventory_read)
 
     async def _relaunch(self, ours: list[Workload]) -> None:
