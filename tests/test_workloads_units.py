@@ -12,9 +12,9 @@ from pydantic import ValidationError
 
 from polychip.commands.telemetry import parse_filter, samples
 from polychip.router.deployment import DeploymentError, from_dict
-from polychip.router.device_inventory import parse
+from polychip.router.inventory import parse_devices_json
 from polychip.router.replica_logs import ReplicaLogs
-from polychip.router.workload_placement import Needs, Refused, place
+from polychip.router.workload_placement import HostDevices, Needs, Refused, place
 from polychip.router.workload_spec import WorkloadSpec
 from polychip.router.workload_store import JsonFileKV
 from polychip.router.workloads import Workload
@@ -28,12 +28,16 @@ def devices_json(sim_cards=4, sim_dtypes=("float32", "bfloat16", "int8"), sim_me
     """What `polychip devices --json` prints: a CPU, simxpu cards, a plugin that failed."""
     sim = [{"index": i, "status": "Ready", "reason": "", "name": "SimXPU-16G", "total_memory": sim_memory,
             "free_memory": sim_memory, "dtypes": list(sim_dtypes)} for i in range(sim_cards)]
-    return [{"name": "cpu", "status": "Ready", "plugin_version": "1.0", "api_version": "1.1",
+    return [{"name": "cpu", "status": "Ready", "source": "builtin", "plugin_version": "1.0", "api_version": "1.1",
              "devices": [{"index": 0, "status": "Ready", "reason": "", "name": "x86_64", "total_memory": 8 * GiB,
                           "free_memory": 4 * GiB, "dtypes": ["float32", "bfloat16", "float16", "int8"]}]},
-            {"name": "simxpu", "status": "Ready", "plugin_version": "0.3", "api_version": "1.1", "devices": sim},
-            {"name": "cuda", "status": "Error", "failed_step": "is_available", "reason": "no CUDA in this torch",
+            {"name": "simxpu", "status": "Ready", "source": "entry point", "plugin_version": "0.3", "api_version": "1.1", "devices": sim},
+            {"name": "cuda", "status": "Error", "source": "builtin", "failed_step": "is_available", "reason": "no CUDA in this torch",
              "plugin_version": "1.0", "api_version": "1.1", "devices": []}]
+
+
+def parse(data, host):
+    return HostDevices(host, parse_devices_json(data))
 
 
 INV = parse(devices_json(), "host-a")
@@ -85,7 +89,7 @@ def test_a_held_device_is_409_naming_its_holder():
     (dict(device_type="simxpu"), Needs(weight_bytes=20 * GiB), "the weights alone are 20.00 GiB"),
     (dict(device_type="simxpu", tp_size=8), Needs(), "simxpu:4 does not exist"),
     (dict(device_type="simxpu"), Needs(target_types=("cuda",)), "the package was built for ['cuda'], not simxpu"),
-    (dict(device_type="cuda"), Needs(), "plugin 'cuda' did not load: is_available: no CUDA in this torch"),
+    (dict(device_type="cuda"), Needs(), "plugin 'cuda' (builtin) failed at is_available: no CUDA in this torch"),
     (dict(device_type="tpu"), Needs(), "host host-a has no tpu device; it has device types ['cpu', 'simxpu']"),
 ])
 def test_an_incapable_placement_is_422_saying_why(kw, needs, why):

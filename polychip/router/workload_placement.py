@@ -1,4 +1,5 @@
-"""Where a workload runs: devices of this host's inventory that are free and capable.
+"""Where a workload runs: devices of this host's inventory (``router/inventory.py``: what
+``polychip devices --json`` reports) that are free and capable.
 
 Capable: the device is ready, declares the dtypes the spec needs (compute dtype, quantization),
 its total memory holds the weights (their size on disk), and a package's target names its type.
@@ -7,14 +8,17 @@ capable devices are all held (naming the holders), 422 when none is capable.
 """
 from __future__ import annotations
 
+import asyncio
+import json
 import os
+import sys
 from dataclasses import dataclass
 
-from polychip.errors import PolychipError
-from polychip.router.device_inventory import DeviceRecord, Inventory
+from polychip.router.inventory import Device, PluginDevices
 from polychip.router.workload_spec import WorkloadSpec
 
 SHAREABLE = ("cpu",)          # device types several workloads may share
+INSPECT_TIMEOUT = 60.0        # seconds `polychip inspect` may take to read a package's manifest and plan
 
 
 class Refused(Exception):
@@ -26,18 +30,46 @@ class Refused(Exception):
 
 
 @dataclass(frozen=True)
+class HostDevices:
+    """One host's plugins and their devices, looked up by ``type:index``."""
+
+    hostname: str
+    plugins: dict[str, PluginDevices]
+
+    def of_type(self, kind: str) -> list[Device]:
+        p = self.plugins.get(kind)
+        return [] if p is None or p.problem else [p.devices[i] for i in sorted(p.devices)]
+
+    def get(self, device: str) -> Device | None:
+        kind, _, index = device.partition(":")
+        p = self.plugins.get(kind)
+        return None if p is None or p.problem or not index.isdigit() else p.devices.get(int(index))
+
+    def types(self) -> list[str]:
+        return sorted(n for n, p in self.plugins.items() if not p.problem and p.devices)
+
+    def devices(self):
+        """(device name, plugin, device) for every device of a ready plugin."""
+        return [(f"{n}:{d.index}", p, d) for n, p in sorted(self.plugins.items()) if not p.problem
+                for d in self.of_type(n)]
+
+
+@dataclass(frozen=True)
 class Needs:
     dtypes: tuple[str, ...] = ()
     weight_bytes: int | None = None
     target_types: tuple[str, ...] | None = None    # a package's target.device_types
 
 
-def needs_of(spec: WorkloadSpec) -> Needs:
+async def needs_of(spec: WorkloadSpec) -> Needs:
     """From the spec and the model on disk; a Refused (422) when the path cannot be read."""
     if not os.path.exists(spec.model):
         raise Refused(422, f"model: {spec.model!r} does not exist on the router's host")
-    target = package_target(spec.model) if spec.is_package else None
-    return Needs(tuple(spec.needed_dtypes()), disk_size(spec.model), target)
+    if not spec.is_package:
+        return Needs(tuple(spec.needed_dtypes()), disk_size(spec.model))
+    d = await inspect_package(spec.model)
+    weights = d["plan"].get("memory", {}).get("weights_bytes") or disk_size(spec.model)
+    return Needs(tuple(spec.needed_dtypes()), weights, tuple(d["manifest"]["target"]["device_types"]))
 
 
 def disk_size(path: str) -> int:
@@ -46,24 +78,31 @@ def disk_size(path: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
 
 
-def package_target(path: str) -> tuple[str, ...]:
-    """The device types a package was built for, from its manifest (signature checked at serve)."""
-    from polychip.package.reader import scan
+async def inspect_package(path: str) -> dict:
+    """``polychip inspect PATH --json`` in a child process (the router opens no package itself):
+    the hash-checked manifest (its target) and plan (weights' size); the signature is the
+    replica's to check as it opens the package."""
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "polychip.cli", "inspect", path, "--json",
+                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     try:
-        manifest = scan(path, head_only=True).manifest
-    except PolychipError as e:
-        raise Refused(422, f"model: {path}: {e.args[0]}") from None
-    return tuple(manifest["target"]["device_types"])
+        out, err = await asyncio.wait_for(proc.communicate(), INSPECT_TIMEOUT)
+    except asyncio.TimeoutError:
+        proc.kill()
+        await proc.wait()
+        raise Refused(422, f"model: `polychip inspect {path}` took over {INSPECT_TIMEOUT:.0f}s") from None
+    if proc.returncode:
+        why = err.decode(errors="replace").strip().splitlines()[-1:] or [f"exit status {proc.returncode}"]
+        raise Refused(422, f"model: {why[0].removeprefix('error: ')}")
+    return json.loads(out)
 
 
-def place(spec: WorkloadSpec, inv: Inventory, holders: dict[str, str], needs: Needs) -> list[str]:
+def place(spec: WorkloadSpec, inv: HostDevices, holders: dict[str, str], needs: Needs) -> list[str]:
     """The devices for ``spec`` (one per tp rank; the CPU once), or Refused saying why."""
     kind = spec.wanted_type
     found = inv.of_type(kind)
     if not found:
-        broken = [p for p in inv.plugins if p["name"] == kind and not p["loaded"]]
-        why = (f"plugin {kind!r} did not load: {broken[0]['reason']}" if broken
-               else f"it has device types {inv.types()}")
+        plugin = inv.plugins.get(kind)
+        why = plugin.problem if plugin is not None and plugin.problem else f"it has device types {inv.types()}"
         raise Refused(422, f"host {inv.hostname} has no {kind} device; {why}")
     if needs.target_types is not None and kind not in needs.target_types:
         raise Refused(422, f"model: the package was built for {list(needs.target_types)}, not {kind}; "
@@ -87,26 +126,26 @@ def place(spec: WorkloadSpec, inv: Inventory, holders: dict[str, str], needs: Ne
     raise Refused(422, f"no {kind} device can serve {spec.served_name!r}: " + "; ".join(incapable))
 
 
-def _incapable(kind: str, group: list[int], inv: Inventory, needs: Needs) -> str:
+def _incapable(kind: str, group: list[int], inv: HostDevices, needs: Needs) -> str:
     """Why these devices cannot serve the workload ("" when they can)."""
     for i in group:
         d = inv.get(f"{kind}:{i}")
         if d is None:
             have = sorted(x.index for x in inv.of_type(kind))
             return f"{kind}:{i} does not exist on host {inv.hostname} (it has {kind} devices {have})"
-        why = _device_problem(d, needs)
+        why = _device_problem(f"{kind}:{i}", d, needs)
         if why:
             return why
     return ""
 
 
-def _device_problem(d: DeviceRecord, needs: Needs) -> str:
-    if not d.ready:
-        return f"{d.device} is not ready: {d.reason}"
+def _device_problem(name: str, d: Device, needs: Needs) -> str:
+    if d.problem:
+        return f"{name} is not ready: {d.problem}"
     lacking = [t for t in needs.dtypes if t not in d.dtypes]
     if lacking:
-        return f"{d.device} lacks {lacking} (it supports {list(d.dtypes)})"
-    if needs.weight_bytes and d.memory_total is not None and d.memory_total < needs.weight_bytes:
-        return (f"{d.device} has {d.memory_total / 2**30:.2f} GiB of memory; the weights alone are "
+        return f"{name} lacks {lacking} (it supports {list(d.dtypes)})"
+    if needs.weight_bytes and d.total_memory is not None and d.total_memory < needs.weight_bytes:
+        return (f"{name} has {d.total_memory / 2**30:.2f} GiB of memory; the weights alone are "
                 f"{needs.weight_bytes / 2**30:.2f} GiB")
     return ""

@@ -15,15 +15,16 @@ from __future__ import annotations
 import asyncio
 import datetime
 import logging
+import socket
 import time
 import uuid
 from dataclasses import dataclass, field
 
+from polychip.http.server import free_port, url_host
 from polychip.router.deployment import ReplicaEntry, raise_problems
-from polychip.router.device_inventory import Inventory
 from polychip.router.replica import Replica
 from polychip.router.supervisor import exit_reason
-from polychip.router.workload_placement import Refused, needs_of, place
+from polychip.router.workload_placement import HostDevices, Refused, needs_of, place
 from polychip.router.workload_spec import WorkloadSpec
 
 log = logging.getLogger("polychip.router.workloads")
@@ -85,13 +86,12 @@ class Workload:
 
 class Workloads:
     """The registry and the lifecycle. ``router`` gives the supervisor, the dispatcher, the HTTP
-    client and ``_drain``; ``store`` keeps the records; ``inventory`` reads this host's devices."""
+    client, the device inventory and ``_drain``; ``store`` keeps the records."""
 
-    def __init__(self, router, store, node_id: str, inventory_reader, bind_host: str = "127.0.0.1"):
-        self.router, self.store, self.node = router, store, node_id
-        self.read_inventory, self.bind_host = inventory_reader, bind_host
+    def __init__(self, router, store, node_id: str, bind_host: str = "127.0.0.1"):
+        self.router, self.store, self.node, self.bind_host = router, store, node_id, bind_host
         self.items: dict[str, Workload] = {}
-        self.inventory: Inventory | None = None
+        self.inventory: HostDevices | None = None
         self.inventory_error: str | None = None
         self._lock = asyncio.Lock()
         self._tasks: set[asyncio.Task] = set()
@@ -115,7 +115,9 @@ class Workloads:
             self._spawn(self._relaunch(ours))
 
     async def inventory_ready(self) -> None:
-        if self._inventory_read is None:
+        """The first read of the devices is done (a failed read is tried again on the next call)."""
+        failed = self._inventory_read is not None and self._inventory_read.done() and self.inventory is None
+        if self._inventory_read is None or failed:
             self._inventory_read = asyncio.ensure_future(self.refresh_inventory())
         await asyncio.shield(self._inventory_read)
 
@@ -138,10 +140,15 @@ class Workloads:
                 t.cancel()
         await asyncio.gather(*self._tasks, *filter(None, [self._inventory_read]), return_exceptions=True)
 
-    async def refresh_inventory(self) -> Inventory | None:
+    async def refresh_inventory(self, again: bool = False) -> HostDevices | None:
+        """This host's devices from the router's inventory (``polychip devices --json`` in a thread);
+        ``again`` asks anew (the memory figures are those of the moment it asks)."""
+        inv = self.router.inventory
+        if again:
+            inv.known.pop(None, None)
         try:
-            self.inventory = await self.read_inventory()
-            self.inventory_error = None
+            plugins = await asyncio.to_thread(inv.get, None)
+            self.inventory, self.inventory_error = HostDevices(socket.gethostname(), plugins), None
         except Exception as e:        # shown on /admin/devices and in every refusal; never silent
             self.inventory_error = f"{type(e).__name__}: {e}"
             log.error("cannot read this host's devices: %s", self.inventory_error)
@@ -153,22 +160,22 @@ class Workloads:
         """Place and launch; returns at once (status pending). Refused when it cannot be placed."""
         await self.inventory_ready()
         async with self._lock:
-            devices = devices or self.placement(spec)
+            devices = devices or await self.placement(spec)
             w = Workload(wid or f"wl-{uuid.uuid4().hex[:10]}", spec, self.node, devices, source)
             w.event("placed", f"on {', '.join(devices)} of host {self.node}")
             self.items[w.id] = w
             self._launch(w)
             return w
 
-    def placement(self, spec: WorkloadSpec, ignore: str | None = None) -> list[str]:
+    async def placement(self, spec: WorkloadSpec, ignore: str | None = None) -> list[str]:
         if spec.host not in (None, self.node):
             raise Refused(422, f"host: {spec.host!r} is not this router's host ({self.node}); submit to its router")
         if self.inventory is None:
             raise Refused(503, f"this host's device inventory is unavailable: {self.inventory_error}")
-        return place(spec, self.inventory, self.holders(ignore), needs_of(spec))
+        return place(spec, self.inventory, self.holders(ignore), await needs_of(spec))
 
     # the deployment file's workloads: section
-    def check_declared(self, declared: list, source: str) -> dict[str, list[str]]:
+    async def check_declared(self, declared: list, source: str) -> dict[str, list[str]]:
         """id -> devices for each declared workload that is new or changed; a DeploymentError
         naming every one that cannot be placed (before anything changes)."""
         holders, planned, problems = self.holders(), {}, []
@@ -178,7 +185,7 @@ class Workloads:
                 continue
             mine = {k: v for k, v in holders.items() if v != d.id}
             try:
-                planned[d.id] = place(d.spec(), self.inventory, mine, needs_of(d.spec())) if self.inventory else []
+                planned[d.id] = place(d.spec(), self.inventory, mine, await needs_of(d.spec())) if self.inventory else []
             except Refused as e:
                 problems.append(f"{source}: workloads.{i} ({d.id}): {e.message}")
                 continue
@@ -191,7 +198,7 @@ class Workloads:
     async def declare(self, declared: list, source: str) -> None:
         """Start the declared workloads that are new or changed, stop those the file no longer has;
         submitted ones are left alone."""
-        planned = self.check_declared(declared, source)
+        planned = await self.check_declared(declared, source)
         keep = {d.id for d in declared}
         for w in list(self.items.values()):
             if w.source == "deployment" and w.status != "stopped" and (w.id not in keep or w.id in planned):
@@ -242,15 +249,14 @@ class Workloads:
 
     # lifecycle hooks
     def _launch(self, w: Workload) -> None:
-        from polychip.router.app import _free_port, _url_host
         spec = w.spec
         kind = w.devices[0].partition(":")[0]
         entry = ReplicaEntry(name=w.id, model=spec.served_name, version=spec.version,
                              device=kind if kind == "cpu" else w.devices[0], model_path=spec.model,
                              quantization=spec.quantization, tp_size=spec.tp_size, host=self.bind_host,
                              args=spec.serve_flags())
-        port = _free_port(self.bind_host)
-        w.url = f"http://{_url_host(self.bind_host)}:{port}"
+        port = free_port(self.bind_host)
+        w.url = f"http://{url_host(self.bind_host)}:{port}"
         self._set(w, "pending")
         self.router.supervisor.start(entry, port, spec.dtype, spec.quantization)
         self.router.dispatcher.add(Replica(w.id, w.url, spec.served_name, spec.version, w.devices[0], launched=True))
