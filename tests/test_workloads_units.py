@@ -85,7 +85,8 @@ def test_a_held_device_is_409_naming_its_holder():
 
 @pytest.mark.parametrize("kw,needs,why", [
     (dict(device="simxpu:7"), Needs(), "simxpu:7 does not exist on host host-a (it has simxpu devices [0, 1, 2, 3])"),
-    (dict(device_type="simxpu"), Needs(("float16",)), "simxpu:0 lacks ['float16']"),
+    (dict(device_type="simxpu"), Needs(("float16",)),
+     "simxpu:0, simxpu:1, simxpu:2, simxpu:3 lacks ['float16'] (it supports ['float32', 'bfloat16', 'int8'])"),
     (dict(device_type="simxpu"), Needs(weight_bytes=20 * GiB), "the weights alone are 20.00 GiB"),
     (dict(device_type="simxpu", tp_size=8), Needs(), "simxpu:4 does not exist"),
     (dict(device_type="simxpu"), Needs(target_types=("cuda",)), "the package was built for ['cuda'], not simxpu"),

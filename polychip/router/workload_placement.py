@@ -112,7 +112,7 @@ def place(spec: WorkloadSpec, inv: HostDevices, holders: dict[str, str], needs: 
     for start in starts:
         group = [start] if kind in SHAREABLE else list(range(start, start + spec.tp_size))
         problem = _incapable(kind, group, inv, needs)
-        if problem:
+        if problem[1]:
             incapable.append(problem)
             continue
         held = [f"{kind}:{i} is held by workload {holders[f'{kind}:{i}']}" for i in group
@@ -123,20 +123,28 @@ def place(spec: WorkloadSpec, inv: HostDevices, holders: dict[str, str], needs: 
         return [f"{kind}:{i}" for i in group]
     if busy:
         raise Refused(409, f"no free {kind} device for tp_size {spec.tp_size}: " + "; ".join(busy))
-    raise Refused(422, f"no {kind} device can serve {spec.served_name!r}: " + "; ".join(incapable))
+    raise Refused(422, f"no {kind} device can serve {spec.served_name!r}: " + _grouped(incapable))
 
 
-def _incapable(kind: str, group: list[int], inv: HostDevices, needs: Needs) -> str:
-    """Why these devices cannot serve the workload ("" when they can)."""
+def _grouped(problems: list[tuple[str, str]]) -> str:
+    """'simxpu:0, simxpu:1: lacks [...]' for devices that fail for the same reason."""
+    groups: dict[str, list[str]] = {}
+    for device, why in problems:
+        groups.setdefault(why.replace(device, "\0", 1), []).append(device)
+    return "; ".join(why.replace("\0", ", ".join(devices)) for why, devices in groups.items())
+
+
+def _incapable(kind: str, group: list[int], inv: HostDevices, needs: Needs) -> tuple[str, str]:
+    """(the device at fault, why these devices cannot serve the workload: "" when they can)."""
     for i in group:
-        d = inv.get(f"{kind}:{i}")
+        name, d = f"{kind}:{i}", inv.get(f"{kind}:{i}")
         if d is None:
             have = sorted(x.index for x in inv.of_type(kind))
-            return f"{kind}:{i} does not exist on host {inv.hostname} (it has {kind} devices {have})"
-        why = _device_problem(f"{kind}:{i}", d, needs)
+            return name, f"{name} does not exist on host {inv.hostname} (it has {kind} devices {have})"
+        why = _device_problem(name, d, needs)
         if why:
-            return why
-    return ""
+            return name, why
+    return "", ""
 
 
 def _device_problem(name: str, d: Device, needs: Needs) -> str:
