@@ -122,6 +122,15 @@ def test_submit_list_describe_logs_chat_refusals_delete(setup, capsys):
     assert "polychip.access" not in setup["routers"][-1].log    # ... not interleaved into the router's
     rc, out, _ = cli(capsys, "logs", wid, "--tail", "3")
     assert rc == 0 and len(out.splitlines()) == 3
+    got = ""           # --follow: the tail, then what the replica writes (a line per health check)
+    with httpx.stream("GET", f"{ROUTER['url']}/admin/workloads/{wid}/logs", params={"tail": 2, "follow": "true"},
+                      headers=AUTH, timeout=30) as r:
+        assert r.status_code == 200
+        for chunk in r.iter_text():
+            got += chunk
+            if got.count("\n") >= 5:
+                break
+    assert got.count("GET /server_info") >= 4, got
 
     rc, _, err = cli(capsys, "submit", "--model", setup["model"], "--device", "simxpu:0")
     assert rc == 1 and "HTTP 409" in err and f"simxpu:0 is held by workload {wid}" in err
@@ -144,10 +153,10 @@ def test_submit_list_describe_logs_chat_refusals_delete(setup, capsys):
 def test_a_submitted_workload_survives_a_reload_and_a_router_restart(setup, capsys):
     second = setup.get("second")
     assert second, "runs after the submit test"
-    before = {r["name"]: r["pid"] for r in httpx.get(ROUTER["url"] + "/admin/replicas", headers=AUTH).json()["replicas"]}
+    before = _pids_by_name()
     r = httpx.post(ROUTER["url"] + "/admin/reload", headers=AUTH, timeout=60)
     assert r.status_code == 200, r.text
-    after = {r["name"]: r["pid"] for r in httpx.get(ROUTER["url"] + "/admin/replicas", headers=AUTH).json()["replicas"]}
+    after = _pids_by_name()
     assert after[second] == before[second] and after["decl-cpu"] == before["decl-cpu"]   # untouched
 
     old = setup["routers"][-1]
@@ -163,6 +172,10 @@ def test_a_submitted_workload_survives_a_reload_and_a_router_restart(setup, caps
     rc, out, _ = cli(capsys, "list")
     statuses = {line.split()[0]: line.split()[5] for line in out.splitlines()[1:]}
     assert statuses[second] == "ready" and statuses["decl-cpu"] == "ready" and "stopped" in statuses.values()
+
+
+def _pids_by_name() -> dict[str, int]:
+    return {r["name"]: r["pid"] for r in httpx.get(ROUTER["url"] + "/admin/replicas", headers=AUTH).json()["replicas"]}
 
 
 def _seconds(d: dict, event: str) -> float:

@@ -31,9 +31,10 @@ def devices_json(sim_cards=4, sim_dtypes=("float32", "bfloat16", "int8"), sim_me
     return [{"name": "cpu", "status": "Ready", "source": "builtin", "plugin_version": "1.0", "api_version": "1.1",
              "devices": [{"index": 0, "status": "Ready", "reason": "", "name": "x86_64", "total_memory": 8 * GiB,
                           "free_memory": 4 * GiB, "dtypes": ["float32", "bfloat16", "float16", "int8"]}]},
-            {"name": "simxpu", "status": "Ready", "source": "entry point", "plugin_version": "0.3", "api_version": "1.1", "devices": sim},
-            {"name": "cuda", "status": "Error", "source": "builtin", "failed_step": "is_available", "reason": "no CUDA in this torch",
-             "plugin_version": "1.0", "api_version": "1.1", "devices": []}]
+            {"name": "simxpu", "status": "Ready", "source": "entry point", "plugin_version": "0.3",
+             "api_version": "1.1", "devices": sim},
+            {"name": "cuda", "status": "Error", "source": "builtin", "failed_step": "is_available",
+             "reason": "no CUDA in this torch", "plugin_version": "1.0", "api_version": "1.1", "devices": []}]
 
 
 def parse(data, host):

@@ -87,7 +87,8 @@ def devices(admin: Admin, args) -> int:
         return 0
     gib = lambda b: "-" if b is None else f"{b / 2**30:.1f}"   # noqa: E731
     for h in hosts:
-        print(f"host {h['host']} ({h['hostname']})  router {h['router']}" + (f"  error: {h['error']}" if h["error"] else ""))
+        error = f"  error: {h['error']}" if h["error"] else ""
+        print(f"host {h['host']} ({h['hostname']})  router {h['router']}{error}")
         rows = [[d["device"], d["name"], "ready" if d["ready"] else f"not ready: {d['reason']}",
                  f"{gib(d['memory_free'])}/{gib(d['memory_total'])}", ",".join(d["dtypes"]),
                  ",".join(d["workloads"]) or "-"] for d in h["devices"]]

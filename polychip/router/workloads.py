@@ -183,15 +183,16 @@ class Workloads:
             w = self.items.get(d.id)
             if w is not None and w.status != "stopped" and w.spec == d.spec():
                 continue
+            if self.inventory is None:
+                problems.append(f"{source}: workloads.{i} ({d.id}): no device inventory: {self.inventory_error}")
+                continue
             mine = {k: v for k, v in holders.items() if v != d.id}
             try:
-                planned[d.id] = place(d.spec(), self.inventory, mine, await needs_of(d.spec())) if self.inventory else []
+                planned[d.id] = place(d.spec(), self.inventory, mine, await needs_of(d.spec()))
             except Refused as e:
                 problems.append(f"{source}: workloads.{i} ({d.id}): {e.message}")
                 continue
-            if self.inventory is None:
-                problems.append(f"{source}: workloads.{i} ({d.id}): no device inventory: {self.inventory_error}")
-            holders.update({dev: d.id for dev in planned.get(d.id, [])})
+            holders.update({dev: d.id for dev in planned[d.id]})
         raise_problems(source, problems)
         return planned
 
@@ -213,20 +214,33 @@ class Workloads:
         return {d: w.id for w in self.items.values() if w.host == self.node and w.status != "stopped"
                 and w.id != ignore for d in w.devices}
 
-    def list(self, model: str | None = None, device_type: str | None = None) -> list[Workload]:
-        out = [w for w in self.items.values() if (model is None or model in (w.spec.served_name, w.spec.model))
+    async def everything(self) -> dict[str, Workload]:
+        """This host's workloads as this router runs them; other hosts' as the store has them now
+        (a shared store: what their routers last wrote)."""
+        entries, _ = await asyncio.to_thread(self.store.list, PREFIX)
+        out = {e.value["id"]: Workload.from_record(e.value) for e in entries}
+        out.update({k: w for k, w in self.items.items() if w.host == self.node})
+        return out
+
+    async def list(self, model: str | None = None, device_type: str | None = None) -> list[Workload]:
+        out = [w for w in (await self.everything()).values()
+               if (model is None or model in (w.spec.served_name, w.spec.model))
                and (device_type is None or w.spec.wanted_type == device_type)]
         return sorted(out, key=lambda w: w.created_at)
 
-    def get(self, wid: str) -> Workload | None:
-        w = self.items.get(wid)
-        if w is not None:
-            self._note_first_token(w)
+    async def get(self, wid: str) -> Workload | None:
+        w = self.items.get(wid) if wid in self.items and self.items[wid].host == self.node else None
+        if w is None:
+            return (await self.everything()).get(wid)
+        self._note_first_token(w)
         return w
 
     async def delete(self, wid: str) -> Workload | None:
-        """Drain then stop, in the background; the record stays, status ``stopped``."""
-        w = self.items.get(wid)
+        """Drain then stop, in the background; the record stays, status ``stopped``. Another
+        host's workload is that host's router's to stop (Refused, 409)."""
+        w = await self.get(wid)
+        if w is not None and w.host != self.node:
+            raise Refused(409, f"workload {wid} runs on host {w.host}; delete it through that host's router")
         if w is None or w.status in ("draining", "stopped"):
             return w
         self._set(w, "draining", "draining", f"in-flight requests get {self.router.cfg.drain_timeout:g}s")

@@ -34,17 +34,17 @@ async def submit(request: Request):
 
 @workload_routes.get("/workloads")
 async def listing(request: Request, model: str | None = None, device_type: str | None = None):
-    return {"object": "list", "data": [w.view() for w in router_of(request).workloads.list(model, device_type)]}
+    return {"object": "list", "data": [w.view() for w in await router_of(request).workloads.list(model, device_type)]}
 
 
 @workload_routes.get("/workloads/{wid}")
 async def describe(request: Request, wid: str):
-    return _workload(request, wid).detail()
+    return (await _workload(request, wid)).detail()
 
 
 @workload_routes.get("/workloads/{wid}/logs")
 async def logs(request: Request, wid: str, tail: int = 100, follow: bool = False):
-    router, w = router_of(request), _workload(request, wid)
+    router, w = router_of(request), await _workload(request, wid)
     if w.host != router.workloads.node:
         raise APIError(404, f"workload {wid} runs on host {w.host}; its log is on that host's router",
                        "not_found_error")
@@ -56,8 +56,11 @@ async def logs(request: Request, wid: str, tail: int = 100, follow: bool = False
 
 @workload_routes.delete("/workloads/{wid}")
 async def delete(request: Request, wid: str):
-    w = _workload(request, wid)
-    await router_of(request).workloads.delete(wid)
+    w = await _workload(request, wid)
+    try:
+        await router_of(request).workloads.delete(wid)
+    except Refused as e:
+        raise APIError(e.status, e.message, "conflict_error") from None
     return JSONResponse({"id": w.id, "status": w.status}, status_code=202)
 
 
@@ -70,8 +73,8 @@ async def devices(request: Request, refresh: bool = False):
     return {"hosts": [host_view(router_of(request))]}
 
 
-def _workload(request: Request, wid: str):
-    w = router_of(request).workloads.get(wid)
+async def _workload(request: Request, wid: str):
+    w = await router_of(request).workloads.get(wid)
     if w is None:
         raise APIError(404, f"no workload {wid!r}; `polychip workload list` shows them", "not_found_error")
     return w
