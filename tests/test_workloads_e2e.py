@@ -86,6 +86,12 @@ def describe(wid: str) -> dict:
 
 
 def test_submit_list_describe_logs_chat_refusals_delete(setup, capsys):
+    began = time.monotonic()         # a submit answers at once, before the replica loads
+    rc, out, err = cli(capsys, "submit", "--model", setup["model"], "--name", "tiny-cpu2", "--device-type", "cpu",
+                       "--", *SERVE)
+    assert rc == 0 and out.split()[1] == "pending" and "cpu:0" in out, err
+    assert time.monotonic() - began < 10
+    cpu_id = out.split()[0]
     t0 = time.monotonic()
     rc, out, err = cli(capsys, "submit", "--model", setup["model"], "--name", "tiny-sim", "--device", "simxpu:0",
                        "--wait", "--", *SERVE)
@@ -102,7 +108,9 @@ def test_submit_list_describe_logs_chat_refusals_delete(setup, capsys):
     assert rows[wid][1:6] == ["tiny-sim", "default", rows[wid][3], "simxpu:0", "ready"]
     assert rows["decl-cpu"][4:6] == ["cpu:0", "ready"]
     rc, out, _ = cli(capsys, "list", "--device-type", "cpu")
-    assert [line.split()[0] for line in out.splitlines()[1:]] == ["decl-cpu"]
+    assert sorted(line.split()[0] for line in out.splitlines()[1:]) == sorted(["decl-cpu", cpu_id])
+    rc, out, _ = cli(capsys, "list", "--model", "tiny-sim")
+    assert [line.split()[0] for line in out.splitlines()[1:]] == [wid]
 
     rc, out, _ = cli(capsys, "describe", wid)
     d = describe(wid)
@@ -148,6 +156,11 @@ def test_submit_list_describe_logs_chat_refusals_delete(setup, capsys):
     assert rc == 0 and out.split()[1] == "ready", err
     setup["second"] = out.split()[0]
     assert chat("tiny-sim").headers["x-polychip-replica"] == setup["second"]
+
+    assert workload_cmd.wait_for(workload_cmd.Admin(ROUTER["url"], KEY), cpu_id, ("ready",), 300)
+    assert chat("tiny-cpu2").headers["x-polychip-replica"] == cpu_id    # the CPU, shared with decl-cpu
+    rc, out, _ = cli(capsys, "delete", cpu_id, "--wait")
+    assert rc == 0 and out.split() == [cpu_id, "stopped"]
 
 
 def test_a_submitted_workload_survives_a_reload_and_a_router_restart(setup, capsys):
