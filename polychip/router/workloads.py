@@ -20,7 +20,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from polychip.http.server import free_port, url_host
+from polychip.http.server import url_host
 from polychip.router.deployment import ReplicaEntry, raise_problems
 from polychip.router.replica import Replica
 from polychip.router.supervisor import exit_reason
@@ -269,11 +269,16 @@ class Workloads:
                              device=kind if kind == "cpu" else w.devices[0], model_path=spec.model,
                              quantization=spec.quantization, tp_size=spec.tp_size, host=self.bind_host,
                              args=spec.serve_flags())
-        port = free_port(self.bind_host)
-        w.url = f"http://{url_host(self.bind_host)}:{port}"
+        base, w.url = f"http://{url_host(self.bind_host)}:", None
+        replica = Replica(w.id, "", spec.served_name, spec.version, w.devices[0], launched=True)
+        replica.down_reason = "starting: its port is not reported yet"
+
+        def bound(port: int) -> None:      # the replica binds port 0 and reports the port it got
+            replica.url = w.url = f"{base}{port}"
+            self._save(w)
         self._set(w, "pending")
-        self.router.supervisor.start(entry, port, spec.dtype, spec.quantization)
-        self.router.dispatcher.add(Replica(w.id, w.url, spec.served_name, spec.version, w.devices[0], launched=True))
+        self.router.supervisor.start(entry, 0, spec.dtype, spec.quantization, on_port=bound)
+        self.router.dispatcher.add(replica)
 
     def process_event(self, name: str, kind: str, detail) -> None:
         """The supervisor's hook: a start or an exit of workload ``name``'s process."""
