@@ -34,6 +34,7 @@ LAYER_OF = {
     "polychip.server": "entry points",
     "polychip.bench": "entry points",
     "polychip.router": "entry points",
+    "polychip.batch": "entry points",
     "polychip.package": "entry points",
     "polychip.pluginkit": "pluginkit",
     "polychip.engine": "engine",
