@@ -130,15 +130,19 @@ class FileCheck:
         return shown + (f"; and {more} more" if more > 0 else "")
 
 
-def check_file(path: str) -> FileCheck:
+def check_file(path: str, endpoint: str | None = None) -> FileCheck:
     """Stream the file once: count its lines, check each, and find duplicate custom_ids (each
-    repeat names the line that used the id first). Memory: the set of ids, not the lines."""
+    repeat names the line that used the id first); with ``endpoint``, every line's url must be it
+    (a batch runs one endpoint). Memory: the set of ids, not the lines."""
     seen: dict[str, int] = {}
     found = FileCheck()
     for item in parsed_lines(path):
         found.total += 1
         if isinstance(item, LineError):
             found.add(item)
+        elif endpoint is not None and item.url != endpoint:
+            found.add(LineError(item.line, item.custom_id, "mismatched_url", f"url {item.url!r} is not the "
+                                f"batch's endpoint {endpoint!r}", "url"))
         cid = item.custom_id
         if cid is None:
             continue

@@ -56,6 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--api-key", default=None, help="clients must send it (not /health, /metrics)")
     g.add_argument("--replica-api-key", default=None, help="sent to the replicas")
     g.add_argument("--drain-timeout", type=float, default=None, help="in-flight grace on SIGTERM (30 s)")
+    g = p.add_argument_group("files and batch jobs (/v1/files, /v1/batches)")
+    g.add_argument("--files-dir", default=None, metavar="DIR",
+                   help="uploads, batch outputs and batch progress live here; the batch API is off without it")
+    g.add_argument("--max-file-bytes", type=int, default=None, help="an upload's size limit (200 MB)")
+    g.add_argument("--batch-concurrency", type=int, default=None,
+                   help="batch requests in flight at once, all batches together, priority low (4)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -74,7 +80,9 @@ def router_config(args, base=None):
                                                     max_p95_ratio=args.canary_max_p95_ratio,
                                                     min_samples=args.canary_min_samples))
     weights = parse_priority_weights(args.priority_weights) if args.priority_weights else None
-    return cfg.replace(health=HealthConfig(**vars(health)), guard=GuardConfig(**vars(guard)),
+    batch = dataclasses.replace(cfg.batch, **_given(files_dir=args.files_dir, max_file_bytes=args.max_file_bytes,
+                                                    concurrency=args.batch_concurrency))
+    return cfg.replace(health=HealthConfig(**vars(health)), guard=GuardConfig(**vars(guard)), batch=batch,
                        **_given(policy=args.policy, max_retries=args.max_retries,
                                 max_inflight_per_replica=args.max_inflight_per_replica, max_queue=args.max_queue,
                                 queue_timeout=args.queue_timeout, request_timeout=args.request_timeout,

@@ -57,6 +57,7 @@ class Router:
         self._tasks: list[asyncio.Task] = []
         self._reload_lock = asyncio.Lock()
         self.startup_error: Exception | None = None
+        self.batches = None          # BatchJobs when --files-dir is given (router/batches.py)
 
     # lifecycle
     async def start(self) -> None:
@@ -73,8 +74,14 @@ class Router:
         if self.deployment is not None:
             await self._apply(self.deployment, self.placed or plan(self.deployment))
         self._tasks.append(asyncio.ensure_future(self.health.run()))
+        if cfg.batch.files_dir is not None:
+            from polychip.router.batch_dispatch import router_jobs
+            self.batches = router_jobs(self, cfg.batch)
+            await self.batches.start()
 
     async def stop(self) -> None:
+        if self.batches is not None:
+            await self.batches.stop()
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -372,4 +379,6 @@ def build_app(router: Router) -> FastAPI:
         except (DeploymentError, ConfigError) as e:
             return error_json(400, e.args[0], "invalid_request_error")
 
+    from polychip.router.batch_routes import batch_routes
+    app.include_router(batch_routes(lambda: router.batches, locked_out))
     return app

@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from polychip.errors import ConfigError
+from polychip.router.batch_config import BatchConfig
 
 PRIORITY_CLASSES = ("high", "normal", "low")
 DEFAULT_PRIORITY_WEIGHTS = {"high": 3.0, "normal": 1.0, "low": 1.0}
@@ -66,6 +67,7 @@ class RouterConfig:
     health: HealthConfig = field(default_factory=HealthConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
     prefix: PrefixConfig = field(default_factory=PrefixConfig)
+    batch: BatchConfig = field(default_factory=BatchConfig)       # files and batch jobs (/v1/batches)
     max_retries: int = 2                    # other replicas tried when one fails before the first token
     max_inflight_per_replica: int | None = None   # None: the replica's max_running_requests
     max_queue: int = 1024                   # requests waiting in the router, all classes together
