@@ -157,6 +157,8 @@ def test_cancel_stops_a_running_batch(replica, tmp_path):
         batch = client.batches.create(input_file_id=up.id, endpoint="/v1/chat/completions", completion_window="24h")
         _wait_status(client, batch.id, ("in_progress",))
         wait_for(lambda: len(replica.bodies) >= 2, what="two requests at the replica")
+        with pytest.raises(openai.ConflictError, match="in use by batch"):
+            client.files.delete(up.id)                        # a running batch reads it
         assert client.batches.cancel(batch.id).status == "cancelling"
         replica.hold = False
         b = _wait_status(client, batch.id, ("cancelled",))

@@ -379,6 +379,7 @@ def build_app(router: Router) -> FastAPI:
         except (DeploymentError, ConfigError) as e:
             return error_json(400, e.args[0], "invalid_request_error")
 
-    from polychip.router.batch_routes import batch_routes
-    app.include_router(batch_routes(lambda: router.batches, locked_out))
+    from polychip.router import batch_routes
+    app.state.locked_out = locked_out
+    app.include_router(batch_routes.router)      # /v1/files, /v1/batches
     return app
