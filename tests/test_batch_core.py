@@ -8,10 +8,11 @@ import random
 
 import pytest
 
-from polychip.batch.lines import BatchRequest, LineError, check_file, parse_line, parsed_lines
-from polychip.batch.output import OrderedWriter, Written, cut_partial_line, read_written
-from polychip.batch.records import encode, error_record, is_success, response_record
-from polychip.batch.runner import Limits, run_batch
+from polychip.router.batch.lines import BatchRequest, LineError, check_file, parse_line, parsed_lines
+from polychip.router.batch.output import OrderedWriter, Written, cut_partial_line, read_written
+from polychip.router.batch.records import encode, error_record, is_success, response_record
+from polychip.router.batch.runner import Limits, run_batch
+from polychip.server.batch_check import body_problem
 
 pytestmark = pytest.mark.device_independent
 
@@ -24,8 +25,8 @@ def line(cid, url=CHAT, **body) -> str:
 
 
 def test_good_lines_parse_for_both_endpoints():
-    chat = parse_line(line("a").encode(), 1)
-    text = parse_line(line("b", "/v1/completions", prompt="x", max_tokens=2).encode(), 2)
+    chat = parse_line(line("a").encode(), 1, body_problem)
+    text = parse_line(line("b", "/v1/completions", prompt="x", max_tokens=2).encode(), 2, body_problem)
     assert isinstance(chat, BatchRequest) and chat.custom_id == "a" and chat.line == 1
     assert isinstance(text, BatchRequest) and text.url == "/v1/completions" and text.body["prompt"] == "x"
 
@@ -43,7 +44,7 @@ def test_good_lines_parse_for_both_endpoints():
     (line("a", CHAT, messages=[{"role": "user", "content": "x"}], top_logprobs=3), "invalid_body", "logprobs"),
 ])
 def test_bad_lines_name_the_cause(raw, code, words):
-    err = parse_line(raw.encode(), 7)
+    err = parse_line(raw.encode(), 7, body_problem)
     assert isinstance(err, LineError), err
     assert err.code == code and err.line == 7
     assert words in err.message, err.message

@@ -9,10 +9,10 @@ import json
 
 import pytest
 
-from polychip.router.batch_config import BatchConfig
-from polychip.router.batch_store import BatchStore
-from polychip.router.batches import BatchJobs
-from polychip.router.files import FileStore
+from polychip.router.settings import BatchConfig
+from polychip.router.batch.store import BatchStore
+from polychip.router.batch.jobs import BatchJobs
+from polychip.router.batch.files import FileStore
 
 pytestmark = pytest.mark.device_independent
 
@@ -34,7 +34,11 @@ class Clock:
 def _jobs(tmp_path, send, clock=None, **cfg):
     cfg = BatchConfig(files_dir=str(tmp_path), **cfg)
     return BatchJobs(cfg, FileStore(str(tmp_path), cfg.max_file_bytes), BatchStore(str(tmp_path)), send,
-                     clock or Clock())
+                     no_problems, clock or Clock())
+
+
+async def no_problems(url, bodies):
+    return []
 
 
 async def _until(pred, timeout=10):

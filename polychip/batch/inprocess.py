@@ -8,8 +8,8 @@ import uuid
 
 import httpx
 
-from polychip.batch.lines import BatchRequest
-from polychip.batch.records import response_record
+from polychip.router.batch.lines import BatchRequest
+from polychip.router.batch.records import response_record
 from polychip.config import EngineConfig, ServerConfig
 
 

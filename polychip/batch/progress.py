@@ -6,7 +6,7 @@ import time
 
 from tqdm import tqdm
 
-from polychip.batch.records import completion_tokens, is_success
+from polychip.router.batch.records import completion_tokens, is_success
 
 
 class BatchProgress:

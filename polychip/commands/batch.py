@@ -41,12 +41,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
-    from polychip.batch.lines import check_file
+    from polychip.router.batch.lines import check_file
+    from polychip.server.batch_check import body_problem
     try:
         if not os.path.isfile(args.input_file):
             raise ConfigError(f"--input-file {args.input_file}: no such file")
         t0 = time.perf_counter()
-        found = check_file(args.input_file)
+        found = check_file(args.input_file, None, body_problem)
         print(f"[checked {found.total} lines in {time.perf_counter() - t0:.1f}s: {found.error_count} problem(s)]",
               file=sys.stderr)
         if found.duplicates:
@@ -66,11 +67,12 @@ def main(argv: list[str]) -> int:
 
 async def _run(args, config, total: int) -> int:
     from polychip.batch.inprocess import InProcessServer
-    from polychip.batch.output import OrderedWriter, Written, read_written
     from polychip.batch.progress import BatchProgress
-    from polychip.batch.records import encode, is_success
-    from polychip.batch.lines import parsed_lines
-    from polychip.batch.runner import Limits, run_batch
+    from polychip.router.batch.lines import parsed_lines
+    from polychip.router.batch.output import OrderedWriter, Written, read_written
+    from polychip.router.batch.records import encode, is_success
+    from polychip.router.batch.runner import Limits, run_batch
+    from polychip.server.batch_check import body_problem
 
     try:
         done = read_written([args.output_file], is_success) if args.resume else None
@@ -84,7 +86,7 @@ async def _run(args, config, total: int) -> int:
         bar = BatchProgress(total, already)
         with open(args.output_file, "ab", buffering=0) as out:
             writer = OrderedWriter(lambda record: out, encode, bar.written)
-            await run_batch(parsed_lines(args.input_file), server.send, writer, done or Written(),
+            await run_batch(parsed_lines(args.input_file, body_problem), server.send, writer, done or Written(),
                             Limits(concurrency))
         line = bar.close()
     elapsed = bar.elapsed

@@ -1,42 +1,31 @@
-"""The routes of OpenAI's files and batches API on the router: /v1/files (upload, list, get,
-content, delete) and /v1/batches (create, list, get, cancel). Each handler finds the router on
-``request.app.state.router`` and the API-key check on ``request.app.state.locked_out``; without
---files-dir they answer 404 saying so. A FileError becomes its 4xx in OpenAI's error shape."""
+"""OpenAI's files and batches API on the router, behind the API key: /v1/files (upload, list,
+get, content, delete) and /v1/batches (create, list, get, cancel). Without --files-dir they
+answer 404 saying so; a FileError is its 4xx in OpenAI's error shape (the edge's handlers)."""
 from __future__ import annotations
 
 import asyncio
 import json
 
 from fastapi import APIRouter, Request
-from fastapi.responses import FileResponse, JSONResponse
+from fastapi.responses import FileResponse
 
-from polychip.router.batches import public
-from polychip.router.files import FileError
+from polychip.router.batch.files import FileError
+from polychip.router.batch.jobs import public
+from polychip.router.routes import requires_key, router_of
 
 FORM_OVERHEAD = 64 * 1024        # multipart headers and the purpose field around the file's bytes
 
-router = APIRouter()
-
-
-def _refusal(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None):
-    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": status}},
-                        status_code=status)
+batch_routes = APIRouter(dependencies=[requires_key])
 
 
 def with_jobs(handler):
-    """Run ``handler(jobs, request, ...)`` after the API key and --files-dir checks."""
+    """Run ``handler(jobs, request, **path params)`` once --files-dir is known to be set."""
     async def endpoint(request: Request):     # FastAPI sees only ``request`` (no functools.wraps)
-        refused = request.app.state.locked_out(request)
-        if refused is not None:
-            return refused
-        jobs = request.app.state.router.batches
+        jobs = router_of(request).batches
         if jobs is None:
-            return _refusal(404, "the files and batches API is off: start the router with --files-dir DIR",
+            raise FileError(404, "the files and batches API is off: start the router with --files-dir DIR",
                             "not_found_error")
-        try:
-            return await handler(jobs, request, **request.path_params)
-        except FileError as e:
-            return _refusal(e.status, e.message, e.type, e.param)
+        return await handler(jobs, request, **request.path_params)
     endpoint.__name__, endpoint.__doc__ = handler.__name__, handler.__doc__
     return endpoint
 
@@ -53,7 +42,7 @@ def _limit(request: Request, default: int) -> int:
     return int(raw)
 
 
-@router.post("/v1/files")
+@batch_routes.post("/v1/files")
 @with_jobs
 async def upload(jobs, request: Request):
     files = jobs.files
@@ -72,7 +61,7 @@ async def upload(jobs, request: Request):
         await form.close()
 
 
-@router.get("/v1/files")
+@batch_routes.get("/v1/files")
 @with_jobs
 async def list_files(jobs, request: Request):
     items = jobs.files.list(request.query_params.get("purpose"))
@@ -83,20 +72,20 @@ async def list_files(jobs, request: Request):
     return _page(items[:limit], len(items) > limit)
 
 
-@router.get("/v1/files/{file_id}")
+@batch_routes.get("/v1/files/{file_id}")
 @with_jobs
 async def get_file(jobs, request: Request, file_id: str):
     return jobs.files.get(file_id)
 
 
-@router.get("/v1/files/{file_id}/content")
+@batch_routes.get("/v1/files/{file_id}/content")
 @with_jobs
 async def file_content(jobs, request: Request, file_id: str):
     meta = jobs.files.get(file_id)
     return FileResponse(jobs.files.path(file_id), media_type="application/jsonl", filename=meta["filename"])
 
 
-@router.delete("/v1/files/{file_id}")
+@batch_routes.delete("/v1/files/{file_id}")
 @with_jobs
 async def delete_file(jobs, request: Request, file_id: str):
     user = jobs.uses(file_id)
@@ -106,7 +95,7 @@ async def delete_file(jobs, request: Request, file_id: str):
     return jobs.files.delete(file_id)
 
 
-@router.post("/v1/batches")
+@batch_routes.post("/v1/batches")
 @with_jobs
 async def create_batch(jobs, request: Request):
     try:
@@ -119,20 +108,20 @@ async def create_batch(jobs, request: Request):
                              data.get("metadata"))
 
 
-@router.get("/v1/batches")
+@batch_routes.get("/v1/batches")
 @with_jobs
 async def list_batches(jobs, request: Request):
     items, more = jobs.list(request.query_params.get("after"), _limit(request, 20))
     return _page(items, more)
 
 
-@router.get("/v1/batches/{batch_id}")
+@batch_routes.get("/v1/batches/{batch_id}")
 @with_jobs
 async def get_batch(jobs, request: Request, batch_id: str):
     return public(jobs.get(batch_id))
 
 
-@router.post("/v1/batches/{batch_id}/cancel")
+@batch_routes.post("/v1/batches/{batch_id}/cancel")
 @with_jobs
 async def cancel_batch(jobs, request: Request, batch_id: str):
     return await jobs.cancel(batch_id)

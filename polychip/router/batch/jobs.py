@@ -20,27 +20,30 @@ import time
 import uuid
 from typing import Awaitable, Callable
 
-from polychip.batch.lines import ENDPOINTS, BatchRequest, check_file, parsed_lines
-from polychip.batch.output import OrderedWriter, Written, read_written
-from polychip.batch.records import encode, failed_record, is_success, response_record
-from polychip.batch.runner import Limits, run_batch
-from polychip.router.batch_config import BatchConfig
-from polychip.router.batch_store import BatchStore
-from polychip.router.files import FileError, FileStore
+from polychip.router.batch.lines import ENDPOINTS, BatchRequest, FileCheck, body_error, check_file, parsed_lines
+from polychip.router.batch.output import OrderedWriter, Written, read_written
+from polychip.router.batch.records import encode, failed_record, is_success, response_record
+from polychip.router.batch.runner import Limits, run_batch
+from polychip.router.settings import BatchConfig
+from polychip.router.batch.store import BatchStore
+from polychip.router.batch.files import FileError, FileStore
 
-log = logging.getLogger("polychip.router.batches")
+log = logging.getLogger("polychip.router.batch.jobs")
 
 WINDOWS = {"24h": 24 * 3600}
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
 RETRY_STATUS = (502, 503)        # the router could not place it yet (no replica up, queue full)
+CHECK_CHUNK = 256               # bodies per check call
 # (url, body) -> (HTTP status, request id, response body bytes)
 Send = Callable[[str, dict], Awaitable[tuple[int, str, bytes]]]
+# (url, bodies) -> the refused ones: [{index, message, param}]
+Check = Callable[[str, list[dict]], Awaitable[list[dict]]]
 
 
 class BatchJobs:
-    def __init__(self, cfg: BatchConfig, files: FileStore, store: BatchStore, send: Send,
+    def __init__(self, cfg: BatchConfig, files: FileStore, store: BatchStore, send: Send, check: Check,
                  clock: Callable[[], float] = time.time):
-        self.cfg, self.files, self.store, self._send, self.clock = cfg, files, store, send, clock
+        self.cfg, self.files, self.store, self._send, self._check, self.clock = cfg, files, store, send, check, clock
         self.batches: dict[str, dict] = {}
         self.tasks: dict[str, asyncio.Task] = {}
         self._slots: asyncio.Semaphore | None = None
@@ -154,7 +157,10 @@ class BatchJobs:
         await asyncio.to_thread(self.store.save, b)
 
     async def _validate(self, b: dict) -> None:
-        found = await asyncio.to_thread(check_file, self.files.path(b["input_file_id"]), b["endpoint"])
+        path = self.files.path(b["input_file_id"])
+        found = await asyncio.to_thread(check_file, path, b["endpoint"])
+        if not found.error_count:
+            await self._check_bodies(path, b["endpoint"], found)
         if b["status"] == "cancelling":
             return
         if found.total == 0 or found.error_count:
@@ -173,6 +179,24 @@ class BatchJobs:
                          "error": self.files.create_empty(f"{stem}_error.jsonl", "batch_output")["id"]}
         self._set(b, "in_progress")
         await asyncio.to_thread(self.store.save, b)
+
+    async def _check_bodies(self, path: str, endpoint: str, found: FileCheck) -> None:
+        """Stream the lines again and have a replica check their bodies, CHECK_CHUNK at a time."""
+        chunk: list[BatchRequest] = []
+
+        async def flush():
+            for p in await self._check(endpoint, [item.body for item in chunk]):
+                item = chunk[p["index"]]
+                found.add(body_error(item.line, item.custom_id, (p["message"], p.get("param"))))
+            chunk.clear()
+        for item in parsed_lines(path):
+            if isinstance(item, BatchRequest):
+                chunk.append(item)
+                if len(chunk) == CHECK_CHUNK:
+                    await flush()
+        if chunk:
+            await flush()
+        found.errors.sort(key=lambda e: e.line)
 
     async def _run(self, b: dict) -> None:
         out_path, err_path = (self.files.path(b["polychip"][k]) for k in ("output", "error"))

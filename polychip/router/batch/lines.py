@@ -1,19 +1,19 @@
-"""One input line of an OpenAI batch file: ``{custom_id, method, url, body}``, checked as the
-endpoint would check the body (types, refused fields, sampling ranges), before anything runs."""
+"""One input line of an OpenAI batch file: ``{custom_id, method, url, body}``. Here: its shape,
+its url, a body that is an object and does not stream, duplicate custom_ids. Whether the endpoint
+would take the body is the server's to say (``server/batch_check.py``): ``polychip batch`` calls it
+in-process, the router asks a replica (``POST /batch_check``), both through ``check_body``."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator, Literal
+from typing import Callable, Iterator, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictStr, ValidationError
 
-from polychip.errors import InvalidRequestError
-from polychip.server.errors import message_of, validation_message
-from polychip.server.fields import CHAT, COMPLETIONS, check_fields
-from polychip.server.protocol import ChatCompletionRequest, CompletionRequest
+from polychip.http.errors import validation_message
 
-ENDPOINTS = {"/v1/chat/completions": (ChatCompletionRequest, CHAT),
-             "/v1/completions": (CompletionRequest, COMPLETIONS)}
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+# (url, body) -> (message, param) when the endpoint would refuse the body, else None
+CheckBody = Callable[[str, dict], "tuple[str, str | None] | None"]
 MAX_CUSTOM_ID = 512
 MAX_LISTED_ERRORS = 100      # a refused file lists this many problems (and counts the rest)
 
@@ -50,7 +50,7 @@ class LineError:
         return f"line {self.line}: {self.message}"
 
 
-def parse_line(raw: bytes, line: int) -> BatchRequest | LineError:
+def parse_line(raw: bytes, line: int, check_body: CheckBody | None = None) -> BatchRequest | LineError:
     """The request on ``raw`` (one line, without its newline), or why it is refused."""
     try:
         parsed = _Line.model_validate_json(raw)
@@ -64,29 +64,17 @@ def parse_line(raw: bytes, line: int) -> BatchRequest | LineError:
     if parsed.url not in ENDPOINTS:
         return LineError(line, parsed.custom_id, "invalid_url", f"url {parsed.url!r} is not a batch endpoint; "
                          f"expected one of {list(ENDPOINTS)}", "url")
-    why = body_problem(parsed.url, parsed.body)
+    if parsed.body.get("stream"):
+        return LineError(line, parsed.custom_id, "invalid_body", "body: stream must be false in a batch (each "
+                         "answer is one output line)", "stream")
+    why = check_body(parsed.url, parsed.body) if check_body is not None else None
     if why is not None:
-        return LineError(line, parsed.custom_id, "invalid_body", f"body: {why[0]}", why[1])
+        return body_error(line, parsed.custom_id, why)
     return BatchRequest(line, parsed.custom_id, parsed.url, parsed.body)
 
 
-def body_problem(url: str, body: dict) -> tuple[str, str | None] | None:
-    """(message, param) when the endpoint would refuse ``body`` whatever the model; None if it passes."""
-    model, endpoint = ENDPOINTS[url]
-    try:
-        req = model.model_validate(body)
-    except ValidationError as e:
-        return validation_message(e.errors())
-    if req.stream:
-        return "stream must be false in a batch (each answer is one output line)", "stream"
-    try:
-        check_fields(req, endpoint)
-        logprobs = req.num_logprobs() if endpoint == CHAT else req.logprobs
-        max_tokens = req.requested_max_tokens if endpoint == CHAT else req.max_tokens
-        req.sampling_params(16 if max_tokens is None else max_tokens, logprobs)
-    except InvalidRequestError as e:
-        return message_of(e), None
-    return None
+def body_error(line: int, custom_id: str, why: tuple[str, str | None]) -> LineError:
+    return LineError(line, custom_id, "invalid_body", f"body: {why[0]}", why[1])
 
 
 def _custom_id(raw: bytes) -> str | None:
@@ -105,9 +93,9 @@ def read_lines(path: str) -> Iterator[tuple[int, bytes]]:
                 yield number, raw
 
 
-def parsed_lines(path: str) -> Iterator[BatchRequest | LineError]:
+def parsed_lines(path: str, check_body: CheckBody | None = None) -> Iterator[BatchRequest | LineError]:
     for number, raw in read_lines(path):
-        yield parse_line(raw, number)
+        yield parse_line(raw, number, check_body)
 
 
 @dataclass
@@ -130,13 +118,13 @@ class FileCheck:
         return shown + (f"; and {more} more" if more > 0 else "")
 
 
-def check_file(path: str, endpoint: str | None = None) -> FileCheck:
+def check_file(path: str, endpoint: str | None = None, check_body: CheckBody | None = None) -> FileCheck:
     """Stream the file once: count its lines, check each, and find duplicate custom_ids (each
     repeat names the line that used the id first); with ``endpoint``, every line's url must be it
     (a batch runs one endpoint). Memory: the set of ids, not the lines."""
     seen: dict[str, int] = {}
     found = FileCheck()
-    for item in parsed_lines(path):
+    for item in parsed_lines(path, check_body):
         found.total += 1
         if isinstance(item, LineError):
             found.add(item)

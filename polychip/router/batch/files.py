@@ -10,14 +10,17 @@ import time
 import uuid
 from typing import BinaryIO
 
+from polychip.http.errors import APIError
+
 PURPOSES_IN = ("batch",)
 _ID = re.compile(r"^file-[0-9a-f]{32}$")
 
 
-class FileError(Exception):
+class FileError(APIError):
+    """A refused files or batches call (the edge's error handlers give it OpenAI's error body)."""
+
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param = status, message, type_, param
+        super().__init__(status, message, type_, param)
 
 
 class FileStore:

@@ -12,9 +12,9 @@ import logging
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Iterable
 
-from polychip.batch.lines import BatchRequest, LineError
-from polychip.batch.output import OrderedWriter, Written
-from polychip.batch.records import error_record, failed_record
+from polychip.router.batch.lines import BatchRequest, LineError
+from polychip.router.batch.output import OrderedWriter, Written
+from polychip.router.batch.records import error_record, failed_record
 
 log = logging.getLogger("polychip.batch")
 

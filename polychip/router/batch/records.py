@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import uuid
 
-from polychip.batch.lines import LineError
+from polychip.router.batch.lines import LineError
 
 
 def new_id(prefix: str) -> str:
