@@ -131,8 +131,11 @@ def test_files_purpose_size_limit_get_and_delete(replica, tmp_path):
         client = _client(router)
         with pytest.raises(openai.BadRequestError, match="purpose"):
             client.files.create(file=("a.jsonl", b"{}\n"), purpose="fine-tune")
-        with pytest.raises(openai.APIStatusError, match="larger than this router accepts") as e:
-            client.files.create(file=("big.jsonl", b"x" * 5000), purpose="batch")
+        with pytest.raises(openai.APIStatusError, match="the file is larger than this router accepts") as e:
+            client.files.create(file=("big.jsonl", b"x" * 5000), purpose="batch")      # counted while copied
+        assert e.value.status_code == 413
+        with pytest.raises(openai.APIStatusError, match="the upload is larger than this server accepts") as e:
+            client.files.create(file=("big.jsonl", b"x" * 100_000), purpose="batch")   # refused at the edge
         assert e.value.status_code == 413
         up = client.files.create(file=("a.jsonl", _lines(2)), purpose="batch")
         assert client.files.retrieve(up.id).bytes == len(_lines(2))

@@ -218,5 +218,6 @@ def build_app(router: Router) -> Gate:
     cfg = router.cfg
     # the API key is checked per route (routes/__init__.py), so that a reload can change it
     limits = EdgeLimits(api_key=None, max_body_bytes=cfg.max_request_body_bytes,
-                        body_timeout=cfg.timeout_request_body, access_log=False)   # the proxy logs each request
+                        body_timeout=cfg.timeout_request_body, access_log=False,   # the proxy logs each request
+                        upload_paths=("/v1/files",), max_upload_bytes=cfg.batch.max_file_bytes + batches.FORM_OVERHEAD)
     return Gate(app, limits)

@@ -159,8 +159,7 @@ class BatchJobs:
     async def _validate(self, b: dict) -> None:
         path = self.files.path(b["input_file_id"])
         found = await asyncio.to_thread(check_file, path, b["endpoint"])
-        if not found.error_count:
-            await self._check_bodies(path, b["endpoint"], found)
+        await self._check_bodies(path, b["endpoint"], found)
         if b["status"] == "cancelling":
             return
         if found.total == 0 or found.error_count:
@@ -190,7 +189,7 @@ class BatchJobs:
                 found.add(body_error(item.line, item.custom_id, (p["message"], p.get("param"))))
             chunk.clear()
         for item in parsed_lines(path):
-            if isinstance(item, BatchRequest):
+            if isinstance(item, BatchRequest) and item.url == endpoint:    # the others are refused already
                 chunk.append(item)
                 if len(chunk) == CHECK_CHUNK:
                     await flush()

@@ -45,10 +45,7 @@ def _limit(request: Request, default: int) -> int:
 @batch_routes.post("/v1/files")
 @with_jobs
 async def upload(jobs, request: Request):
-    files = jobs.files
-    size = request.headers.get("content-length")
-    if size is not None and size.isdigit() and int(size) > files.max_bytes + FORM_OVERHEAD:
-        raise files.too_big()
+    files = jobs.files          # the edge has checked the type and Content-Length (upload_paths)
     form = await request.form(max_files=1, max_fields=8)
     try:
         part, purpose = form.get("file"), form.get("purpose")
