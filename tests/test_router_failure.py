@@ -210,8 +210,10 @@ def test_the_guard_judges_speed_not_output_length(stack):
 
 # fault 4: circuit breaking, outlier ejection, poison requests, admission 503s
 def test_a_replica_that_fails_fast_is_ejected(stack):
+    from polychip.router.settings import BreakerConfig
     bad, good = FakeReplica(mode="http500"), FakeReplica(delay=0.01)
-    url, router = stack([bad, good], policy="least_load")
+    # open long enough that no half-open probe falls inside the 60 requests on a loaded machine
+    url, router = stack([bad, good], policy="least_load", breaker=BreakerConfig(open_seconds=600.0))
     got = [_post(url, {}) for _ in range(60)]
     errors = sum(r.status_code != 200 for r in got)
     print(f"\nfault 4: least_load, one replica answering 500 at once: it drew {len(bad.bodies)} of 60 "
