@@ -180,7 +180,9 @@ def test_a_submitted_workload_survives_a_reload_and_a_router_restart(setup, caps
     new.wait_ready(2)
     d = describe(second)
     assert d["status"] == "ready" and d["version"] == "v2" and d["devices"] == ["simxpu:0"]
-    assert "relaunched" in [e["event"] for e in d["events"]]
+    kinds = [e["event"] for e in d["events"]]
+    back = kinds.index("router stopped")
+    assert kinds[back:back + 3] == ["router stopped", "relaunched", "process started"], kinds
     assert chat("tiny-sim").headers["x-polychip-replica"] == second
     rc, out, _ = cli(capsys, "list")
     statuses = {line.split()[0]: line.split()[5] for line in out.splitlines()[1:]}
