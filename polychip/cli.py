@@ -9,6 +9,7 @@ COMMANDS = {
     "serve": "start the OpenAI-compatible server",
     "router": "one OpenAI endpoint over many replicas (health, failover, canary)",
     "generate": "generate text offline from a prompt",
+    "batch": "run an OpenAI batch file (JSONL) through the engine in-process",
     "devices": "list device plugins and their devices",
     "probe": "check a device spec step by step before serving",
     "conformance": "run the plugin-author kit against a device, one line per check",

@@ -33,7 +33,7 @@ from polychip.router.proxy import Proxy
 from polychip.router.replica import Replica
 from polychip.router.replica_logs import ReplicaLogs
 from polychip.router.rollout import ModelRoute, Rollout
-from polychip.router.routes import admin, openai_api, probes, workloads as workload_api
+from polychip.router.routes import admin, batches, openai_api, probes, workloads as workload_api
 from polychip.router.settings import RouterConfig, reload_changes
 from polychip.router.supervisor import Supervisor
 from polychip.router.workload_store import JsonFileKV, MemoryKV
@@ -67,6 +67,7 @@ class Router:
         self._tasks: list[asyncio.Task] = []
         self._reload_lock = asyncio.Lock()
         self.startup_error: Exception | None = None
+        self.batches = None          # BatchJobs when --files-dir is given (router/batch/jobs.py)
 
     # lifecycle
     async def start(self) -> None:
@@ -88,8 +89,14 @@ class Router:
             await self.workloads.inventory_ready()
             await self.workloads.declare(self.deployment.workloads, self.deployment.source)
         self._tasks.append(asyncio.ensure_future(self.health.run()))
+        if cfg.batch.files_dir is not None:
+            from polychip.router.batch.dispatch import router_jobs
+            self.batches = router_jobs(self, cfg.batch)
+            await self.batches.start()
 
     async def stop(self) -> None:
+        if self.batches is not None:
+            await self.batches.stop()
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -256,10 +263,12 @@ def build_app(router: Router) -> Gate:
     app = FastAPI(title="polychip router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.router = router
     install_error_handlers(app)
-    for routes in (openai_api.openai_routes, probes.probe_routes, admin.admin_routes, workload_api.workload_routes):
+    for routes in (openai_api.openai_routes, probes.probe_routes, admin.admin_routes, workload_api.workload_routes,
+                   batches.batch_routes):
         app.include_router(routes)
     cfg = router.cfg
     # the API key is checked per route (routes/__init__.py), so that a reload can change it
     limits = EdgeLimits(api_key=None, max_body_bytes=cfg.max_request_body_bytes,
-                        body_timeout=cfg.timeout_request_body, access_log=False)   # the proxy logs each request
+                        body_timeout=cfg.timeout_request_body, access_log=False,   # the proxy logs each request
+                        upload_paths=("/v1/files",), max_upload_bytes=cfg.batch.max_file_bytes + batches.FORM_OVERHEAD)
     return Gate(app, limits)

@@ -107,6 +107,19 @@ class PrefixConfig(_Settings):
 Seconds = Annotated[float, Field(gt=0)]
 
 
+class BatchConfig(_Settings):
+    """OpenAI files and batch jobs (/v1/files, /v1/batches); fixed while the router runs."""
+
+    files_dir: str | None = setting(None, "uploads, batch outputs and batch progress live here; the files and "
+                                    "batches API is off without it", flag="--files-dir", live=False)
+    max_file_bytes: int = setting(200 * 1024 * 1024, "an upload's size limit in bytes (OpenAI's: 200 MB)",
+                                  flag="--max-file-bytes", live=False, ge=1)
+    concurrency: int = setting(4, "batch requests in flight at once, all batches together, in the low "
+                               "priority class", live=False, ge=1)
+    retry_for: Seconds = setting(300.0, "seconds a batch request the router cannot place yet (503) is retried",
+                                 live=False)
+
+
 class RouterConfig(_Settings):
     # listening and the edge (fixed while the router runs)
     host: str = setting("127.0.0.1", "address to listen on", live=False)
@@ -126,6 +139,7 @@ class RouterConfig(_Settings):
     guard: GuardConfig = setting(default_factory=GuardConfig, alias="canary_guard")
     prefix: PrefixConfig = setting(default_factory=PrefixConfig)
     breaker: BreakerConfig = setting(default_factory=BreakerConfig, alias="circuit_breaker")
+    batch: BatchConfig = setting(default_factory=BatchConfig)
     max_retries: int = setting(2, "other replicas tried when one fails before the first token", ge=0)
     max_inflight_per_replica: int | None = setting(
         None, "requests in flight per replica before the router queues (default: its max running)", ge=1)
@@ -206,7 +220,7 @@ def _diff(old: _Settings, new: _Settings, prefix: str) -> tuple[list[str], list[
 
 
 # the command line
-FLAG_PREFIX = {"health": "health", "guard": "canary", "prefix": "prefix", "breaker": "cb"}
+FLAG_PREFIX = {"health": "health", "guard": "canary", "prefix": "prefix", "breaker": "cb", "batch": "batch"}
 
 
 def _fields(cls, prefix: str = "", path: tuple = ()):
