@@ -188,6 +188,14 @@ def test_a_submitted_workload_survives_a_reload_and_a_router_restart(setup, caps
     statuses = {line.split()[0]: line.split()[5] for line in out.splitlines()[1:]}
     assert statuses[second] == "ready" and statuses["decl-cpu"] == "ready" and "stopped" in statuses.values()
 
+    os.kill(_pids_by_name()[second], signal.SIGKILL)      # a crash: restarted, with the reason in its events
+    deadline = time.monotonic() + 300
+    while not ((w := describe(second))["restarts"] == 1 and w["status"] == "ready"):
+        assert time.monotonic() < deadline, w
+        time.sleep(0.5)
+    exits = [e["detail"] for e in w["events"] if e["event"] == "exited"]
+    assert w["restarts"] == 1 and exits and exits[-1].startswith("killed by SIGKILL; restart 1 follows"), exits
+
 
 def _pids_by_name() -> dict[str, int]:
     return {r["name"]: r["pid"] for r in httpx.get(ROUTER["url"] + "/admin/replicas", headers=AUTH).json()["replicas"]}
