@@ -180,11 +180,21 @@ def test_a_submitted_workload_survives_a_reload_and_a_router_restart(setup, caps
     new.wait_ready(2)
     d = describe(second)
     assert d["status"] == "ready" and d["version"] == "v2" and d["devices"] == ["simxpu:0"]
-    assert "relaunched" in [e["event"] for e in d["events"]]
+    kinds = [e["event"] for e in d["events"]]
+    back = kinds.index("router stopped")
+    assert kinds[back:back + 3] == ["router stopped", "relaunched", "process started"], kinds
     assert chat("tiny-sim").headers["x-polychip-replica"] == second
     rc, out, _ = cli(capsys, "list")
     statuses = {line.split()[0]: line.split()[5] for line in out.splitlines()[1:]}
     assert statuses[second] == "ready" and statuses["decl-cpu"] == "ready" and "stopped" in statuses.values()
+
+    os.kill(_pids_by_name()[second], signal.SIGKILL)      # a crash: restarted, with the reason in its events
+    deadline = time.monotonic() + 300
+    while not ((w := describe(second))["restarts"] == 1 and w["status"] == "ready"):
+        assert time.monotonic() < deadline, w
+        time.sleep(0.5)
+    exits = [e["detail"] for e in w["events"] if e["event"] == "exited"]
+    assert w["restarts"] == 1 and exits and exits[-1].startswith("killed by SIGKILL; restart 1 follows"), exits
 
 
 def _pids_by_name() -> dict[str, int]:

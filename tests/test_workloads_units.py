@@ -184,3 +184,20 @@ def test_telemetry_filters_samples_by_label():
     assert [s[1]["replica"] for s in not_sim] == ["wl-2"]
     with pytest.raises(Exception, match="expected LABEL==VALUE"):
         parse_filter("device_type~simxpu")
+
+
+def test_a_package_is_placed_by_its_target_and_planned_weights(tmp_path):
+    """Read through `polychip inspect --json` in a child process (the router imports no package code)."""
+    from package_helpers import FILES, synthetic_package
+    from polychip.router.workload_placement import needs_of
+    plan = b'{"fusions": [], "ops": [], "memory": {"weights_bytes": 123456}}\n'
+    pkg = synthetic_package(tmp_path, {**FILES, "plan.json": plan}, device_types=("cuda",))
+    needs = asyncio.run(needs_of(spec(model=pkg, device_type="simxpu")))
+    assert needs.target_types == ("cuda",) and needs.weight_bytes == 123456
+    with pytest.raises(Refused, match=r"the package was built for \['cuda'\], not simxpu"):
+        place(spec(model=pkg, device_type="simxpu"), INV, {}, needs)
+    broken = tmp_path / "broken.pcpkg"
+    broken.write_bytes(b"not a tar at all" * 100)
+    with pytest.raises(Refused) as e:
+        asyncio.run(needs_of(spec(model=str(broken), device="cpu")))
+    assert e.value.status == 422 and "broken.pcpkg" in e.value.message, e.value.message

@@ -18,7 +18,7 @@ from polychip.router.inventory import Device, PluginDevices
 from polychip.router.workload_spec import WorkloadSpec
 
 SHAREABLE = ("cpu",)          # device types several workloads may share
-INSPECT_TIMEOUT = 60.0        # seconds `polychip inspect` may take to read a package's manifest and plan
+INSPECT_TIMEOUT = 120.0       # seconds `polychip inspect` may take to read a package's manifest and plan
 
 
 class Refused(Exception):

@@ -134,11 +134,20 @@ class Workloads:
             self._launch(w)
 
     async def stop(self) -> None:
-        """The router stops: its replicas stop with it; the records stay (a restart relaunches them)."""
+        """The router stops: its replicas stop with it; the records stay, ``pending`` (a restart
+        relaunches them)."""
         for t in [*self._tasks, self._inventory_read]:
             if t is not None:
                 t.cancel()
         await asyncio.gather(*self._tasks, *filter(None, [self._inventory_read]), return_exceptions=True)
+        for w in self.items.values():
+            if w.host != self.node or w.status in ("pending", "stopped"):
+                continue
+            if w.status == "draining":      # deleted: its replica stops with the router
+                self._set(w, "stopped", "stopped", "the router stopped while it drained")
+            else:
+                self._set(w, "pending", "router stopped", "its replica stops with the router; a restart "
+                          "relaunches it")
 
     async def refresh_inventory(self, again: bool = False) -> HostDevices | None:
         """This host's devices from the router's inventory (``polychip devices --json`` in a thread);
