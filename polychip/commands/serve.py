@@ -29,7 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_args(p, ServerConfig)
     p.add_argument("--dp-size", type=int, default=None, help="N replicas behind a router (polychip router)")
     from polychip.package.opening import PackageOptions
+    from polychip.trust.options import TrustOptions
     add_config_args(p, PackageOptions)
+    add_config_args(p, TrustOptions)
     return p
 
 
@@ -92,9 +94,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _open_package(engine_config: EngineConfig, args: argparse.Namespace) -> EngineConfig:
-    """A .pcpkg --model-path verified and extracted before anything of it is loaded (else as is)."""
+    """The device spec checked against the trust store, and a .pcpkg --model-path verified and
+    extracted, before anything of them is loaded (else as is)."""
     from polychip.package.opening import PackageOptions, engine_config_for
-    return engine_config_for(engine_config, config_from_args(args, PackageOptions))
+    from polychip.trust.detached import verify_file
+    from polychip.trust.options import TrustOptions
+    trust = config_from_args(args, TrustOptions)
+    if engine_config.device_config:
+        verify_file(engine_config.device_config, trust.store(), trust.allow_unsigned, "device spec")
+    return engine_config_for(engine_config, config_from_args(args, PackageOptions), trust)
 
 
 def _serve(engine_config: EngineConfig, config: ServerConfig, sock: socket.socket) -> int:

@@ -23,12 +23,18 @@ ALGORITHM = "ed25519"
 
 @dataclass(frozen=True)
 class TrustedKey:
+    """A public key a signature may be checked with. ``problem`` (set by a site trust store,
+    polychip/trust/store.py) says why it must not be used now: expired or revoked; ``key`` is None
+    for a revoked key id whose key file the store no longer holds."""
+
     path: str
-    key: Ed25519PublicKey
+    key: Ed25519PublicKey | None
+    problem: str = ""
+    revoked_id: str = ""
 
     @property
     def key_id(self) -> str:
-        return key_id(self.key)
+        return key_id(self.key) if self.key is not None else self.revoked_id
 
     def label(self) -> str:
         return f"{self.path} ({self.key_id[:16]})"
@@ -107,16 +113,19 @@ def signature_key_id(sig: bytes) -> tuple[str, bytes]:
     return kid, raw
 
 
-def verify(manifest: bytes, sig: bytes, trusted: list[TrustedKey]) -> TrustedKey:
-    """The trusted key that signed ``manifest``; else PackageError(reason): whose key, or why not."""
+def verify(manifest: bytes, sig: bytes, trusted: list[TrustedKey], what: str = MANIFEST) -> TrustedKey:
+    """The trusted key that signed ``manifest`` (the bytes of ``what``); else PackageError(reason):
+    whose key, or why not."""
     kid, raw = signature_key_id(sig)
-    match = [t for t in trusted if t.key_id == kid]
+    match = sorted((t for t in trusted if t.key_id == kid), key=lambda t: not t.problem)
+    if match and match[0].problem:      # revoked or expired: refused before the signature is even read
+        raise PackageError(f"signed by key {match[0].label()}, which {match[0].problem}")
     if not match:
-        known = ", ".join(t.label() for t in trusted)
+        known = ", ".join(t.label() for t in trusted if not t.problem)
         raise PackageError(f"signed by key {kid[:16]}, which is not a trusted key (trusted: {known})")
     try:
         match[0].key.verify(raw, manifest)
     except InvalidSignature:
-        raise PackageError(f"bad signature: {MANIFEST} does not match the signature of trusted key "
+        raise PackageError(f"bad signature: {what} does not match the signature of trusted key "
                            f"{match[0].label()}") from None
     return match[0]
