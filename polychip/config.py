@@ -133,6 +133,10 @@ class EngineConfig(_FromKwargs):
                                        "failed", group=TP_GROUP)
     dist_init_timeout: float = option(120.0, "seconds every rank gets to join; then the missing ones are named",
                                       group=TP_GROUP)
+    dist_secret: str | None = option(None, "shared secret every rank must prove at the rendezvous (visible in "
+                                           "ps: prefer --dist-secret-file or $POLYCHIP_DIST_SECRET); one host "
+                                           "without one: a random secret for its own ranks", group=TP_GROUP)
+    dist_secret_file: str | None = option(None, "file holding the shared secret of --dist-secret", group=TP_GROUP)
     allreduce_fp32: bool = option(True, "sum bfloat16/float16 all-reduces in their own dtype, not float32",
                                   group=TP_GROUP, flag="--disable-allreduce-fp32")
 
