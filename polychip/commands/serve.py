@@ -80,8 +80,13 @@ def main(argv: list[str] | None = None) -> int:
         engine_config = engine_config_from_args(args)
         server_config = config_from_args(args, ServerConfig)
         if engine_config.node_rank > 0:     # only node 0 serves HTTP; the others run their worker ranks
+            if server_config.seccomp:
+                raise ConfigError("--seccomp filters node 0's serving process; a --node-rank > 0 node serves none")
             from polychip.engine.tp import run_node
             return run_node(_open_package(engine_config, args))
+        if server_config.seccomp:
+            from polychip.trust.seccomp import check_available
+            check_available()               # refused now, not after the model load
         sock = bind(server_config.host, server_config.port)
     except PolychipError as e:
         return fail(e)
@@ -122,8 +127,12 @@ def _serve(engine_config: EngineConfig, config: ServerConfig, sock: socket.socke
     # uvicorn's own timeout is only a backstop: ReadyServer ends streams cleanly after `grace`
     uv_config = uvicorn.Config(app, log_config=None, log_level=config.log_level, access_log=False,
                                timeout_graceful_shutdown=grace + 5, lifespan="on", **uvicorn_options(config))
-    server = ReadyServer(uv_config, f"http://{_url_host(config.host)}:{sock.getsockname()[1]}", state.engine,
+    scheme = "https" if config.ssl_certfile else "http"
+    server = ReadyServer(uv_config, f"{scheme}://{_url_host(config.host)}:{sock.getsockname()[1]}", state.engine,
                          grace)
+    if config.seccomp:                  # loaded and bound: from here on only the allowlist
+        from polychip.trust.seccomp import apply
+        apply()
     # our own no-op handlers: uvicorn re-raises the signal after a graceful stop
     # and we want a clean exit status, not a KeyboardInterrupt traceback
     previous = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGINT, signal.SIGTERM)}

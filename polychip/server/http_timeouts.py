@@ -56,4 +56,16 @@ class TimedH11Protocol(H11Protocol):
 def uvicorn_options(cfg: ServerConfig) -> dict:
     """The uvicorn.Config arguments that carry the server's connection timeouts."""
     protocol = type("TimedH11Protocol", (TimedH11Protocol,), {"header_timeout": cfg.timeout_request_header})
-    return {"http": protocol, "timeout_keep_alive": cfg.timeout_keep_alive}
+    return {"http": protocol, "timeout_keep_alive": cfg.timeout_keep_alive, **tls_options(cfg)}
+
+
+def tls_options(cfg: ServerConfig) -> dict:
+    """uvicorn's ssl_* arguments: https with --ssl-certfile/--ssl-keyfile, client certificates
+    required with --ssl-ca-certs."""
+    if cfg.ssl_certfile is None:
+        return {}
+    import ssl
+    out = {"ssl_certfile": cfg.ssl_certfile, "ssl_keyfile": cfg.ssl_keyfile}
+    if cfg.ssl_ca_certs is not None:
+        out.update(ssl_ca_certs=cfg.ssl_ca_certs, ssl_cert_reqs=ssl.CERT_REQUIRED)
+    return out
