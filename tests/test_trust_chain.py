@@ -206,3 +206,16 @@ def test_added_plugin_file_refused(tmp_path, wheel_plugin, keys):
             _open(pkg, tmp_path, TrustOptions(), plugin)
     finally:
         os.unlink(added)
+
+
+def test_a_model_folder_is_unsigned_once_a_store_is_set(tmp_path, store, caplog):
+    from polychip.config import EngineConfig
+    from polychip.package.opening import engine_config_for
+    folder = str(tmp_path / "model")
+    os.makedirs(folder)
+    config = EngineConfig(model_path=folder)
+    with pytest.raises(PolychipError, match=f"{folder}: not a signed .pcpkg package, and the trust store"):
+        engine_config_for(config, PackageOptions(), TrustOptions(store))
+    with caplog.at_level(logging.WARNING, logger="polychip.trust"):
+        assert engine_config_for(config, PackageOptions(), TrustOptions(store, allow_unsigned=True)) is config
+    assert any("TRUST OVERRIDE" in r.message and folder in r.message for r in caplog.records)

@@ -102,12 +102,9 @@ def _open_package(engine_config: EngineConfig, args: argparse.Namespace) -> Engi
     """The device spec checked against the trust store, and a .pcpkg --model-path verified and
     extracted, before anything of them is loaded (else as is)."""
     from polychip.package.opening import PackageOptions, engine_config_for
-    from polychip.trust.detached import verify_file
     from polychip.trust.options import TrustOptions
-    trust = config_from_args(args, TrustOptions)
-    if engine_config.device_config:
-        verify_file(engine_config.device_config, trust.store(), trust.allow_unsigned, "device spec")
-    return engine_config_for(engine_config, config_from_args(args, PackageOptions), trust)
+    return engine_config_for(engine_config, config_from_args(args, PackageOptions),
+                             config_from_args(args, TrustOptions))
 
 
 def _serve(engine_config: EngineConfig, config: ServerConfig, sock: socket.socket) -> int:

@@ -25,7 +25,8 @@ from polychip.package.manifest import SUFFIX, PackageError
 from polychip.package.reader import scan
 from polychip.trust.options import TrustOptions
 from polychip.trust.pins import check_pin
-from polychip.trust.store import override
+from polychip.trust.detached import verify_file
+from polychip.trust.store import TrustError, override
 
 log = logging.getLogger("polychip.package")
 GROUP = "packages (--model-path x.pcpkg)"
@@ -196,12 +197,23 @@ def open_package(path: str, options: PackageOptions = PackageOptions(), cache_di
 
 def engine_config_for(config: EngineConfig, options: PackageOptions,
                       trust: TrustOptions = TrustOptions()) -> EngineConfig:
-    """``config`` with a package ``model_path`` replaced by its verified, extracted folder (the
-    device is opened once to check the package against it, then closed); other paths unchanged."""
+    """``config`` with its device spec checked against the trust store, and a package
+    ``model_path`` replaced by its verified, extracted folder (the device is opened once to check
+    the package against it, then closed). With a trust store, a model that is not a package is
+    unsigned: refused unless ``trust.allow_unsigned``."""
+    store = trust.store()
+    if config.device_config:
+        verify_file(config.device_config, store, trust.allow_unsigned, "device spec")
     if not is_package(config.model_path):
         if options.trusted_keys or options.require_signature or options.strict_versions:
             raise ConfigError(f"--trusted-key, --require-signature and --strict-versions apply to {SUFFIX} "
                               f"packages; {config.model_path or 'the default model'} is not one")
+        if store is not None:
+            msg = (f"{config.model_path or 'the default model'}: not a signed {SUFFIX} package, and the trust "
+                   f"store {store.path} is set")
+            if not trust.allow_unsigned:
+                raise TrustError(msg + "; pack and sign it (polychip pack --sign-key), or --allow-unsigned")
+            override(msg + ": loaded by --allow-unsigned")
         return config
     from polychip.devices.discovery import open_from_config
     plugin = open_from_config(config)
