@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from polychip.commands import serve as serve_cmd
-from polychip.server.launcher import ServerProcess
+from polychip.http.launcher import ServerProcess
 
 pytestmark = pytest.mark.device_independent     # the Makefile installs libseccomp2: these run everywhere
 

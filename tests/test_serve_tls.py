@@ -9,7 +9,7 @@ import httpx
 import pytest
 from tls_helpers import make_pki
 
-from polychip.server.launcher import ServerProcess
+from polychip.http.launcher import ServerProcess
 
 pytestmark = pytest.mark.device_independent
 
