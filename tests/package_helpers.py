@@ -6,7 +6,7 @@ import io
 import os
 import tarfile
 
-from polychip.package import signing
+from polychip.trust import keys as signing
 from polychip.package.pack import assemble
 
 FILES = {"config.json": b'{"a": 1}\n', "plan.json": b'{"fusions": [], "ops": []}\n',

@@ -10,7 +10,7 @@ from package_helpers import synthetic_package
 from trust_helpers import trust_store
 
 from polychip.commands import doctor
-from polychip.package import signing
+from polychip.trust import keys as signing
 from polychip.trust.detached import sign_file
 from test_trust_chain import SPEC
 

@@ -15,7 +15,7 @@ from polychip.commands import serve as serve_cmd
 from polychip.commands import verify as verify_cmd
 from polychip.devices.discovery import open_device
 from polychip.errors import PolychipError
-from polychip.package import signing
+from polychip.trust import keys as signing
 from polychip.package.opening import PackageOptions, open_package
 from polychip.trust.detached import verify_file, sign_file
 from polychip.trust.options import TrustOptions

@@ -10,7 +10,7 @@ import sys
 
 import yaml
 
-from polychip.package import signing
+from polychip.trust import keys as signing
 
 PLUGIN_SOURCE = '''"""A CPU plugin under another name, installed as a wheel for the pin tests."""
 from polychip.devices.cpu.plugin import CpuPlugin

@@ -31,7 +31,7 @@ def main(model: str) -> None:
     import yaml
     from polychip.devices.discovery import open_device
     from polychip.distributed.secret import proof, random_secret
-    from polychip.package import signing
+    from polychip.trust import keys as signing
     from polychip.package.opening import PackageOptions, open_package
     from polychip.package.pack import PackOptions, pack
     from polychip.trust.detached import sign_file, verify_file

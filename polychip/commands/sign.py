@@ -14,7 +14,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("files", nargs="+", metavar="FILE")
     p.add_argument("--key", required=True, help="Ed25519 private key (polychip keygen)")
     args = p.parse_args(argv)
-    from polychip.package import signing
+    from polychip.trust import keys as signing
     from polychip.trust.detached import sign_file
     try:
         kid = signing.key_id(signing.load_private_key(args.key).public_key())

@@ -68,7 +68,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--device-config", default=None, help="device spec YAML for the target device")
     p.add_argument("--skip-device", action="store_true", help="check the file only, not this machine")
     args = p.parse_args(argv)
-    from polychip.package import signing
+    from polychip.trust import keys as signing
     from polychip.package.reader import scan
     t0 = time.perf_counter()
     try:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from polychip.config import EngineConfig, option
 from polychip.errors import ConfigError
-from polychip.package import signing
+from polychip.trust import keys as signing
 from polychip.package.compat import check_target
 from polychip.package.hashing import copy_hashing
 from polychip.package.manifest import SUFFIX, PackageError

@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 
 from polychip.devices.discovery import open_device
 from polychip.models.loader import weight_files, read_config, resolve_model_dir
-from polychip.package import signing
+from polychip.trust import keys as signing
 from polychip.package.compat import current_versions
 from polychip.package.hashing import sha256_file
 from polychip.package.manifest import (FORMAT_VERSION, MANIFEST, PLAN, SIGNATURE, SUFFIX, PackageError,

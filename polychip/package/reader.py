@@ -12,7 +12,7 @@ import os
 import tarfile
 from dataclasses import dataclass, field
 
-from polychip.package import signing
+from polychip.trust import keys as signing
 from polychip.package.hashing import copy_hashing
 from polychip.package.manifest import (MANIFEST, MAX_MANIFEST_BYTES, MAX_SIGNATURE_BYTES, PLAN, SIGNATURE,
                                        PackageError, manifest_sha256, name_problem, parse_manifest)
@@ -124,7 +124,7 @@ class _Scan:
         if sig is not None:
             try:
                 self.res.signature_key_id = signing.signature_key_id(sig)[0]
-            except PackageError as e:
+            except signing.TrustError as e:
                 self.fatal(SIGNATURE, e.args[0])
         if not self.trusted and not self.require:
             self.check("skip", "signature", "unsigned package" if sig is None else
@@ -139,7 +139,7 @@ class _Scan:
             self.fatal("signature", "a signature is required but no --trusted-key was given to check it with")
         try:
             self.res.signer = signing.verify(manifest, sig, self.trusted)
-        except PackageError as e:
+        except signing.TrustError as e:
             self.fatal("signature", e.args[0])
         self.check("ok", "signature", f"{signing.ALGORITHM} by trusted key {self.res.signer.label()}")
 

@@ -7,8 +7,7 @@ import logging
 import os
 import time
 
-from polychip.package import signing
-from polychip.package.manifest import PackageError
+from polychip.trust import keys as signing
 from polychip.trust.store import TrustError, TrustStore, override
 
 log = logging.getLogger("polychip.trust")
@@ -57,7 +56,7 @@ def verify_file(path: str, store: TrustStore | None, allow_unsigned: bool = Fals
         return None
     try:
         signer = signing.verify(data, _read(sig_path, "signature"), store.trusted_keys(), os.path.basename(path))
-    except PackageError as e:
+    except TrustError as e:
         raise TrustError(f"{path}: {what} refused: {e.args[0]}") from None
     log.info("trust: %s %s verified: signed by %s (%.1f ms)", what, path, signer.label(),
              (time.perf_counter() - t0) * 1000)

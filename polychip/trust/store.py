@@ -28,20 +28,14 @@ from dataclasses import dataclass, field
 import yaml
 
 from polychip.errors import ConfigError, PolychipError
-from polychip.package import signing
+from polychip.trust import keys as signing
+from polychip.trust.keys import TrustError
 
 log = logging.getLogger("polychip.trust")
 
 ENV_VAR = "POLYCHIP_TRUST_STORE"
 STORE_FILE, RELEASES_FILE = "trust.yaml", "releases.json"
 _KEY_ID = re.compile(r"[0-9a-f]{64}")
-
-
-class TrustError(PolychipError):
-    """A file is refused by the site's trust chain: unsigned, signed by an unknown, expired or
-    revoked key, changed since it was signed, a downgrade, or a modified plugin."""
-
-    layer = "config"
 
 
 def override(message: str) -> None:
