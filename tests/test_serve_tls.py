@@ -1,5 +1,6 @@
 """``serve --ssl-certfile --ssl-keyfile [--ssl-ca-certs]``: https with a certificate the client
-checks against its CA bundle; with a CA for clients, a client without a certificate is refused."""
+checks against its CA bundle; with a CA for clients, a client without a certificate is refused.
+``polychip router`` reaches such a replica with ``--replica-ca-bundle`` and its client certificate."""
 from __future__ import annotations
 
 import ssl
@@ -7,6 +8,7 @@ import time
 
 import httpx
 import pytest
+from router_helpers import RouterProcess
 from tls_helpers import make_pki
 
 from polychip.http.launcher import ServerProcess
@@ -44,5 +46,14 @@ def test_mutual_tls_server(model_factory, tmp_path):
                 anonymous.get(url + "/health")
         with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
             httpx.get(url + "/health", timeout=10)              # the server's certificate is not in the default CAs
+        router = RouterProcess(["--replica", url, "--replica-ca-bundle", pki["ca"][0], "--replica-client-cert",
+                                pki["client"][0], "--replica-client-key", pki["client"][1]])
+        try:
+            router.wait_ready(1, timeout=60)
+            r = httpx.post(router.url + "/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 3},
+                           timeout=60)
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
+        finally:
+            assert router.stop() == 0, router.log
     finally:
         assert srv.stop() == 0, srv.log

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+import ssl
 import time
 
 import httpx
@@ -33,19 +34,37 @@ from polychip.router.rollout import ModelRoute, Rollout
 from polychip.router.routes import admin, openai_api, probes
 from polychip.router.settings import RouterConfig, reload_changes
 from polychip.router.supervisor import Supervisor
+from polychip.trust.options import TrustOptions
 
 log = logging.getLogger("polychip.router")
+
+
+def replica_tls(cfg: RouterConfig) -> ssl.SSLContext:
+    """How https replicas are checked: the CA bundle (default: the system's), and the router's own
+    client certificate when the replicas ask for one (serve --ssl-ca-certs)."""
+    try:
+        ctx = ssl.create_default_context(cafile=cfg.replica_ca_bundle)
+    except (OSError, ssl.SSLError) as e:
+        raise ConfigError(f"--replica-ca-bundle {cfg.replica_ca_bundle}: not a readable PEM CA bundle ({e})") from None
+    if cfg.replica_client_cert is not None:
+        try:
+            ctx.load_cert_chain(cfg.replica_client_cert, cfg.replica_client_key)
+        except (OSError, ssl.SSLError) as e:
+            raise ConfigError(f"--replica-client-cert {cfg.replica_client_cert} / --replica-client-key "
+                              f"{cfg.replica_client_key}: not a usable certificate and key ({e})") from None
+    return ctx
 
 
 class Router:
     def __init__(self, cfg: RouterConfig, replica_urls: list[str] = (), deployment: Deployment | None = None,
                  deployment_path: str | None = None, placed: Placement | None = None,
-                 inventory: Inventory | None = None, settings_from_file=None):
+                 inventory: Inventory | None = None, settings_from_file=None, trust: TrustOptions | None = None):
         self.cfg = cfg
+        self.trust = trust          # checks the deployment file on reload; its flags go to launched replicas
         self.rollout = Rollout(cfg.guard, on_rollback=self._rolled_back)
         self.dispatcher = Dispatcher(cfg, self.rollout, make_policy(cfg.policy, cfg.prefix))
         self.metrics = RouterMetrics(self.dispatcher)
-        self.supervisor = Supervisor()
+        self.supervisor = Supervisor(trust.replica_flags() if trust is not None else [])
         self.inventory = inventory or Inventory()
         self.deployment, self.deployment_path, self.placed = deployment, deployment_path, placed
         # the settings a reloaded file's router section gives (the command line's flags still win)
@@ -65,7 +84,8 @@ class Router:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
         timeout = httpx.Timeout(cfg.request_timeout, connect=cfg.connect_timeout)
         # no Nagle on the replica connections: a request's headers and body go out as two writes
-        transport = httpx.AsyncHTTPTransport(limits=limits, socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
+        transport = httpx.AsyncHTTPTransport(limits=limits, verify=replica_tls(cfg),
+                                             socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
         self.client = httpx.AsyncClient(transport=transport, timeout=timeout)
         self.proxy = Proxy(cfg, self.dispatcher, self.rollout, self.metrics, self.client)
         headers = {"authorization": f"Bearer {cfg.replica_api_key}"} if cfg.replica_api_key else {}
@@ -143,7 +163,7 @@ class Router:
         if self.deployment_path is None:
             raise ConfigError("the router was not started from a deployment file (--deployment)")
         async with self._reload_lock:
-            dep = await asyncio.to_thread(load_deployment, self.deployment_path)
+            dep = await asyncio.to_thread(load_deployment, self.deployment_path, self.trust)
             cfg = self.settings_from_file(dep)
             changed = reload_changes(self.cfg, cfg)
             placed = await self._place(dep)

@@ -20,8 +20,11 @@ log = logging.getLogger("polychip.router.supervisor")
 BACKOFF_START, BACKOFF_MAX, STABLE_AFTER = 1.0, 30.0, 60.0
 
 
-def serve_command(entry: ReplicaEntry, port: int, dtype: str, quantization: str | None) -> list[str]:
-    cmd = serve_argv(entry.host, port, ["--served-model-name", entry.model, "--device", entry.device])
+def serve_command(entry: ReplicaEntry, port: int, dtype: str, quantization: str | None,
+                  trust_flags: list[str] = ()) -> list[str]:
+    """The replica's ``polychip serve`` command; ``trust_flags``: the router's own trust options,
+    so every replica checks its package and spec against the same store."""
+    cmd = serve_argv(entry.host, port, ["--served-model-name", entry.model, "--device", entry.device, *trust_flags])
     if entry.model_path:
         cmd += ["--model-path", entry.model_path]
     if dtype != "auto":
@@ -50,12 +53,13 @@ class Managed:
 
 
 class Supervisor:
-    def __init__(self):
+    def __init__(self, trust_flags: list[str] = ()):
         self.managed: dict[str, Managed] = {}
+        self.trust_flags = list(trust_flags)
 
     def start(self, entry: ReplicaEntry, port: int, dtype: str, quantization: str | None) -> Managed:
         env = {**os.environ, **entry.env, VERSION_ENV: entry.version}
-        m = Managed(entry, port, serve_command(entry, port, dtype, quantization), env)
+        m = Managed(entry, port, serve_command(entry, port, dtype, quantization, self.trust_flags), env)
         self.managed[entry.name] = m
         m.task = asyncio.ensure_future(self._keep_running(m))
         return m

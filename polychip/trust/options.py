@@ -24,6 +24,13 @@ class TrustOptions:
                                                 "differ from the package's pin (logged as a TRUST OVERRIDE)",
                                          group=GROUP)
 
+    def replica_flags(self) -> list[str]:
+        """The same options as ``polychip serve`` flags, for the replicas a router launches."""
+        store = self.store()
+        flags = ["--trust-store", store.path] if store is not None else []
+        return flags + [f"--{name.replace('_', '-')}" for name in ("allow_unsigned", "allow_downgrade",
+                                                                  "allow_modified_plugin") if getattr(self, name)]
+
     def store(self) -> TrustStore | None:
         store = load_store(self.trust_store)
         if store is None:
