@@ -2,6 +2,7 @@
 
   polychip router --replica http://h1:30000 --replica http://h2:30000 [--policy least_load]
   polychip router --deployment deploy.yaml          (launches and supervises the replicas)
+  polychip router --state-dir DIR                   (no replicas yet: `polychip workload submit` adds them)
   polychip router rollout status [--url URL]
   polychip router rollout set MODEL v1=90 v2=10 [--url URL]
   polychip router reload [--url URL]                (re-read the deployment file; SIGHUP does too)
@@ -23,7 +24,7 @@ import httpx
 
 from polychip.commands.common import fail, setup_logging
 from polychip.commands.options import add_config_args, config_from_args
-from polychip.errors import ConfigError, PolychipError
+from polychip.errors import PolychipError
 from polychip.http import server as edge
 from polychip.router.settings import add_settings_args, settings_from_args
 from polychip.trust.options import TrustOptions
@@ -55,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         trust = config_from_args(args, TrustOptions)
         if not args.replica and not args.deployment:
-            raise ConfigError("give --replica URL (repeatable) or --deployment FILE.yaml")
+            log.info("no --replica or --deployment: the router starts empty; `polychip workload submit` "
+                     "launches replicas on it")
         deployment = placed = None
         inventory = None
         if args.deployment:
@@ -90,7 +92,7 @@ def run_router(router, sock) -> int:
     cfg = router.cfg
     uv = edge.uvicorn_config(build_app(router), log_level=cfg_log_level(), graceful_timeout=cfg.drain_timeout,
                              **uvicorn_options(cfg.timeout_request_header, cfg.timeout_keep_alive))
-    url = edge.socket_url(sock)
+    url = router.url = edge.socket_url(sock)
 
     async def reload_on_sighup():
         try:
