@@ -62,5 +62,5 @@ def test_launched_replicas_get_the_trust_flags(site):
     flags = TrustOptions(store, allow_downgrade=True).replica_flags()
     assert flags == ["--trust-store", os.path.join(os.path.abspath(store), "trust.yaml"), "--allow-downgrade"]
     entry = ReplicaEntry(name="a", model="m", version="v1", device="cpu")
-    cmd = serve_command(entry, 4000, "auto", None, Supervisor(flags).trust_flags)
+    cmd = serve_command(entry, 4000, "auto", None, Supervisor(trust_flags=flags).trust_flags)
     assert cmd[cmd.index("--trust-store") + 1] == flags[1] and "--allow-downgrade" in cmd
