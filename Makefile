@@ -8,6 +8,8 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | cksum | cut -d
 
 $(STAMP):
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	# serve --seccomp loads libseccomp (pyseccomp is its ctypes binding)
+	ldconfig -p | grep -q libseccomp.so.2 || apt-get install -y libseccomp2
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'

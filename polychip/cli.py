@@ -21,6 +21,8 @@ COMMANDS = {
     "verify": "check a package's signature, hashes and target without loading it",
     "inspect": "show a package's devices, plan, versions and files",
     "keygen": "make an Ed25519 key pair for signing packages",
+    "sign": "write a detached signature beside a YAML file (device spec, deployment file)",
+    "doctor": "check this host: versions, trust store, signatures, plugins, devices, ports",
 }
 
 

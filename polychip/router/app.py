@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 import socket
+import ssl
 import tempfile
 import time
 
@@ -38,21 +39,40 @@ from polychip.router.settings import RouterConfig, reload_changes
 from polychip.router.supervisor import Supervisor
 from polychip.router.workload_store import JsonFileKV, MemoryKV
 from polychip.router.workloads import Workloads
+from polychip.trust.options import TrustOptions
 
 log = logging.getLogger("polychip.router")
+
+
+def replica_tls(cfg: RouterConfig) -> ssl.SSLContext:
+    """How https replicas are checked: the CA bundle (default: the system's), and the router's own
+    client certificate when the replicas ask for one (serve --ssl-ca-certs)."""
+    try:
+        ctx = ssl.create_default_context(cafile=cfg.replica_ca_bundle)
+    except (OSError, ssl.SSLError) as e:
+        raise ConfigError(f"--replica-ca-bundle {cfg.replica_ca_bundle}: not a readable PEM CA bundle ({e})") from None
+    if cfg.replica_client_cert is not None:
+        try:
+            ctx.load_cert_chain(cfg.replica_client_cert, cfg.replica_client_key)
+        except (OSError, ssl.SSLError) as e:
+            raise ConfigError(f"--replica-client-cert {cfg.replica_client_cert} / --replica-client-key "
+                              f"{cfg.replica_client_key}: not a usable certificate and key ({e})") from None
+    return ctx
 
 
 class Router:
     def __init__(self, cfg: RouterConfig, replica_urls: list[str] = (), deployment: Deployment | None = None,
                  deployment_path: str | None = None, placed: Placement | None = None,
-                 inventory: Inventory | None = None, settings_from_file=None):
+                 inventory: Inventory | None = None, settings_from_file=None, trust: TrustOptions | None = None):
         self.cfg = cfg
+        self.trust = trust          # checks the deployment file on reload; its flags go to launched replicas
         self.rollout = Rollout(cfg.guard, on_rollback=self._rolled_back, on_kept=self._rollback_refused,
                                serving=self._version_serving)
         self.dispatcher = Dispatcher(cfg, self.rollout, make_policy(cfg.policy, cfg.prefix))
         self.metrics = RouterMetrics(self.dispatcher)
         self.supervisor = Supervisor(scope=os.path.abspath(deployment_path) if deployment_path else "",
-                                     logs=_replica_logs(cfg), on_event=self._process_event)
+                                     logs=_replica_logs(cfg), on_event=self._process_event,
+                                     trust_flags=trust.replica_flags() if trust is not None else [])
         self.inventory = inventory or Inventory()
         self.workloads = Workloads(self, _workload_store(cfg), cfg.node_id or socket.gethostname())
         self.url: str | None = None          # set once the server listens
@@ -75,7 +95,8 @@ class Router:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
         timeout = httpx.Timeout(cfg.request_timeout, connect=cfg.connect_timeout)
         # no Nagle on the replica connections: a request's headers and body go out as two writes
-        transport = httpx.AsyncHTTPTransport(limits=limits, socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
+        transport = httpx.AsyncHTTPTransport(limits=limits, verify=replica_tls(cfg),
+                                             socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
         self.client = httpx.AsyncClient(transport=transport, timeout=timeout)
         self.proxy = Proxy(cfg, self.dispatcher, self.rollout, self.metrics, self.client)
         headers = {"authorization": f"Bearer {cfg.replica_api_key}"} if cfg.replica_api_key else {}
@@ -184,7 +205,7 @@ class Router:
         if self.deployment_path is None:
             raise ConfigError("the router was not started from a deployment file (--deployment)")
         async with self._reload_lock:
-            dep = await asyncio.to_thread(load_deployment, self.deployment_path)
+            dep = await asyncio.to_thread(load_deployment, self.deployment_path, self.trust)
             cfg = self.settings_from_file(dep)
             changed = reload_changes(self.cfg, cfg)
             placed = await self._place(dep)

@@ -201,6 +201,11 @@ def from_dict(data: Any, source: str = "<inline>") -> Deployment:
         raise
 
 
-def load_deployment(path: str) -> Deployment:
+def load_deployment(path: str, trust=None) -> Deployment:
+    """The deployment file at ``path``; with ``trust`` (TrustOptions), its detached signature is
+    checked against the site trust store first (polychip sign)."""
+    if trust is not None:
+        from polychip.trust.detached import verify_file
+        verify_file(path, trust.store(), trust.allow_unsigned, "deployment file")
     data = read_yaml_file(path, "deployment", "replicas, models and router", DeploymentError)
     return from_dict(data, path)

@@ -156,6 +156,11 @@ class RouterConfig(_Settings):
     drain_timeout: Seconds = setting(30.0, "in-flight requests get this long on SIGTERM or removal")
     api_key: str | None = setting(None, "clients must send it (not /health, /metrics)")
     replica_api_key: str | None = setting(None, "sent to the replicas", live=False)
+    replica_ca_bundle: str | None = setting(None, "CA bundle (PEM) that https replicas' certificates must chain "
+                                                  "to (default: the system's)", live=False)
+    replica_client_cert: str | None = setting(None, "client certificate (PEM) shown to https replicas that ask "
+                                                    "for one (serve --ssl-ca-certs)", live=False)
+    replica_client_key: str | None = setting(None, "the private key of --replica-client-cert", live=False)
     # workloads (the records and the launched replicas' logs)
     state_dir: str | None = setting(None, "keeps workload records (relaunched after a restart) and the launched "
                                     "replicas' logs; unset: records in memory, logs in a temporary folder", live=False)
@@ -163,6 +168,12 @@ class RouterConfig(_Settings):
     replica_log_max_bytes: int = setting(10 * 2**20, "each launched replica's log file rotates at this size",
                                          live=False, ge=1024)
     replica_log_backups: int = setting(3, "rotated log files kept per launched replica", live=False, ge=1)
+
+    @model_validator(mode="after")
+    def _client_cert_and_key(self):
+        if (self.replica_client_cert is None) != (self.replica_client_key is None):
+            raise ValueError("replica_client_cert and replica_client_key go together")
+        return self
 
     @field_validator("policy")
     @classmethod

@@ -61,8 +61,11 @@ def _running_cmd(pid: int) -> list[str] | None:
     return [a.decode(errors="replace") for a in raw.split(b"\0") if a] or None
 
 
-def serve_command(entry: ReplicaEntry, port: int, dtype: str, quantization: str | None) -> list[str]:
-    cmd = serve_argv(entry.host, port, ["--served-model-name", entry.model, "--device", entry.device])
+def serve_command(entry: ReplicaEntry, port: int, dtype: str, quantization: str | None,
+                  trust_flags: list[str] = ()) -> list[str]:
+    """The replica's ``polychip serve`` command; ``trust_flags``: the router's own trust options,
+    so every replica checks its package and spec against the same store."""
+    cmd = serve_argv(entry.host, port, ["--served-model-name", entry.model, "--device", entry.device, *trust_flags])
     if entry.model_path:
         cmd += ["--model-path", entry.model_path]
     if dtype != "auto":
@@ -102,18 +105,21 @@ def exit_reason(code: int) -> str:
 
 
 class Supervisor:
-    def __init__(self, run_dir: Path | str | None = None, scope: str = "", logs=None, on_event=None):
+    def __init__(self, run_dir: Path | str | None = None, scope: str = "", logs=None, on_event=None,
+                 trust_flags: list[str] = ()):
         self.managed: dict[str, Managed] = {}
         key = hashlib.sha256(scope.encode()).hexdigest()[:16]      # one deployment's replicas
         self.run_dir = Path(run_dir or default_run_dir()) / key
         self.logs = logs              # ReplicaLogs, or None: output into the router's log
         self.on_event = on_event or (lambda name, kind, detail: None)
+        self.trust_flags = list(trust_flags)     # the router's trust options, for every replica it launches
 
     def start(self, entry: ReplicaEntry, port: int, dtype: str, quantization: str | None,
               on_port: Callable[[int], None] | None = None) -> Managed:
         """Launch (port 0: the replica binds a free port and ``on_port`` hears which)."""
         env = {**os.environ, **entry.env, VERSION_ENV: entry.version}
-        m = Managed(entry, port, serve_command(entry, port, dtype, quantization), env, on_port=on_port)
+        m = Managed(entry, port, serve_command(entry, port, dtype, quantization, self.trust_flags), env,
+                    on_port=on_port)
         self.replace_leftover(entry.name, m.cmd)
         self.managed[entry.name] = m
         m.task = asyncio.ensure_future(self._keep_running(m))
