@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 
 import httpx
@@ -56,6 +57,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--api-key", default=None, help="clients must send it (not /health, /metrics)")
     g.add_argument("--replica-api-key", default=None, help="sent to the replicas")
     g.add_argument("--drain-timeout", type=float, default=None, help="in-flight grace on SIGTERM (30 s)")
+    g = p.add_argument_group("state (weights, rollbacks, replica registry, leader; docs/router.md)")
+    g.add_argument("--state", default=None, metavar="SPEC",
+                   help="sqlite (default: a file in --state-dir), etcd://h1:2379,h2:2379 (N routers) or memory://")
+    g.add_argument("--state-dir", default=None, help="sqlite's directory (default $POLYCHIP_STATE_DIR, else "
+                   "~/.local/state/polychip/router-PORT)")
+    g.add_argument("--node-id", default=None, help="this router's name among N (default HOST-PORT)")
+    g.add_argument("--state-lease-ttl", type=float, default=None,
+                   help="seconds a dead router's leadership and registry outlive it (10)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -79,7 +88,9 @@ def router_config(args, base=None):
                                 max_inflight_per_replica=args.max_inflight_per_replica, max_queue=args.max_queue,
                                 queue_timeout=args.queue_timeout, request_timeout=args.request_timeout,
                                 priority_weights=weights, api_key=args.api_key,
-                                replica_api_key=args.replica_api_key, drain_timeout=args.drain_timeout))
+                                replica_api_key=args.replica_api_key, drain_timeout=args.drain_timeout,
+                                state=args.state, state_dir=args.state_dir, node_id=args.node_id,
+                                state_lease_ttl=args.state_lease_ttl))
 
 
 def _given(**kw) -> dict:
@@ -121,11 +132,15 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_router(cfg, sock, replica_urls, deployment, deployment_path, placed=None) -> int:
     from polychip.router.app import Router, build_app
+    from polychip.router.state import default_state_dir
+    host, port = sock.getsockname()[:2]
+    if cfg.state == "sqlite" and cfg.state_dir is None:
+        cfg = cfg.replace(state_dir=default_state_dir(port))
+    cfg = cfg.replace(node_id=cfg.node_id or f"{socket.gethostname()}-{port}")
     router = Router(cfg, replica_urls, deployment, deployment_path, placed)
     app = build_app(router)
     uv = uvicorn.Config(app, log_config=None, log_level=cfg_log_level(), access_log=False,
                         timeout_graceful_shutdown=cfg.drain_timeout, lifespan="on")
-    host, port = sock.getsockname()[:2]
     server = RouterServer(uv, router, f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{port}")
     previous = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGINT, signal.SIGTERM)}
     try:

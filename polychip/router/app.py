@@ -2,7 +2,7 @@
 
 Routes: the OpenAI ones (/v1/chat/completions, /v1/completions, /v1/models), /health,
 /metrics, and the admin routes behind the API key (/admin/replicas, /admin/rollout,
-/admin/reload). Request extension fields: ``preferred_device_types`` (list of device types,
+/admin/reload, /admin/state). Request extension fields: ``preferred_device_types`` (list of device types,
 most preferred first) and ``priority_class`` (high | normal | low; or the header
 ``x-polychip-priority``).
 """
@@ -33,6 +33,7 @@ from polychip.router.policies import make_policy
 from polychip.router.proxy import Call, Proxy, error_json
 from polychip.router.replica import Replica
 from polychip.router.rollout import ModelRoute, Rollout
+from polychip.router.state_sync import RouterState
 from polychip.router.supervisor import Supervisor
 
 log = logging.getLogger("polychip.router")
@@ -47,11 +48,12 @@ class Router:
         self.rollout = Rollout(cfg.guard, on_rollback=self._rolled_back)
         self.dispatcher = Dispatcher(cfg, self.rollout, make_policy(cfg.policy, cfg.prefix))
         self.metrics = RouterMetrics(self.dispatcher)
+        self.state = RouterState(cfg, self.rollout, self.dispatcher)
         self.supervisor = Supervisor()
         self.deployment, self.deployment_path, self.placed = deployment, deployment_path, placed
         self.excluded: dict[str, str] = {}
         for i, url in enumerate(replica_urls):
-            self.dispatcher.add(Replica(f"r{i}", url.rstrip("/")))
+            self._add(Replica(f"r{i}", url.rstrip("/")))
         self.client: httpx.AsyncClient | None = None
         self.proxy: Proxy | None = None
         self._tasks: list[asyncio.Task] = []
@@ -70,14 +72,19 @@ class Router:
         headers = {"authorization": f"Bearer {cfg.replica_api_key}"} if cfg.replica_api_key else {}
         self.health = HealthChecker(cfg.health, self.client, lambda: list(self.dispatcher.replicas.values()),
                                     headers, self._replica_changed)
+        await self.state.start()
+        for replica in self.dispatcher.replicas.values():
+            self.state.replica_changed(replica)
         if self.deployment is not None:
             await self._apply(self.deployment, self.placed or plan(self.deployment))
+            self.state.reconcile(self.deployment.models)
         self._tasks.append(asyncio.ensure_future(self.health.run()))
 
     async def stop(self) -> None:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.state.stop()
         await self.supervisor.stop_all(self.cfg.drain_timeout)
         if self.client is not None:
             await self.client.aclose()
@@ -85,7 +92,14 @@ class Router:
     def _replica_changed(self, replica: Replica) -> None:
         if replica.info is not None:
             self.rollout.learn(replica.info.model, replica.info.version)
+            self.state.adopt_learnt(replica.info.model)
+        self.state.replica_changed(replica)
         self.dispatcher.pump()
+
+    def _add(self, replica: Replica) -> None:
+        self.dispatcher.add(replica)
+        if self.state.store is not None:
+            self.state.replica_changed(replica)
 
     def _rolled_back(self, model: str, version: str, reason: str) -> None:
         self.metrics.rollbacks.labels(model, version).inc()
@@ -117,7 +131,7 @@ class Router:
                 model = next(m for m in dep.models if m.name == entry.model)
                 self.supervisor.start(entry, port, effective_dtype(entry, dep),
                                       entry.quantization or model.quantization)
-            self.dispatcher.add(replica)
+            self._add(replica)
         self.deployment = dep
 
     async def _drain(self, replica: Replica) -> None:
@@ -128,6 +142,7 @@ class Router:
         while replica.inflight and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
         self.dispatcher.remove(replica.name)
+        self.state.replica_changed(replica, gone=True)
         if replica.launched:
             await self.supervisor.stop(replica.name, self.cfg.drain_timeout)
 
@@ -140,6 +155,7 @@ class Router:
             placed = plan(dep)
             before = set(self.dispatcher.replicas)
             await self._apply(dep, placed)
+            self.state.reconcile(dep.models)
             after = set(self.dispatcher.replicas)
             log.info("deployment reloaded from %s: +%s -%s", self.deployment_path, sorted(after - before),
                      sorted(before - after))
@@ -362,6 +378,12 @@ def build_app(router: Router) -> FastAPI:
             return error_json(400, e.args[0], "invalid_request_error")
         router.dispatcher.pump()
         return {"models": router.rollout.status()}
+
+    @app.get("/admin/state")
+    async def state(request: Request):
+        if (refused := locked_out(request)) is not None:
+            return refused
+        return await router.state.describe()
 
     @app.post("/admin/reload")
     async def reload(request: Request):

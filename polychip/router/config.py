@@ -75,6 +75,10 @@ class RouterConfig:
     drain_timeout: float = 30.0             # in-flight requests get this long on SIGTERM / removal
     api_key: str | None = None              # clients must send it (not /health, /metrics)
     replica_api_key: str | None = None      # sent to the replicas
+    state: str = "sqlite"                   # the state store: sqlite, etcd://h1:2379,..., memory://
+    state_dir: str | None = None            # sqlite's directory (the command's default: per port)
+    node_id: str | None = None              # this router among N (the command's default: host-port)
+    state_lease_ttl: float = 10.0           # seconds a dead router's registry and leadership outlive it
 
     def __post_init__(self):
         if self.policy not in POLICY_NAMES:
@@ -86,6 +90,8 @@ class RouterConfig:
             raise ConfigError(f"max_inflight_per_replica must be >= 1, got {self.max_inflight_per_replica}")
         if self.max_queue < 0:
             raise ConfigError(f"max_queue must be >= 0, got {self.max_queue}")
+        if not 1 <= self.state_lease_ttl <= 300:
+            raise ConfigError(f"state_lease_ttl must be in [1, 300] seconds, got {self.state_lease_ttl}")
         for name in ("queue_timeout", "connect_timeout", "request_timeout", "drain_timeout"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0 seconds, got {getattr(self, name)}")

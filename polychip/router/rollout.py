@@ -98,6 +98,8 @@ class Rollout:
         self.models: dict[str, ModelRoute] = {}
         self.stats: dict[tuple[str, str], VersionStats] = {}
         self.on_rollback = on_rollback          # (model, version, reason) -> None
+        self.on_change = None                   # (route, source) -> None: the state store records it
+        self.may_decide = lambda: True          # False on a router that is not the leader of N
 
     # the set of models and versions
     def declare(self, route: ModelRoute) -> None:
@@ -141,6 +143,8 @@ class Rollout:
             if w > 0:
                 route.rolled_back.pop(v, None)
         log.info("rollout: %s weights now %s", model, merged)
+        if self.on_change is not None:
+            self.on_change(route, "runtime")
         return route
 
     # per request
@@ -150,7 +154,8 @@ class Rollout:
             stats = self.stats[(model, version)] = VersionStats(self.guard.window)
         stats.record(ok, ttft, e2e)
         route = self.models.get(model)
-        if route is not None and version != route.baseline and route.weights.get(version, 0) > 0:
+        if (route is not None and version != route.baseline and route.weights.get(version, 0) > 0
+                and self.may_decide()):
             reason = self._verdict(route, stats)
             if reason:
                 self._roll_back(route, version, reason)
@@ -178,6 +183,8 @@ class Rollout:
         log.warning("canary guard: %s version %s rolled back (weight 0): %s", route.name, version, reason)
         if self.on_rollback is not None:
             self.on_rollback(route.name, version, reason)
+        if self.on_change is not None:
+            self.on_change(route, "guard")
 
     def status(self) -> dict:
         out = {}
