@@ -47,6 +47,8 @@ class RouterState:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task] = []
         self._published: dict = {}
+        self._registry: dict[str, object] = {}       # what this router last wrote of its replicas
+        self.last_adopted: dict | None = None         # the last change another router made: how late it came
 
     @property
     def leader(self) -> str | None:
@@ -120,6 +122,8 @@ class RouterState:
         route.weights = {**route.weights, **weights}
         route.rolled_back = dict(stored.get("rolled_back", {}))
         route._current.clear()
+        if why == "another router" and stored.get("at"):
+            self.last_adopted = {"model": name, "by": stored.get("by"), "lag_s": round(time.time() - stored["at"], 4)}
         log.info("state: %s weights now %s (from %s: %s by %s)", name, route.weights, why,
                  stored.get("source"), stored.get("by"))
         self.dispatcher.pump()
@@ -161,12 +165,13 @@ class RouterState:
         self._queue("models/" + route.name, value, leased=False)
 
     def replica_changed(self, replica, gone: bool = False) -> None:
+        """Called on every health check: writes only when what the others see would change."""
         key = f"replicas/{self.node_id}/{replica.name}"
-        if gone:
-            self._queue(key, DELETE, leased=True)
-        else:
-            self._queue(key, {"url": replica.url, "model": replica.model_name, "version": replica.version_label,
-                              "up": replica.up, "launched": replica.launched}, leased=True)
+        value = DELETE if gone else {"url": replica.url, "model": replica.model_name, "launched": replica.launched,
+                                     "version": replica.version_label, "up": replica.up}
+        if self._registry.get(key) != value:
+            self._registry[key] = value
+            self._queue(key, value, leased=True)
 
     def _queue(self, key: str, value, leased: bool) -> None:
         self._pending[key] = (value, leased)
@@ -176,8 +181,8 @@ class RouterState:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            while self._pending:
-                key = next(iter(self._pending))
+            while self._pending:      # weights and rollbacks first: the registry and figures can wait
+                key = next((k for k in self._pending if k.startswith("models/")), next(iter(self._pending)))
                 value, leased = self._pending.pop(key)
                 t0 = time.perf_counter()
                 try:
@@ -237,7 +242,8 @@ class RouterState:
                 node, _, name = key[len("replicas/"):].partition("/")
                 registry.setdefault(node, {})[name] = value
         return {"store": backend, "node_id": self.node_id, "leader": self.leader,
+                "leader_since": self.session.leader_since if self.session else None,
                 "members": sorted(k[len("members/"):] for k in self.view if k.startswith("members/")),
                 "models": self.models_view(), "registry": registry, "stats": self.merged_stats(),
-                "writes": self.writes, "write_errors": self.write_errors, "pending_writes": len(self._pending),
+                "last_adopted": self.last_adopted, "writes": self.writes, "write_errors": self.write_errors, "pending_writes": len(self._pending),
                 "write_seconds": round(self.write_seconds, 4)}

@@ -46,7 +46,7 @@ def parse_endpoints(spec: str) -> list[tuple[str, int]]:
 class EtcdStore(StateStore):
     backend = "etcd"
 
-    def __init__(self, endpoints: list[tuple[str, int]], namespace: str = "/polychip/", timeout: float = 3.0):
+    def __init__(self, endpoints: list[tuple[str, int]], namespace: str = "/polychip/", timeout: float = 1.5):
         self.endpoints = endpoints
         self.ns = namespace
         self._clients = [Etcd3Client(host=h, port=p, timeout=timeout) for h, p in endpoints]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any, Callable
 
 from polychip.router.state.base import Event, StateStore, StoreError
@@ -25,6 +26,7 @@ class Session:
         self.on_leader = on_leader
         self.lease: int | None = None
         self.leader: str | None = None
+        self.leader_since = 0.0                  # wall clock of the last change seen
         self._held: dict[str, Any] = {}          # leased keys to put back if the lease is lost
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -80,6 +82,7 @@ class Session:
     def _set_leader(self, leader: str | None) -> None:
         if leader != self.leader:
             self.leader = leader
+            self.leader_since = time.time()
             if self.on_leader is not None:
                 self.on_leader(leader)
 
