@@ -238,7 +238,7 @@ async def ha_scenario(stack: Stack, client: Client, duration: float, concurrency
     lags = [(s.get("last_adopted") or {}).get("lag_s") for s in states[1:]]
     res["weight_store_lag_s"] = None if None in lags else max(lags)
     res["survivors_agree_on_leader"] = len({s["leader"] for s in states}) == 1
-    res["weights_kept"] = all(s["models"]["m"]["weights"] == target for s in states)
+    res["weights_kept"] = all(s["models"].get("m", {}).get("weights") == target for s in states)
     res["registry"] = sorted(states[0]["registry"])
     res["members"] = states[0]["members"]
     writes = sum(s["writes"] for s in states)

@@ -19,7 +19,6 @@ import requests
 from etcd3gw import exceptions as etcd_errors
 from etcd3gw.client import Etcd3Client
 from etcd3gw.utils import _decode, _encode, _increment_last_byte
-from etcd3gw.watch import _watch as read_watch_stream
 
 from polychip.router.state.base import CompactedError, Entry, Event, StateStore, StoreError, Watch
 
@@ -148,6 +147,10 @@ class EtcdStore(StateStore):
             c.session.close()
 
 
+class _Canceled(Exception):
+    pass
+
+
 class _WatchRunner:
     """One watch stream at a time on a thread; when a member goes, resume on the next one from the
     revision after the last event seen (etcd replays from there, so nothing is missed)."""
@@ -159,14 +162,27 @@ class _WatchRunner:
         self.response: requests.Response | None = None
         threading.Thread(target=self._run, daemon=True, name=f"etcd-watch {prefix}").start()
 
+    def _read(self, response: requests.Response) -> None:
+        """The gateway's stream: one JSON object per line. etcd3gw's own reader skips a ``canceled``
+        message (etcd sends one when the member loses its leader), which would leave the watch silent
+        for good; here it ends the stream so the watch resumes on another member."""
+        for line in response.iter_lines():
+            if not line.strip():
+                continue
+            result = json.loads(line).get("result", {})
+            if result.get("canceled") or result.get("compact_revision"):
+                raise _Canceled(result.get("cancel_reason") or f"compacted at {result.get('compact_revision')}")
+            for raw in result.get("events", ()):
+                self._on_event(raw)
+
     def _on_event(self, raw: dict) -> None:
         kv = raw["kv"]
         rev = int(kv["mod_revision"])
-        key = kv["key"].decode()[len(self.store.ns):]
+        key = _decode(kv["key"]).decode()[len(self.store.ns):]
         if raw.get("type") == "DELETE":
             ev = Event("delete", key, None, rev)
         else:
-            ev = Event("put", key, json.loads(kv.get("value") or b"null"), rev)
+            ev = Event("put", key, json.loads(_decode(kv.get("value", "")) or b"null"), rev)
         self.next_rev = rev + 1
         if not self.stopped.is_set():
             try:
@@ -184,15 +200,16 @@ class _WatchRunner:
             try:
                 self.response = client.session.post(client.get_url("/watch"), json=body, stream=True,
                                                     timeout=(2, None))
-                read_watch_stream(self.response, self._on_event)
+                self._read(self.response)
+                log.info("etcd watch on %s:%d ended; resuming from revision %d", *store.endpoints[i], self.next_rev)
             except Exception as e:          # the member went away or the stream broke: next member
                 if self.stopped.is_set():
                     return
                 if "compact" in str(e):
                     log.error("%s", CompactedError(f"etcd watch from revision {self.next_rev}: {e}"))
                     return
-                log.info("etcd watch on %s:%d ended (%s); resuming from revision %d", *store.endpoints[i],
-                         type(e).__name__, self.next_rev)
+                log.info("etcd watch on %s:%d ended (%s: %s); resuming from revision %d", *store.endpoints[i],
+                         type(e).__name__, e, self.next_rev)
             if store._current == i:
                 store._current = (i + 1) % len(store._clients)
             self.stopped.wait(0.1)
