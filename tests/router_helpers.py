@@ -145,12 +145,7 @@ def _sse(obj) -> str:
 
 def start_router(cfg, urls=(), deployment=None, deployment_path=None):
     """(ThreadServer, Router) for a router in this process."""
-    import tempfile
-
     from polychip.router.app import Router, build_app
-    if cfg.state == "sqlite" and cfg.state_dir is None:       # a fresh file per in-process router
-        cfg = cfg.replace(state_dir=tempfile.mkdtemp(prefix="/tmp/router-state-"))
-    cfg = cfg.replace(node_id=cfg.node_id or "test-router")
     router = Router(cfg, list(urls), deployment, deployment_path)
     server = ThreadServer(build_app(router)).start()
     return server, router
@@ -179,10 +174,8 @@ class RouterProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "polychip.cli", "router", "--port", str(self.port), *args]
         self.lines: list[str] = []
-        import tempfile     # a fresh state dir, unless the test gives one: no state left by an earlier run
-        env = {"POLYCHIP_STATE_DIR": tempfile.mkdtemp(prefix="/tmp/router-state-"), **(env or {})}
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env={**os.environ, **env})
+                                     env={**os.environ, **(env or {})})
         self._reader = threading.Thread(target=lambda: [self.lines.append(l.rstrip("\n")) for l in self.proc.stdout],
                                         daemon=True)
         self._reader.start()

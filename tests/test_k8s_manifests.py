@@ -12,6 +12,7 @@ import yaml
 
 from polychip.commands.router import build_parser
 from polychip.router.deployment import from_dict
+from polychip.router.settings import settings_from_args
 
 pytestmark = pytest.mark.device_independent
 K8S = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "k8s")
@@ -73,8 +74,8 @@ def test_router_args_parse_and_its_deployment_file_loads():
     router = next(d for _, d in resources() if d["kind"] == "Deployment" and d["metadata"]["name"] == "polychip-router")
     args = router["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[0] == "router"
-    parsed = build_parser().parse_args(args[1:])
-    assert parsed.state.startswith("etcd://") and parsed.state.count(",") == 2
+    cfg = settings_from_args(build_parser().parse_args(args[1:]))
+    assert cfg.state.startswith("etcd://") and cfg.state.count(",") == 2 and cfg.port == 30000
     cm = next(d for _, d in resources() if d["kind"] == "ConfigMap")
     dep = from_dict(yaml.safe_load(cm["data"]["deployment.yaml"]), "k8s ConfigMap")
     assert {r.name for r in dep.replicas} == {"gpu-0", "gpu-1", "npu-0", "tp2-0"}

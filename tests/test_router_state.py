@@ -8,20 +8,22 @@ import time
 import httpx
 import pytest
 
-from polychip.router.config import GuardConfig, HealthConfig, RouterConfig
+from polychip.router.settings import HealthConfig, RouterConfig
 from polychip.router.deployment import load_deployment
 from router_helpers import FakeReplica, ThreadServer, start_router, wait_for
 from tests.etcd_cluster import EtcdCluster
 
 pytestmark = pytest.mark.device_independent
 
-GUARD = GuardConfig(max_error_rate=0.001, min_samples=5)
 
 
-def deployment_text(urls: dict, weights: dict) -> str:
+def deployment_text(urls: dict, weights: dict, state_dir) -> str:
+    """The router section holds every setting, the state's too: a reload applies the file's section."""
     reps = "\n".join(f"  - {{name: {n}, model: m, version: {v}, url: '{u}'}}" for n, (u, v) in urls.items())
     w = ", ".join(f"{k}: {x}" for k, x in weights.items())
-    return f"replicas:\n{reps}\nmodels:\n  - {{name: m, versions: {{{w}}}}}\n"
+    return (f"replicas:\n{reps}\nmodels:\n  - {{name: m, versions: {{{w}}}}}\n"
+            f"router:\n  health_check: {{interval: 0.2}}\n  canary_guard: {{max_error_rate: 0.001, min_samples: 5}}\n"
+            f"  max_retries: 0\n  state_dir: '{state_dir}'\n  node_id: solo\n")
 
 
 @pytest.fixture
@@ -35,10 +37,9 @@ def three():
         s.stop()
 
 
-def _router(path, state_dir, **cfg):
-    config = RouterConfig(health=HealthConfig(interval=0.2), guard=GUARD, max_retries=0, state_dir=str(state_dir),
-                          **cfg)
-    srv, router = start_router(config, [], load_deployment(str(path)), str(path))
+def _router(path):
+    dep = load_deployment(str(path))
+    srv, router = start_router(dep.router, [], dep, str(path))
     wait_for(lambda: all(r.up for r in router.dispatcher.replicas.values()), 15, "replicas up")
     return srv, router
 
@@ -53,10 +54,10 @@ def _stored(router, timeout=5):
 
 
 def test_restart_and_reload_keep_runtime_weights_and_rollbacks(tmp_path, three, caplog):
-    path = tmp_path / "d.yaml"
+    path, state = tmp_path / "d.yaml", tmp_path / "state"
     urls = {"a": (three[0].url, "v1"), "b": (three[1].url, "v2"), "c": (three[2].url, "v3")}
-    path.write_text(deployment_text(urls, {"v1": 1, "v2": 1, "v3": 1}))
-    srv, router = _router(path, tmp_path / "state")
+    path.write_text(deployment_text(urls, {"v1": 1, "v2": 1, "v3": 1}, state))
+    srv, router = _router(path)
     try:
         assert httpx.post(srv.url + "/admin/rollout", json={"model": "m", "weights": {"v1": 3, "v2": 1, "v3": 1}},
                           timeout=10).status_code == 200
@@ -68,7 +69,7 @@ def test_restart_and_reload_keep_runtime_weights_and_rollbacks(tmp_path, three, 
     finally:
         srv.stop()
     # the same command and file again: the stored weights and the rollback win, and the log says so
-    srv, router = _router(path, tmp_path / "state")
+    srv, router = _router(path)
     try:
         weights, rolled2 = _weights(srv.url)
         assert weights == {"v1": 3.0, "v2": 1.0, "v3": 0.0} and rolled2["v3"] == rolled["v3"]
@@ -77,15 +78,15 @@ def test_restart_and_reload_keep_runtime_weights_and_rollbacks(tmp_path, three, 
         assert httpx.post(srv.url + "/admin/reload", timeout=30).status_code == 200
         assert _weights(srv.url) == (weights, rolled2)
         # a changed file is a new intent: it wins, and is stored
-        path.write_text(deployment_text(urls, {"v1": 1, "v2": 4, "v3": 0}))
+        path.write_text(deployment_text(urls, {"v1": 1, "v2": 4, "v3": 0}, state))
         assert httpx.post(srv.url + "/admin/reload", timeout=30).status_code == 200
         assert _weights(srv.url)[0] == {"v1": 1.0, "v2": 4.0, "v3": 0.0}
         assert "the deployment file changed (a new intent)" in caplog.text
         _stored(router)
-        state = httpx.get(srv.url + "/admin/state", timeout=10).json()
-        assert state["store"]["backend"] == "sqlite" and state["leader"] == state["node_id"]
-        assert state["models"]["m"]["weights"] == {"v1": 1.0, "v2": 4.0, "v3": 0.0}
-        assert sorted(state["registry"][state["node_id"]]) == ["a", "b", "c"]
+        shown = httpx.get(srv.url + "/admin/state", timeout=10).json()
+        assert shown["store"]["backend"] == "sqlite" and shown["leader"] == shown["node_id"] == "solo"
+        assert shown["models"]["m"]["weights"] == {"v1": 1.0, "v2": 4.0, "v3": 0.0}
+        assert sorted(shown["registry"]["solo"]) == ["a", "b", "c"]
     finally:
         srv.stop()
 

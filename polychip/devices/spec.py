@@ -8,12 +8,12 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any
 
-import yaml
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, NonNegativeInt, PositiveFloat,
                       ValidationError, field_validator, model_validator)
 
 from polychip.dtypes import DTYPE_ALIASES, KNOWN_DTYPES
 from polychip.errors import DeviceSpecError
+from polychip.yaml_file import read_yaml_file
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -166,30 +166,6 @@ def from_dict(data: Any, source: str = "<inline>") -> DeviceSpec:
         raise DeviceSpecError(head) from None
 
 
-def read_yaml_file(path: str, what: str, expected: str, error: type[Exception]) -> Any:
-    """The parsed YAML document at ``path``; a missing, unreadable, malformed or empty file is one
-    ``error`` naming the file (``what``: e.g. "device spec"; ``expected``: what the file should hold)."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except FileNotFoundError:
-        raise error(f"{path}: {what} file not found") from None
-    except IsADirectoryError:
-        raise error(f"{path}: is a directory, expected a YAML file") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise error(f"{path}: cannot read ({type(e).__name__}: {e})") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise error(f"{path}: malformed YAML{where}: {problem}") from None
-    if data is None:
-        raise error(f"{path}: the file is empty; expected {expected}")
-    return data
-
-
 def read_yaml(path: str) -> Any:
     """The parsed YAML document of a spec file; missing, empty and malformed files are one clear error."""
     return read_yaml_file(path, "device spec", "a YAML mapping with device_type, device_ids, memory and "
@@ -223,10 +199,38 @@ def check_against_devices(spec: DeviceSpec, plugin_name: str, infos: list) -> No
         if missing:
             problems.append(f"{src}: supported_dtypes: {missing} not supported by {plugin_name} device {dev}; "
                             f"expected a subset of {list(info.dtypes)}")
+        problems += topology_problems(spec, pos, info, f"{src}: topology", f"{plugin_name} device {dev}")
     if problems:
         uniq = list(dict.fromkeys(problems))
         raise DeviceSpecError(uniq[0] if len(uniq) == 1 else f"{src}: {len(uniq)} problems\n  " +
                               "\n  ".join(uniq))
+
+
+def topology_problems(spec: DeviceSpec, pos: int, info, where: str, device: str) -> list[str]:
+    """What the spec declares about device ``spec.device_ids[pos]``'s links that the hardware's view
+    (``DeviceInfo.topology``, format in ``polychip.devices.plugin.DeviceInfo``) does not show."""
+    topo, hw, problems = spec.topology, info.topology, []
+    peers = [d for d in spec.device_ids if d != spec.device_ids[pos]]
+    if topo.p2p_enabled and peers:
+        reach = hw.get("peers") or {}
+        lacking = [d for d in peers if not reach.get(d, hw.get("p2p_enabled", False))]
+        if lacking:
+            problems.append(f"{where}.p2p_enabled: declared true, but {device} reports no P2P link to "
+                            f"device(s) {lacking}; expected p2p_enabled: false")
+    if topo.bandwidth_gbps is not None:
+        have = hw.get("bandwidth_gbps")
+        if have is None or topo.bandwidth_gbps > have:
+            problems.append(f"{where}.bandwidth_gbps: declared {topo.bandwidth_gbps:g}, but {device} reports "
+                            + ("no link bandwidth" if have is None else f"{have:g} GB/s") + "; expected at most that")
+    if topo.distance is not None:
+        have = hw.get("distance") or {}
+        wrong = {d: (topo.distance[pos][k], have.get(d)) for k, d in enumerate(spec.device_ids)
+                 if have.get(d) != topo.distance[pos][k]}
+        if wrong:
+            problems.append(f"{where}.distance.{pos}: {device} reports " + ", ".join(
+                f"{hw_d} (declared {decl}) to device {d}" for d, (decl, hw_d) in wrong.items()) +
+                "; expected the distances the hardware reports")
+    return problems
 
 
 def supported_dtypes(plugin) -> tuple[str, ...]:

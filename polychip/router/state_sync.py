@@ -18,9 +18,9 @@ import asyncio
 import hashlib
 import json
 import logging
+import socket
 import time
 
-from polychip.errors import ConfigError
 from polychip.router.state import Event, Session, StateStore, StoreError, open_store
 
 log = logging.getLogger("polychip.router.state")
@@ -36,7 +36,7 @@ def file_intent(weights: dict, baseline: str) -> str:
 class RouterState:
     def __init__(self, cfg, rollout, dispatcher):
         self.cfg, self.rollout, self.dispatcher = cfg, rollout, dispatcher
-        self.node_id = cfg.node_id
+        self.node_id = cfg.node_id or f"{socket.gethostname()}-{cfg.port}"
         self.store: StateStore | None = None
         self.session: Session | None = None
         self.view: dict[str, object] = {}            # key -> value, every key, kept by the watch
@@ -62,11 +62,7 @@ class RouterState:
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         cfg = self.cfg
-        if cfg.state == "sqlite" and not cfg.state_dir:
-            raise ConfigError("state sqlite needs a state_dir (polychip router defaults it per port)")
-        if not cfg.node_id:
-            raise ConfigError("the router needs a node_id (polychip router defaults it to HOST-PORT)")
-        self.store = await asyncio.to_thread(open_store, cfg.state, cfg.state_dir)
+        self.store = await asyncio.to_thread(open_store, cfg.state, cfg.state_dir, cfg.port)
         self.session = Session(self.store, self.node_id, cfg.state_lease_ttl, {"started": time.time()},
                                on_leader=lambda who: log.warning("state: leader is %s", who))
         entries, rev = await asyncio.to_thread(self.store.list, "")
