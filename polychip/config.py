@@ -184,7 +184,7 @@ class EngineConfig(_FromKwargs):
 @dataclass(frozen=True)
 class ServerConfig(_FromKwargs):
     host: str = option("127.0.0.1", "address to listen on", group="server")
-    port: int = option(30000, "port to listen on", group="server")
+    port: int = option(30000, "port to listen on (0: a free one, named in the ready line)", group="server")
     api_key: str | None = option(None, "require 'Authorization: Bearer <key>' on the API", group="server")
     enable_metrics: bool = option(False, "serve Prometheus metrics at /metrics", group="server")
     reasoning_parser: str | None = option(None, "return <think>...</think> text as reasoning_content",
@@ -226,8 +226,8 @@ class ServerConfig(_FromKwargs):
                                          group="connections")
 
     def __post_init__(self):
-        if not 0 < self.port < 65536:
-            raise ConfigError(f"port must be in 1..65535, got {self.port}")
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"port must be in 0..65535 (0: a free one), got {self.port}")
         if self.reasoning_parser is not None:
             _check_choice("reasoning_parser", self.reasoning_parser, REASONING_PARSERS)
         _check_choice("log_level", self.log_level, LOG_LEVELS)

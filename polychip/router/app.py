@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import socket
 import time
 
@@ -19,7 +20,7 @@ from fastapi import FastAPI
 from polychip.errors import ConfigError
 from polychip.http.errors import install_error_handlers
 from polychip.http.gate import EdgeLimits, Gate
-from polychip.http.server import free_port, url_host
+from polychip.http.server import url_host
 from polychip.router.deployment import Deployment, load_deployment
 from polychip.router.dispatch import Dispatcher, capable
 from polychip.router.health import HealthChecker
@@ -43,11 +44,12 @@ class Router:
                  deployment_path: str | None = None, placed: Placement | None = None,
                  inventory: Inventory | None = None, settings_from_file=None):
         self.cfg = cfg
-        self.rollout = Rollout(cfg.guard, on_rollback=self._rolled_back)
+        self.rollout = Rollout(cfg.guard, on_rollback=self._rolled_back, on_kept=self._rollback_refused,
+                               serving=self._version_serving)
         self.dispatcher = Dispatcher(cfg, self.rollout, make_policy(cfg.policy, cfg.prefix))
         self.metrics = RouterMetrics(self.dispatcher)
         self.state = RouterState(cfg, self.rollout, self.dispatcher)
-        self.supervisor = Supervisor()
+        self.supervisor = Supervisor(scope=os.path.abspath(deployment_path) if deployment_path else "")
         self.inventory = inventory or Inventory()
         self.deployment, self.deployment_path, self.placed = deployment, deployment_path, placed
         # the settings a reloaded file's router section gives (the command line's flags still win)
@@ -92,6 +94,8 @@ class Router:
             await self.client.aclose()
 
     def _replica_changed(self, replica: Replica) -> None:
+        if replica.up and replica.breaker is not None:
+            replica.breaker.came_back(replica.changed_at)
         if replica.info is not None:
             self.rollout.learn(replica.info.model, replica.info.version)
             self.state.adopt_learnt(replica.info.model)
@@ -105,6 +109,13 @@ class Router:
 
     def _rolled_back(self, model: str, version: str, reason: str) -> None:
         self.metrics.rollbacks.labels(model, version).inc()
+
+    def _rollback_refused(self, model: str, version: str, reason: str) -> None:
+        self.metrics.rollbacks_refused.labels(model, version).inc()
+
+    def _version_serving(self, model: str, version: str) -> bool:
+        return any(r.up and not r.draining and r.model_name == model and r.version_label == version
+                   for r in self.dispatcher.replicas.values())
 
     # deployment files
     async def _place(self, dep: Deployment) -> Placement:
@@ -134,11 +145,16 @@ class Router:
         """The Replica of a deployment entry; a launched one is started now."""
         if entry.url is not None:
             return Replica(entry.name, entry.url, entry.model, entry.version)
-        port = entry.port or free_port(entry.host)
+        port = entry.port or 0              # 0: the replica binds a free port and reports it
+        base = f"http://{url_host(entry.host)}:"
+        replica = Replica(entry.name, f"{base}{port}" if port else "", entry.model, entry.version, entry.device,
+                          launched=True)
+        if not port:
+            replica.down_reason = "starting: its port is not reported yet"
         model = next(m for m in dep.models if m.name == entry.model)
-        self.supervisor.start(entry, port, effective_dtype(entry, dep), entry.quantization or model.quantization)
-        return Replica(entry.name, f"http://{url_host(entry.host)}:{port}", entry.model, entry.version,
-                       entry.device, launched=True)
+        self.supervisor.start(entry, port, effective_dtype(entry, dep), entry.quantization or model.quantization,
+                              on_port=lambda p: setattr(replica, "url", f"{base}{p}"))
+        return replica
 
     async def _drain(self, replica: Replica) -> None:
         """No new requests; in-flight ones get drain_timeout; then stop it if we launched it."""
