@@ -36,6 +36,7 @@ from polychip.router.replica_logs import ReplicaLogs
 from polychip.router.rollout import ModelRoute, Rollout
 from polychip.router.routes import admin, batches, openai_api, probes, workloads as workload_api
 from polychip.router.settings import RouterConfig, reload_changes
+from polychip.router.state_sync import RouterState
 from polychip.router.supervisor import Supervisor
 from polychip.router.workload_store import JsonFileKV, MemoryKV
 from polychip.router.workloads import Workloads
@@ -70,6 +71,7 @@ class Router:
                                serving=self._version_serving)
         self.dispatcher = Dispatcher(cfg, self.rollout, make_policy(cfg.policy, cfg.prefix))
         self.metrics = RouterMetrics(self.dispatcher)
+        self.state = RouterState(cfg, self.rollout, self.dispatcher)
         self.supervisor = Supervisor(scope=os.path.abspath(deployment_path) if deployment_path else "",
                                      logs=_replica_logs(cfg), on_event=self._process_event,
                                      trust_flags=trust.replica_flags() if trust is not None else [])
@@ -81,7 +83,7 @@ class Router:
         self.settings_from_file = settings_from_file or (lambda dep: dep.router)
         self.excluded: dict[str, str] = {}
         for i, url in enumerate(replica_urls):
-            self.dispatcher.add(Replica(f"r{i}", url.rstrip("/")))
+            self._add(Replica(f"r{i}", url.rstrip("/")))
         self.client: httpx.AsyncClient | None = None
         self.proxy: Proxy | None = None
         self._tasks: list[asyncio.Task] = []
@@ -102,9 +104,13 @@ class Router:
         headers = {"authorization": f"Bearer {cfg.replica_api_key}"} if cfg.replica_api_key else {}
         self.health = HealthChecker(cfg.health, self.client, lambda: list(self.dispatcher.replicas.values()),
                                     headers, self._replica_changed)
+        await self.state.start()
+        for replica in self.dispatcher.replicas.values():
+            self.state.replica_changed(replica)
         if self.deployment is not None:
             placed = self.placed or await self._place(self.deployment)
             await self._apply(self.deployment, placed)
+            self.state.reconcile(self.deployment.models)
         await self.workloads.start()
         if self.deployment is not None and self.deployment.workloads:
             await self.workloads.inventory_ready()
@@ -122,6 +128,7 @@ class Router:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.workloads.stop()
+        await self.state.stop()
         await self.supervisor.stop_all(self.cfg.drain_timeout)
         if self.client is not None:
             await self.client.aclose()
@@ -131,8 +138,15 @@ class Router:
             replica.breaker.came_back(replica.changed_at)
         if replica.info is not None:
             self.rollout.learn(replica.info.model, replica.info.version)
+            self.state.adopt_learnt(replica.info.model)
+        self.state.replica_changed(replica)
         self.workloads.replica_changed(replica)
         self.dispatcher.pump()
+
+    def _add(self, replica: Replica) -> None:
+        self.dispatcher.add(replica)
+        if self.state.store is not None:
+            self.state.replica_changed(replica)
 
     def _process_event(self, name: str, kind: str, detail) -> None:
         self.workloads.process_event(name, kind, detail)
@@ -170,7 +184,7 @@ class Router:
                 await self._drain(replica)
         for name, entry in wanted.items():
             if name not in self.dispatcher.replicas:
-                self.dispatcher.add(self._replica_for(entry, dep))
+                self._add(self._replica_for(entry, dep))
         self.deployment = dep
 
     def _replica_for(self, entry, dep: Deployment) -> Replica:
@@ -196,6 +210,7 @@ class Router:
         while replica.inflight and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
         self.dispatcher.remove(replica.name)
+        self.state.replica_changed(replica, gone=True)
         if replica.launched:
             await self.supervisor.stop(replica.name, self.cfg.drain_timeout)
 
@@ -215,6 +230,7 @@ class Router:
             before = set(self.dispatcher.replicas)
             self.apply_settings(cfg)
             await self._apply(dep, placed)
+            self.state.reconcile(dep.models)
             await self.workloads.declare(dep.workloads, dep.source)
             after = set(self.dispatcher.replicas)
             log.info("deployment reloaded from %s: +%s -%s, settings changed: %s", self.deployment_path,

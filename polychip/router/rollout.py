@@ -66,6 +66,8 @@ class Rollout:
         self.on_kept = on_kept                  # (model, version, reason) -> None: a rollback refused
         self.serving = serving or (lambda model, version: True)   # has (model, version) a serving replica?
         self.decisions: dict[str, dict] = {}    # model -> the guard's last decision
+        self.on_change = None                   # (route, source) -> None: the state store records it
+        self.may_decide = lambda: True          # False on a router that is not the leader of N
 
     # the set of models and versions
     def declare(self, route: ModelRoute) -> None:
@@ -121,6 +123,8 @@ class Rollout:
             if w > 0:
                 route.rolled_back.pop(v, None)
         log.info("rollout: %s weights now %s", model, merged)
+        if self.on_change is not None:
+            self.on_change(route, "runtime")
         return route
 
     # per request: what the client saw, once per request
@@ -131,7 +135,8 @@ class Rollout:
             stats = self.stats[(model, version)] = VersionWindow(self.guard.window)
         stats.record(ok, ttft, tpot, e2e)
         route = self.models.get(model)
-        if route is not None and version != route.baseline and route.weights.get(version, 0) > 0:
+        if (route is not None and version != route.baseline and route.weights.get(version, 0) > 0
+                and self.may_decide()):
             reason = verdict(self.guard, stats, self.stats.get((model, route.baseline)), route.baseline)
             if reason:
                 self._roll_back(route, version, reason)
@@ -157,6 +162,8 @@ class Rollout:
         log.warning("canary guard: %s version %s rolled back (weight 0): %s", route.name, version, reason)
         if self.on_rollback is not None:
             self.on_rollback(route.name, version, reason)
+        if self.on_change is not None:
+            self.on_change(route, "guard")
 
     def _decide(self, model: str, action: str, version: str, reason: str) -> None:
         self.decisions[model] = {"action": action, "version": version, "reason": reason, "at": time.time()}

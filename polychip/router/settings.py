@@ -161,10 +161,18 @@ class RouterConfig(_Settings):
     replica_client_cert: str | None = setting(None, "client certificate (PEM) shown to https replicas that ask "
                                                     "for one (serve --ssl-ca-certs)", live=False)
     replica_client_key: str | None = setting(None, "the private key of --replica-client-cert", live=False)
-    # workloads (the records and the launched replicas' logs)
-    state_dir: str | None = setting(None, "keeps workload records (relaunched after a restart) and the launched "
-                                    "replicas' logs; unset: records in memory, logs in a temporary folder", live=False)
-    node_id: str | None = setting(None, "this host's name in workload placement (default: the hostname)", live=False)
+    # state (polychip/router/state): weights, rollbacks, the replica registry, the leader; and the
+    # workloads' records and launched replicas' logs (state_dir)
+    state: str = setting("sqlite", "the state store: sqlite (a file in --state-dir), etcd://h1:2379,h2:2379 "
+                         "(N routers share it) or memory://", live=False)
+    state_dir: str | None = setting(None, "sqlite's directory (default: $POLYCHIP_STATE_DIR, else "
+                                    "~/.local/state/polychip/router-PORT); also keeps workload records (relaunched "
+                                    "after a restart) and the launched replicas' logs (unset: workload records in "
+                                    "memory, logs in a temporary folder)", live=False)
+    node_id: str | None = setting(None, "this router's name among N routers and in workload placement "
+                                  "(default: HOST-PORT for the state, the hostname for workloads)", live=False)
+    state_lease_ttl: float = setting(10.0, "seconds a dead router's leadership and replica registry outlive it",
+                                     live=False, ge=1, le=300)
     replica_log_max_bytes: int = setting(10 * 2**20, "each launched replica's log file rotates at this size",
                                          live=False, ge=1024)
     replica_log_backups: int = setting(3, "rotated log files kept per launched replica", live=False, ge=1)

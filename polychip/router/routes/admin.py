@@ -1,5 +1,6 @@
 """The operator's routes, behind the API key: /admin/replicas, /admin/rollout (status, set
-weights) and /admin/reload (re-read the deployment file)."""
+weights), /admin/reload (re-read the deployment file) and /admin/state (the state store: backend,
+leader, members, stored models, replica registry)."""
 from __future__ import annotations
 
 from typing import Annotated
@@ -44,6 +45,11 @@ async def rollout_set(request: Request):
         raise APIError(400, e.args[0], "invalid_request_error") from None
     router.dispatcher.pump()
     return {"models": router.rollout.status()}
+
+
+@admin_routes.get("/state")
+async def state(request: Request):
+    return await router_of(request).state.describe()
 
 
 @admin_routes.post("/reload")
