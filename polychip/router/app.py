@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 import socket
+import tempfile
 import time
 
 import httpx
@@ -30,10 +31,13 @@ from polychip.router.placement import Placement, device_configs, effective_dtype
 from polychip.router.policies import make_policy
 from polychip.router.proxy import Proxy
 from polychip.router.replica import Replica
+from polychip.router.replica_logs import ReplicaLogs
 from polychip.router.rollout import ModelRoute, Rollout
-from polychip.router.routes import admin, batches, openai_api, probes
+from polychip.router.routes import admin, batches, openai_api, probes, workloads as workload_api
 from polychip.router.settings import RouterConfig, reload_changes
 from polychip.router.supervisor import Supervisor
+from polychip.router.workload_store import JsonFileKV, MemoryKV
+from polychip.router.workloads import Workloads
 
 log = logging.getLogger("polychip.router")
 
@@ -47,8 +51,11 @@ class Router:
                                serving=self._version_serving)
         self.dispatcher = Dispatcher(cfg, self.rollout, make_policy(cfg.policy, cfg.prefix))
         self.metrics = RouterMetrics(self.dispatcher)
-        self.supervisor = Supervisor(scope=os.path.abspath(deployment_path) if deployment_path else "")
+        self.supervisor = Supervisor(scope=os.path.abspath(deployment_path) if deployment_path else "",
+                                     logs=_replica_logs(cfg), on_event=self._process_event)
         self.inventory = inventory or Inventory()
+        self.workloads = Workloads(self, _workload_store(cfg), cfg.node_id or socket.gethostname())
+        self.url: str | None = None          # set once the server listens
         self.deployment, self.deployment_path, self.placed = deployment, deployment_path, placed
         # the settings a reloaded file's router section gives (the command line's flags still win)
         self.settings_from_file = settings_from_file or (lambda dep: dep.router)
@@ -77,6 +84,10 @@ class Router:
         if self.deployment is not None:
             placed = self.placed or await self._place(self.deployment)
             await self._apply(self.deployment, placed)
+        await self.workloads.start()
+        if self.deployment is not None and self.deployment.workloads:
+            await self.workloads.inventory_ready()
+            await self.workloads.declare(self.deployment.workloads, self.deployment.source)
         self._tasks.append(asyncio.ensure_future(self.health.run()))
         if cfg.batch.files_dir is not None:
             from polychip.router.batch.dispatch import router_jobs
@@ -89,6 +100,7 @@ class Router:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.workloads.stop()
         await self.supervisor.stop_all(self.cfg.drain_timeout)
         if self.client is not None:
             await self.client.aclose()
@@ -98,7 +110,11 @@ class Router:
             replica.breaker.came_back(replica.changed_at)
         if replica.info is not None:
             self.rollout.learn(replica.info.model, replica.info.version)
+        self.workloads.replica_changed(replica)
         self.dispatcher.pump()
+
+    def _process_event(self, name: str, kind: str, detail) -> None:
+        self.workloads.process_event(name, kind, detail)
 
     def _rolled_back(self, model: str, version: str, reason: str) -> None:
         self.metrics.rollbacks.labels(model, version).inc()
@@ -127,6 +143,8 @@ class Router:
         wanted = {r.name: r for r in placed.launch + placed.remote}
         old_entries = {r.name: r for r in self.deployment.replicas} if self.deployment is not dep else {}
         for name, replica in dict(self.dispatcher.replicas).items():
+            if name in self.workloads:           # workloads have their own life (workloads.py)
+                continue
             if name not in wanted or (name in old_entries and old_entries[name] != wanted[name]):
                 await self._drain(replica)
         for name, entry in wanted.items():
@@ -170,9 +188,13 @@ class Router:
             cfg = self.settings_from_file(dep)
             changed = reload_changes(self.cfg, cfg)
             placed = await self._place(dep)
+            if dep.workloads:
+                await self.workloads.inventory_ready()
+            await self.workloads.check_declared(dep.workloads, dep.source)
             before = set(self.dispatcher.replicas)
             self.apply_settings(cfg)
             await self._apply(dep, placed)
+            await self.workloads.declare(dep.workloads, dep.source)
             after = set(self.dispatcher.replicas)
             log.info("deployment reloaded from %s: +%s -%s, settings changed: %s", self.deployment_path,
                      sorted(after - before), sorted(before - after), changed or "none")
@@ -212,6 +234,18 @@ class Router:
         return out + [{"name": n, "excluded": why} for n, why in sorted(self.excluded.items())]
 
 
+def _replica_logs(cfg: RouterConfig) -> ReplicaLogs:
+    """Launched replicas' own log files: under the state dir, else a fresh folder for this router."""
+    where = (os.path.join(cfg.state_dir, "replica-logs") if cfg.state_dir
+             else tempfile.mkdtemp(prefix="polychip-replica-logs-"))
+    log.info("launched replicas log to %s/NAME.log (rotated at %d bytes)", where, cfg.replica_log_max_bytes)
+    return ReplicaLogs(where, cfg.replica_log_max_bytes, cfg.replica_log_backups)
+
+
+def _workload_store(cfg: RouterConfig):
+    return JsonFileKV(os.path.join(cfg.state_dir, "workloads.json")) if cfg.state_dir else MemoryKV()
+
+
 def build_app(router: Router) -> Gate:
     """The router's ASGI app: its routes on FastAPI, behind the edge's gate."""
     @contextlib.asynccontextmanager
@@ -229,7 +263,8 @@ def build_app(router: Router) -> Gate:
     app = FastAPI(title="polychip router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.router = router
     install_error_handlers(app)
-    for routes in (openai_api.openai_routes, probes.probe_routes, admin.admin_routes, batches.batch_routes):
+    for routes in (openai_api.openai_routes, probes.probe_routes, admin.admin_routes, workload_api.workload_routes,
+                   batches.batch_routes):
         app.include_router(routes)
     cfg = router.cfg
     # the API key is checked per route (routes/__init__.py), so that a reload can change it

@@ -344,6 +344,9 @@ class Proxy:
         e2e = time.perf_counter() - call.t0
         labels = self._labels(call, replica)
         replica.served += 1
+        if replica.first_ttft is None and ok and status < 400:    # a non-streamed answer: its first token is its end
+            replica.first_ttft = ttft if ttft is not None else e2e
+            replica.first_token_at = time.time() - e2e + replica.first_ttft
         self.metrics.requests.labels(*labels, str(status)).inc()
         if ttft is not None:
             self.metrics.ttft.labels(*labels).observe(ttft)

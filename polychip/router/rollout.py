@@ -84,6 +84,18 @@ class Rollout:
             route.weights[version] = 1.0
             route.baseline = _heaviest(route.weights)
 
+    def forget(self, model: str, version: str) -> None:
+        """A learnt version whose last replica left stops drawing traffic (the model goes with its
+        last version); a declared model keeps its weights."""
+        route = self.models.get(model)
+        if route is None or route.declared:
+            return
+        route.weights.pop(version, None)
+        if not route.weights:
+            del self.models[model]
+        else:
+            route.baseline = _heaviest(route.weights)
+
     def forget_undeclared(self, keep: set[str]) -> None:
         for name in [n for n, r in self.models.items() if r.declared and n not in keep]:
             del self.models[name]

@@ -156,6 +156,13 @@ class RouterConfig(_Settings):
     drain_timeout: Seconds = setting(30.0, "in-flight requests get this long on SIGTERM or removal")
     api_key: str | None = setting(None, "clients must send it (not /health, /metrics)")
     replica_api_key: str | None = setting(None, "sent to the replicas", live=False)
+    # workloads (the records and the launched replicas' logs)
+    state_dir: str | None = setting(None, "keeps workload records (relaunched after a restart) and the launched "
+                                    "replicas' logs; unset: records in memory, logs in a temporary folder", live=False)
+    node_id: str | None = setting(None, "this host's name in workload placement (default: the hostname)", live=False)
+    replica_log_max_bytes: int = setting(10 * 2**20, "each launched replica's log file rotates at this size",
+                                         live=False, ge=1024)
+    replica_log_backups: int = setting(3, "rotated log files kept per launched replica", live=False, ge=1)
 
     @field_validator("policy")
     @classmethod

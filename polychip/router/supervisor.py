@@ -1,7 +1,8 @@
 """Launches ``polychip serve`` replicas from a deployment and keeps them running: one that exits
-is restarted with exponential backoff (reset after it ran a while), its output goes to the
-router's log under its name, and ``stop`` sends SIGTERM (the replica drains) then kills it
-after a grace period.
+is restarted with exponential backoff (reset after it ran a while), its output goes to its own
+rotated file (``ReplicaLogs``; the router's log when there is none), ``on_event(name, kind,
+detail)`` hears each start ("started", pid) and exit ("exited", the exit status), and ``stop``
+sends SIGTERM (the replica drains) then kills it after a grace period.
 
 A launched replica dies with the router: the kernel sends it SIGTERM when the router's process
 goes, however it goes (``PR_SET_PDEATHSIG``, Linux). A replica without a fixed port binds port 0
@@ -90,11 +91,23 @@ class Managed:
     on_port: Callable[[int], None] | None = None     # told the port a replica bound (port 0)
 
 
+def exit_reason(code: int) -> str:
+    """'exit status 1' or 'killed by SIGKILL' for a subprocess return code."""
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit status {code}"
+
+
 class Supervisor:
-    def __init__(self, run_dir: Path | str | None = None, scope: str = ""):
+    def __init__(self, run_dir: Path | str | None = None, scope: str = "", logs=None, on_event=None):
         self.managed: dict[str, Managed] = {}
         key = hashlib.sha256(scope.encode()).hexdigest()[:16]      # one deployment's replicas
         self.run_dir = Path(run_dir or default_run_dir()) / key
+        self.logs = logs              # ReplicaLogs, or None: output into the router's log
+        self.on_event = on_event or (lambda name, kind, detail: None)
 
     def start(self, entry: ReplicaEntry, port: int, dtype: str, quantization: str | None,
               on_port: Callable[[int], None] | None = None) -> Managed:
@@ -150,11 +163,13 @@ class Supervisor:
                 log.info("replica %s: started (pid %d, %s)", m.entry.name, m.proc.pid,
                          f"port {m.port}" if m.port else "binding a free port")
                 self._record(m)
+                self.on_event(m.entry.name, "started", m.proc.pid)
                 await self._pipe_output(m)
                 code = await m.proc.wait()
             m.exits.append(code)
             if m.stopping:
                 break
+            self.on_event(m.entry.name, "exited", code)
             if time.monotonic() - m.started_at > STABLE_AFTER:
                 backoff = BACKOFF_START
             m.restarts += 1
@@ -163,7 +178,7 @@ class Supervisor:
             backoff = min(backoff * 2, BACKOFF_MAX)
 
     async def _pipe_output(self, m: Managed) -> None:
-        out = logging.getLogger(f"polychip.replica.{m.entry.name}")
+        out = self.logs.writer(m.entry.name) if self.logs else logging.getLogger(f"polychip.replica.{m.entry.name}")
         async for raw in m.proc.stdout:
             line = raw.decode(errors="replace").rstrip()
             out.info("%s", line)
