@@ -11,8 +11,7 @@ from polychip.router.batch.records import completion_tokens, is_success
 
 class BatchProgress:
     def __init__(self, total: int, already: int = 0, file=sys.stderr):
-        tty = file.isatty()
-        self.tty = file.isatty()
+        self.tty = tty = file.isatty()
         self.bar = tqdm(total=total, initial=already, unit="req", file=file, dynamic_ncols=tty, leave=tty,
                         mininterval=0.5 if tty else 10.0, smoothing=0.1, desc="batch",
                         bar_format="{desc} {percentage:3.0f}%|{bar:20}| {n_fmt}/{total_fmt} "
