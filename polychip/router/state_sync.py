@@ -49,6 +49,7 @@ class RouterState:
         self._published: dict = {}
         self._registry: dict[str, object] = {}       # what this router last wrote of its replicas
         self.last_adopted: dict | None = None         # the last change another router made: how late it came
+        self.leader_hooks: list = []                  # called on the event loop when the leader changes
 
     @property
     def leader(self) -> str | None:
@@ -64,7 +65,7 @@ class RouterState:
         cfg = self.cfg
         self.store = await asyncio.to_thread(open_store, cfg.state, cfg.state_dir, cfg.port)
         self.session = Session(self.store, self.node_id, cfg.state_lease_ttl, {"started": time.time()},
-                               on_leader=lambda who: log.warning("state: leader is %s", who))
+                               on_leader=self._leader_changed)
         entries, rev = await asyncio.to_thread(self.store.list, "")
         self.view = {e.key: e.value for e in entries}
         self._watch = self.store.watch("", self._on_event, rev + 1)
@@ -74,6 +75,12 @@ class RouterState:
         log.info("state: %s, node %s, %d stored models, leader %s", self.store.backend, self.node_id,
                  len(self.models_view()), self.leader)
         self._tasks = [asyncio.ensure_future(self._writer()), asyncio.ensure_future(self._publish_stats())]
+
+    def _leader_changed(self, who: str | None) -> None:
+        """On a store thread (or start's): log it, and run the hooks (batch jobs) on the event loop."""
+        log.warning("state: leader is %s", who)
+        for hook in self.leader_hooks:
+            self._loop.call_soon_threadsafe(hook)
 
     async def stop(self) -> None:
         await self.flush()

@@ -4,8 +4,13 @@ write the output and error files as records finish, and survive a restart.
 
 Durability: the files are the truth. Each record is one flushed line; after a kill the next start
 cuts a partial last line, reads what both files hold and runs only the custom_ids missing there,
-so each appears exactly once. The batch object (status, times, counts) is kept in the store; its
-counts are recounted from the files on resume.
+so each appears exactly once. The batch object (status, times, counts, file ids) is kept in the
+router's state store under ``batches/ID`` (store.py); its counts are recounted from the files on resume.
+
+N routers over one store (etcd): only the state's leader runs batches. Every router keeps a view of
+the batch objects (a watch) and serves GET and list from it; a batch created on another router is
+run by the leader when its write arrives, a cancel there is a compare-and-set the leader applies, and
+a new leader resumes the active batches (so --files-dir must be one shared directory).
 
 States (OpenAI's): validating -> in_progress -> finalizing -> completed; validating -> failed;
 in_progress -> expired (completion_window passed: unrun lines get ``batch_expired`` records);
@@ -14,6 +19,7 @@ validating | in_progress -> cancelling -> cancelled.
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import logging
 import time
@@ -25,7 +31,8 @@ from polychip.router.batch.output import OrderedWriter, Written, read_written
 from polychip.router.batch.records import encode, failed_record, is_success, response_record
 from polychip.router.batch.runner import Limits, run_batch
 from polychip.router.settings import BatchConfig
-from polychip.router.batch.store import BatchStore
+from polychip.router.batch.store import PREFIX, BatchStore
+from polychip.router.state import Event, Watch
 from polychip.router.batch.files import FileError, FileStore
 
 log = logging.getLogger("polychip.router.batch.jobs")
@@ -42,8 +49,12 @@ Check = Callable[[str, list[dict]], Awaitable[list[dict]]]
 
 class BatchJobs:
     def __init__(self, cfg: BatchConfig, files: FileStore, store: BatchStore, send: Send, check: Check,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time, is_leader: Callable[[], bool] = lambda: True):
         self.cfg, self.files, self.store, self._send, self._check, self.clock = cfg, files, store, send, check, clock
+        self.is_leader = is_leader           # only the leader runs batches (the state's leader election)
+        self._seen: dict[str, int] = {}      # the store revision of the newest write seen of each batch
+        self._watch: Watch | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.batches: dict[str, dict] = {}
         self.tasks: dict[str, asyncio.Task] = {}
         self._slots: asyncio.Semaphore | None = None
@@ -51,21 +62,66 @@ class BatchJobs:
 
     # lifecycle
     async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
         self._slots = asyncio.Semaphore(self.cfg.concurrency)
-        for b in await asyncio.to_thread(self.store.load_all):
-            self.batches[b["id"]] = b
-            if b["status"] in ACTIVE:
-                log.info("batch %s was %s when the router stopped: resuming", b["id"], b["status"])
-                self._launch(b)
+        entries, rev = await asyncio.to_thread(self.store.load_all)
+        for e in entries:
+            self.batches[e.value["id"]], self._seen[e.value["id"]] = e.value, e.revision
+        self._watch = await asyncio.to_thread(self.store.follow, self._on_event, rev + 1)
+        self.leadership_changed()
+
+    def leadership_changed(self) -> None:
+        """On the event loop, at start and whenever the leader changes: the leader runs (resumes)
+        every active batch; any other router runs none (what it wrote stays; the leader resumes it)."""
+        if self.is_leader():
+            for b in list(self.batches.values()):
+                if b["status"] in ACTIVE and b["id"] not in self.tasks:
+                    log.info("batch %s is %s and this router leads: resuming", b["id"], b["status"])
+                    self._launch(b)
+        elif self.tasks:
+            log.warning("batch: this router no longer leads; stopping %d batch run(s) for the leader to resume",
+                        len(self.tasks))
+            for t in self.tasks.values():
+                t.cancel()
 
     async def stop(self) -> None:
-        """Stop the runs (what they wrote stays; the next start resumes them)."""
+        """Stop the runs (what they wrote stays; the next start, or the next leader, resumes them)."""
+        if self._watch is not None:
+            self._watch.cancel()
+        running = [self.batches[i] for i in self.tasks]
         for t in self.tasks.values():
             t.cancel()
         await asyncio.gather(*self.tasks.values(), return_exceptions=True)
-        for b in self.batches.values():
+        for b in running:
             if b["status"] in ACTIVE:
-                await asyncio.to_thread(self.store.save, b)
+                await self._save(b)
+
+    async def _save(self, b: dict) -> None:
+        rev = await asyncio.to_thread(self.store.save, b)
+        self._seen[b["id"]] = max(self._seen.get(b["id"], 0), rev)
+
+    def _on_event(self, ev: Event) -> None:
+        """On the store's thread: hand another router's write to the event loop."""
+        self._loop.call_soon_threadsafe(self._apply, ev)
+
+    def _apply(self, ev: Event) -> None:
+        batch_id = ev.key[len(PREFIX):]
+        if ev.revision <= self._seen.get(batch_id, 0):
+            return                       # this router's own write coming back, or an older one
+        self._seen[batch_id] = ev.revision
+        if ev.kind == "delete":
+            self.batches.pop(batch_id, None)
+            return
+        b = self.batches.get(batch_id)
+        if batch_id in self.tasks:       # running here: of another router's writes only a cancel applies
+            if ev.value["status"] == "cancelling" and b["status"] in ("validating", "in_progress"):
+                self._set(b, "cancelling")
+                self._dirty.add(batch_id)
+            return
+        self.batches[batch_id] = ev.value
+        if self.is_leader() and ev.value["status"] in ACTIVE:
+            log.info("batch %s was created on another router: this router leads, running it", batch_id)
+            self._launch(ev.value)
 
     # the API
     async def create(self, input_file_id, endpoint, completion_window, metadata) -> dict:
@@ -93,8 +149,9 @@ class BatchJobs:
              "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": metadata,
              "polychip": {"output": None, "error": None}}
         self.batches[b["id"]] = b
-        await asyncio.to_thread(self.store.save, b)
-        self._launch(b)
+        if self.is_leader():          # launched before the write, so that its echo finds it running
+            self._launch(b)
+        await self._save(b)           # otherwise the leader sees it in the store and runs it
         return public(b)
 
     def get(self, batch_id: str) -> dict:
@@ -112,13 +169,26 @@ class BatchJobs:
 
     async def cancel(self, batch_id: str) -> dict:
         b = self.get(batch_id)
-        if b["status"] in ("validating", "in_progress"):
+        if b["status"] in ("validating", "in_progress") and batch_id in self.tasks:
             self._set(b, "cancelling")
-            await asyncio.to_thread(self.store.save, b)
+            await self._save(b)
+        elif b["status"] in ("validating", "in_progress"):      # the leader runs it: tell it through the store
+            b = await asyncio.to_thread(self._cancel_stored, batch_id)
         elif b["status"] not in ("cancelling", "cancelled"):
             raise FileError(409, f"batch {batch_id} is {b['status']}; only a validating or in_progress batch "
                             "can be cancelled", param="batch_id")
         return public(b)
+
+    def _cancel_stored(self, batch_id: str) -> dict:
+        """Mark the stored batch cancelling unless its runner wrote since we read it (then read again)."""
+        while True:
+            entry = self.store.get(batch_id)
+            b = copy.deepcopy(entry.value)
+            if b["status"] not in ("validating", "in_progress"):
+                return b
+            self._set(b, "cancelling")
+            if self.store.replace(b, entry.revision):
+                return b
 
     def uses(self, file_id: str) -> str | None:
         """The active batch reading or writing ``file_id``, if any."""
@@ -154,7 +224,7 @@ class BatchJobs:
             b["errors"] = {"object": "list", "data": [{"code": "internal_error", "line": None, "param": None,
                                                        "message": f"{type(e).__name__}: {e}"}]}
             self._set(b, "failed")
-        await asyncio.to_thread(self.store.save, b)
+        await self._save(b)
 
     async def _validate(self, b: dict) -> None:
         path = self.files.path(b["input_file_id"])
@@ -177,7 +247,7 @@ class BatchJobs:
         b["polychip"] = {"output": self.files.create_empty(f"{stem}_output.jsonl", "batch_output")["id"],
                          "error": self.files.create_empty(f"{stem}_error.jsonl", "batch_output")["id"]}
         self._set(b, "in_progress")
-        await asyncio.to_thread(self.store.save, b)
+        await self._save(b)
 
     async def _check_bodies(self, path: str, endpoint: str, found: FileCheck) -> None:
         """Stream the lines again and have a replica check their bodies, CHECK_CHUNK at a time."""
@@ -232,7 +302,7 @@ class BatchJobs:
             await asyncio.sleep(every)
             if b["id"] in self._dirty:
                 self._dirty.discard(b["id"])
-                await asyncio.to_thread(self.store.save, b)
+                await self._save(b)
 
     async def _one(self, b: dict, req: BatchRequest) -> dict:
         """One line through the router, waiting (with backoff) while it cannot be placed yet."""
