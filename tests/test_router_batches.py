@@ -204,3 +204,46 @@ def test_sigkill_mid_batch_then_restart_resumes_exactly_once(replica, tmp_path):
         assert "resuming" in router.log
     finally:
         router.stop()
+
+
+def test_two_routers_over_etcd_share_batches_and_only_the_leader_runs_them(replica, tmp_path):
+    """Two routers over one etcd and one --files-dir: a batch created on the follower is listed on both,
+    run by the leader alone (every request carries the leader's low-class dispatch), and its output is
+    readable from either; the follower's GET answers from the store."""
+    from polychip.router.settings import BatchConfig, HealthConfig, RouterConfig
+    from router_helpers import start_router
+    from tests.etcd_cluster import EtcdCluster
+
+    cluster = EtcdCluster(1)
+    routers = []
+    try:
+        for i in range(2):
+            cfg = RouterConfig(health=HealthConfig(interval=0.3), state=cluster.spec, node_id=f"r{i}",
+                               state_lease_ttl=3, batch=BatchConfig(files_dir=str(tmp_path / "files"), concurrency=2))
+            routers.append(start_router(cfg, [replica.url]))
+        for _, router in routers:
+            wait_for(lambda: router.batches is not None and router.state.leader is not None, 15, "batches and a leader")
+        (leader_srv, leader), (follower_srv, follower) = sorted(routers, key=lambda sr: not sr[1].state.is_leader)
+        assert leader.state.is_leader and not follower.state.is_leader
+        wait_for(lambda: all(r.up for r in leader.dispatcher.replicas.values()), 15, "the replica up")
+        on_follower = openai.OpenAI(base_url=follower_srv.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+        on_leader = openai.OpenAI(base_url=leader_srv.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+        up = on_follower.files.create(file=("in.jsonl", _lines(12)), purpose="batch")
+        replica.hold = True                                                 # requests wait at the replica
+        batch = on_follower.batches.create(input_file_id=up.id, endpoint="/v1/chat/completions",
+                                           completion_window="24h")
+        wait_for(lambda: len(replica.bodies) >= 2, 15, "the batch running")
+        assert batch.id in leader.batches.tasks and not follower.batches.tasks      # the leader runs it, alone
+        wait_for(lambda: on_follower.batches.retrieve(batch.id).status == "in_progress", 5, "the follower's view")
+        replica.hold = False
+        done = _wait_status(on_follower, batch.id, ("completed", "failed"))
+        assert done.status == "completed" and done.request_counts.completed == 12
+        assert [b.id for b in on_leader.batches.list()] == [b.id for b in on_follower.batches.list()] == [batch.id]
+        assert on_leader.batches.retrieve(batch.id).status == "completed"
+        out = _records(on_leader, done.output_file_id)
+        assert sorted(r["custom_id"] for r in out) == sorted(f"req-{i}" for i in range(12))
+        assert len(replica.bodies) == 12                                    # run once, by one router
+    finally:
+        for srv, _ in routers:
+            srv.stop()
+        cluster.stop()
