@@ -153,7 +153,7 @@ def test_two_routers_over_one_store_only_the_leader_runs_and_both_see_every_batc
         await a.start()
         await b.start()
         on_b = await b.create(_upload(b.files, 4), "/v1/completions", "24h", None)      # created on the follower
-        await _until(lambda: a.get(on_b["id"])["status"] == "in_progress" and on_b["id"] in a.tasks)
+        await _until(lambda: a.batches.get(on_b["id"], {}).get("status") == "in_progress" and on_b["id"] in a.tasks)
         assert not b.tasks and len(sent) >= 1
         gate.set()
         await _until(lambda: b.batches[on_b["id"]]["status"] == "completed")               # the follower sees it

@@ -32,7 +32,7 @@ from polychip.router.batch.records import encode, failed_record, is_success, res
 from polychip.router.batch.runner import Limits, run_batch
 from polychip.router.settings import BatchConfig
 from polychip.router.batch.store import PREFIX, BatchStore
-from polychip.router.state import Event, Watch
+from polychip.router.state import Event, StoreError, Watch
 from polychip.router.batch.files import FileError, FileStore
 
 log = logging.getLogger("polychip.router.batch.jobs")
@@ -55,6 +55,7 @@ class BatchJobs:
         self._seen: dict[str, int] = {}      # the store revision of the newest write seen of each batch
         self._watch: Watch | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._leading: asyncio.Future | None = None
         self.batches: dict[str, dict] = {}
         self.tasks: dict[str, asyncio.Task] = {}
         self._slots: asyncio.Semaphore | None = None
@@ -69,25 +70,38 @@ class BatchJobs:
             self.batches[e.value["id"]], self._seen[e.value["id"]] = e.value, e.revision
         self._watch = await asyncio.to_thread(self.store.follow, self._on_event, rev + 1)
         self.leadership_changed()
+        if self._leading is not None:
+            await self._leading              # resumed before start returns
 
     def leadership_changed(self) -> None:
         """On the event loop, at start and whenever the leader changes: the leader runs (resumes)
         every active batch; any other router runs none (what it wrote stays; the leader resumes it)."""
         if self.is_leader():
-            for b in list(self.batches.values()):
-                if b["status"] in ACTIVE and b["id"] not in self.tasks:
-                    log.info("batch %s is %s and this router leads: resuming", b["id"], b["status"])
-                    self._launch(b)
+            self._leading = asyncio.ensure_future(self._lead())
         elif self.tasks:
             log.warning("batch: this router no longer leads; stopping %d batch run(s) for the leader to resume",
                         len(self.tasks))
             for t in self.tasks.values():
                 t.cancel()
 
+    async def _lead(self) -> None:
+        """Read the stored objects afresh (the watch may not have brought the last leader's final
+        writes yet), then resume the active ones."""
+        entries, _ = await asyncio.to_thread(self.store.load_all)
+        for e in entries:
+            if e.revision > self._seen.get(e.key[len(PREFIX):], 0) and e.value["id"] not in self.tasks:
+                self.batches[e.value["id"]], self._seen[e.value["id"]] = e.value, e.revision
+        for b in list(self.batches.values()):
+            if self.is_leader() and b["status"] in ACTIVE and b["id"] not in self.tasks:
+                log.info("batch %s is %s and this router leads: resuming", b["id"], b["status"])
+                self._launch(b)
+
     async def stop(self) -> None:
         """Stop the runs (what they wrote stays; the next start, or the next leader, resumes them)."""
         if self._watch is not None:
             self._watch.cancel()
+        if self._leading is not None:
+            await asyncio.gather(self._leading, return_exceptions=True)
         running = [self.batches[i] for i in self.tasks]
         for t in self.tasks.values():
             t.cancel()
@@ -96,9 +110,18 @@ class BatchJobs:
             if b["status"] in ACTIVE:
                 await self._save(b)
 
-    async def _save(self, b: dict) -> None:
-        rev = await asyncio.to_thread(self.store.save, b)
-        self._seen[b["id"]] = max(self._seen.get(b["id"], 0), rev)
+    async def _save(self, b: dict, tries: int = 5) -> None:
+        """Store the batch object; a store that does not answer is retried each second, then logged
+        (the files stay the truth: the next start or leader recounts from them)."""
+        for attempt in range(tries):
+            try:
+                rev = await asyncio.to_thread(self.store.save, b)
+                self._seen[b["id"]] = max(self._seen.get(b["id"], 0), rev)
+                return
+            except StoreError as e:
+                log.warning("batch %s: storing its object failed (try %d of %d): %s", b["id"], attempt + 1, tries, e)
+                await asyncio.sleep(1.0)
+        self._dirty.add(b["id"])
 
     def _on_event(self, ev: Event) -> None:
         """On the store's thread: hand another router's write to the event loop."""
