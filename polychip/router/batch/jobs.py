@@ -7,10 +7,8 @@ cuts a partial last line, reads what both files hold and runs only the custom_id
 so each appears exactly once. The batch object (status, times, counts, file ids) is kept in the
 router's state store under ``batches/ID`` (store.py); its counts are recounted from the files on resume.
 
-N routers over one store (etcd): only the state's leader runs batches. Every router keeps a view of
-the batch objects (a watch) and serves GET and list from it; a batch created on another router is
-run by the leader when its write arrives, a cancel there is a compare-and-set the leader applies, and
-a new leader resumes the active batches (so --files-dir must be one shared directory).
+N routers over one store (etcd): only the state's leader runs batches (shared.py: the view, the
+leadership, the writes), so --files-dir must be one directory they all see.
 
 States (OpenAI's): validating -> in_progress -> finalizing -> completed; validating -> failed;
 in_progress -> expired (completion_window passed: unrun lines get ``batch_expired`` records);
@@ -19,7 +17,6 @@ validating | in_progress -> cancelling -> cancelled.
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 import logging
 import time
@@ -31,14 +28,13 @@ from polychip.router.batch.output import OrderedWriter, Written, read_written
 from polychip.router.batch.records import encode, failed_record, is_success, response_record
 from polychip.router.batch.runner import Limits, run_batch
 from polychip.router.settings import BatchConfig
-from polychip.router.batch.store import PREFIX, BatchStore
-from polychip.router.state import Event, StoreError, Watch
 from polychip.router.batch.files import FileError, FileStore
+from polychip.router.batch.shared import ACTIVE, SharedBatches
+from polychip.router.batch.store import BatchStore
 
 log = logging.getLogger("polychip.router.batch.jobs")
 
 WINDOWS = {"24h": 24 * 3600}
-ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
 RETRY_STATUS = (502, 503)        # the router could not place it yet (no replica up, queue full)
 CHECK_CHUNK = 256               # bodies per check call
 # (url, body) -> (HTTP status, request id, response body bytes)
@@ -47,104 +43,16 @@ Send = Callable[[str, dict], Awaitable[tuple[int, str, bytes]]]
 Check = Callable[[str, list[dict]], Awaitable[list[dict]]]
 
 
-class BatchJobs:
+class BatchJobs(SharedBatches):
     def __init__(self, cfg: BatchConfig, files: FileStore, store: BatchStore, send: Send, check: Check,
                  clock: Callable[[], float] = time.time, is_leader: Callable[[], bool] = lambda: True):
-        self.cfg, self.files, self.store, self._send, self._check, self.clock = cfg, files, store, send, check, clock
-        self.is_leader = is_leader           # only the leader runs batches (the state's leader election)
-        self._seen: dict[str, int] = {}      # the store revision of the newest write seen of each batch
-        self._watch: Watch | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._leading: asyncio.Future | None = None
-        self.batches: dict[str, dict] = {}
-        self.tasks: dict[str, asyncio.Task] = {}
+        super().__init__(store, is_leader, clock)    # only the leader runs batches (the state's election)
+        self.cfg, self.files, self._send, self._check = cfg, files, send, check
         self._slots: asyncio.Semaphore | None = None
-        self._dirty: set[str] = set()          # batches whose counts moved since their last save
 
-    # lifecycle
     async def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
         self._slots = asyncio.Semaphore(self.cfg.concurrency)
-        entries, rev = await asyncio.to_thread(self.store.load_all)
-        for e in entries:
-            self.batches[e.value["id"]], self._seen[e.value["id"]] = e.value, e.revision
-        self._watch = await asyncio.to_thread(self.store.follow, self._on_event, rev + 1)
-        self.leadership_changed()
-        if self._leading is not None:
-            await self._leading              # resumed before start returns
-
-    def leadership_changed(self) -> None:
-        """On the event loop, at start and whenever the leader changes: the leader runs (resumes)
-        every active batch; any other router runs none (what it wrote stays; the leader resumes it)."""
-        if self.is_leader():
-            self._leading = asyncio.ensure_future(self._lead())
-        elif self.tasks:
-            log.warning("batch: this router no longer leads; stopping %d batch run(s) for the leader to resume",
-                        len(self.tasks))
-            for t in self.tasks.values():
-                t.cancel()
-
-    async def _lead(self) -> None:
-        """Read the stored objects afresh (the watch may not have brought the last leader's final
-        writes yet), then resume the active ones."""
-        entries, _ = await asyncio.to_thread(self.store.load_all)
-        for e in entries:
-            if e.revision > self._seen.get(e.key[len(PREFIX):], 0) and e.value["id"] not in self.tasks:
-                self.batches[e.value["id"]], self._seen[e.value["id"]] = e.value, e.revision
-        for b in list(self.batches.values()):
-            if self.is_leader() and b["status"] in ACTIVE and b["id"] not in self.tasks:
-                log.info("batch %s is %s and this router leads: resuming", b["id"], b["status"])
-                self._launch(b)
-
-    async def stop(self) -> None:
-        """Stop the runs (what they wrote stays; the next start, or the next leader, resumes them)."""
-        if self._watch is not None:
-            self._watch.cancel()
-        if self._leading is not None:
-            await asyncio.gather(self._leading, return_exceptions=True)
-        running = [self.batches[i] for i in self.tasks]
-        for t in self.tasks.values():
-            t.cancel()
-        await asyncio.gather(*self.tasks.values(), return_exceptions=True)
-        for b in running:
-            if b["status"] in ACTIVE:
-                await self._save(b)
-
-    async def _save(self, b: dict, tries: int = 5) -> None:
-        """Store the batch object; a store that does not answer is retried each second, then logged
-        (the files stay the truth: the next start or leader recounts from them)."""
-        for attempt in range(tries):
-            try:
-                rev = await asyncio.to_thread(self.store.save, b)
-                self._seen[b["id"]] = max(self._seen.get(b["id"], 0), rev)
-                return
-            except StoreError as e:
-                log.warning("batch %s: storing its object failed (try %d of %d): %s", b["id"], attempt + 1, tries, e)
-                await asyncio.sleep(1.0)
-        self._dirty.add(b["id"])
-
-    def _on_event(self, ev: Event) -> None:
-        """On the store's thread: hand another router's write to the event loop."""
-        self._loop.call_soon_threadsafe(self._apply, ev)
-
-    def _apply(self, ev: Event) -> None:
-        batch_id = ev.key[len(PREFIX):]
-        if ev.revision <= self._seen.get(batch_id, 0):
-            return                       # this router's own write coming back, or an older one
-        self._seen[batch_id] = ev.revision
-        if ev.kind == "delete":
-            self.batches.pop(batch_id, None)
-            return
-        b = self.batches.get(batch_id)
-        if batch_id in self.tasks:       # running here: of another router's writes only a cancel applies
-            if ev.value["status"] == "cancelling" and b["status"] in ("validating", "in_progress"):
-                self._set(b, "cancelling")
-                self._dirty.add(batch_id)
-            return
-        self.batches[batch_id] = ev.value
-        if self.is_leader() and ev.value["status"] in ACTIVE:
-            log.info("batch %s was created on another router: this router leads, running it", batch_id)
-            self._launch(ev.value)
+        await super().start()
 
     # the API
     async def create(self, input_file_id, endpoint, completion_window, metadata) -> dict:
@@ -201,17 +109,6 @@ class BatchJobs:
             raise FileError(409, f"batch {batch_id} is {b['status']}; only a validating or in_progress batch "
                             "can be cancelled", param="batch_id")
         return public(b)
-
-    def _cancel_stored(self, batch_id: str) -> dict:
-        """Mark the stored batch cancelling unless its runner wrote since we read it (then read again)."""
-        while True:
-            entry = self.store.get(batch_id)
-            b = copy.deepcopy(entry.value)
-            if b["status"] not in ("validating", "in_progress"):
-                return b
-            self._set(b, "cancelling")
-            if self.store.replace(b, entry.revision):
-                return b
 
     def uses(self, file_id: str) -> str | None:
         """The active batch reading or writing ``file_id``, if any."""
