@@ -243,6 +243,20 @@ def test_two_routers_over_etcd_share_batches_and_only_the_leader_runs_them(repli
         out = _records(on_leader, done.output_file_id)
         assert sorted(r["custom_id"] for r in out) == sorted(f"req-{i}" for i in range(12))
         assert len(replica.bodies) == 12                                    # run once, by one router
+        # the leader goes mid-batch: the follower leads now and resumes it, every custom_id once
+        up = on_follower.files.create(file=("in2.jsonl", _lines(30)), purpose="batch")
+        replica.hold = True
+        second = on_leader.batches.create(input_file_id=up.id, endpoint="/v1/chat/completions",
+                                          completion_window="24h")
+        wait_for(lambda: len(replica.bodies) >= 12 + 2, 15, "the second batch running")
+        leader_srv.stop()
+        routers.remove((leader_srv, leader))
+        wait_for(lambda: follower.state.is_leader, 10, "the follower leads")
+        replica.hold = False
+        done = _wait_status(on_follower, second.id, ("completed", "failed"))
+        assert done.status == "completed" and done.request_counts.completed == 30, done
+        out = _records(on_follower, done.output_file_id)
+        assert sorted(r["custom_id"] for r in out) == sorted(f"req-{i}" for i in range(30))   # none lost, none twice
     finally:
         for srv, _ in routers:
             srv.stop()
