@@ -4,7 +4,9 @@ Routes: the OpenAI ones (/v1/chat/completions, /v1/completions, /v1/models), /he
 /metrics, and the admin routes behind the API key (/admin/replicas, /admin/rollout,
 /admin/reload). Request extension fields: ``preferred_device_types`` (list of device types,
 most preferred first) and ``priority_class`` (high | normal | low; or the header
-``x-polychip-priority``).
+``x-polychip-priority``); the header ``x-polychip-version`` sends the request to that version
+instead of one picked by the weights (another live version only if none of its replicas is up).
+``/admin/live`` is the console's time series; ``/console`` the console itself (polychip/console).
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from polychip.console import mount_console
 from polychip.errors import ConfigError
 from polychip.router.config import PRIORITY_CLASSES, RouterConfig
 from polychip.router.deployment import Deployment, DeploymentError, load_deployment
@@ -73,6 +76,7 @@ class Router:
         if self.deployment is not None:
             await self._apply(self.deployment, self.placed or plan(self.deployment))
         self._tasks.append(asyncio.ensure_future(self.health.run()))
+        self._tasks.append(asyncio.ensure_future(self.metrics.live.sample_forever(self.dispatcher)))
 
     async def stop(self) -> None:
         for t in self._tasks:
@@ -239,8 +243,16 @@ def _call_from(router: Router, request: Request, body: bytes, path: str, rid: st
         raise _Refusal(400, "preferred_device_types: expected a list of device types such as [\"simxpu\", \"cpu\"]",
                        "invalid_request_error")
     user = data.get("user") if isinstance(data.get("user"), str) else None
-    return Call(rid, path, body, model, router.version_for(model, user), priority, tuple(preferred),
-                prompt_text(path, data), bool(data.get("stream")))
+    version = router.version_for(model, user)
+    pinned = request.headers.get("x-polychip-version")
+    if pinned:
+        known = sorted(router.rollout.models[model].weights) if model in router.rollout.models else []
+        if pinned not in known:
+            raise _Refusal(400, f"x-polychip-version: model {model!r} has no version {pinned!r}; versions: {known}",
+                           "invalid_request_error")
+        version = pinned
+    return Call(rid, path, body, model, version, priority, tuple(preferred), prompt_text(path, data),
+                bool(data.get("stream")))
 
 
 async def _unless_client_leaves(request: Request, work):
@@ -338,6 +350,12 @@ def build_app(router: Router) -> FastAPI:
         return {"replicas": router.replicas_view(), "queue": router.dispatcher.queue_lengths(),
                 "policy": cfg.policy}
 
+    @app.get("/admin/live")
+    async def live(request: Request):
+        if (refused := locked_out(request)) is not None:
+            return refused
+        return router.metrics.live.view(PRIORITY_CLASSES)
+
     @app.get("/admin/rollout")
     async def rollout_status(request: Request):
         if (refused := locked_out(request)) is not None:
@@ -372,4 +390,5 @@ def build_app(router: Router) -> FastAPI:
         except (DeploymentError, ConfigError) as e:
             return error_json(400, e.args[0], "invalid_request_error")
 
+    mount_console(app)
     return app

@@ -268,9 +268,11 @@ class Proxy:
             self.metrics.e2e.labels(*labels).observe(e2e)
         if tokens:
             self.metrics.tokens.labels(call.model, labels[1], replica.name, replica.device_type).inc(tokens)
+        self.metrics.live.finished(call.model, replica.device_type, ttft, e2e, tokens)
         failed = not ok or status >= 500
         if kind is not None and kind != "client_gone":
             self.metrics.errors.labels(*labels, kind).inc()
+            self.metrics.live.error(call.model, replica.device_type, kind)
         if kind != "client_gone":
             self.rollout.record(call.model, labels[1], not failed, ttft, e2e)
         access.info("%s POST %s %d model=%s version=%s priority=%s target=%s target_device=%s attempts=%d%s %.0fms",
@@ -282,6 +284,7 @@ class Proxy:
     def _attempt_failed(self, call: Call, replica: Replica, r: Retry) -> None:
         labels = self._labels(call, replica)
         self.metrics.errors.labels(*labels, r.kind).inc()
+        self.metrics.live.error(call.model, replica.device_type, r.kind)
         self.rollout.record(call.model, labels[1], False, None, time.perf_counter() - call.t0)
         log.warning("%s: attempt %d on %s failed before the first token (%s)%s", call.request_id, call.attempts,
                     replica.name, r.reason, "; retrying" if call.attempts <= self.cfg.max_retries else "")
@@ -289,6 +292,7 @@ class Proxy:
     def _refuse(self, call: Call, status: int, message: str, kind: str, retry_after: bool = True) -> Response:
         labels = self._labels(call, None)
         self.metrics.errors.labels(*labels, kind).inc()
+        self.metrics.live.error(call.model, "", kind)
         self.metrics.requests.labels(*labels, str(status)).inc()
         access.info("%s POST %s %d model=%s version=%s priority=%s target=- (%s) %.0fms", call.request_id,
                     call.path, status, call.model, call.version, call.priority, kind,

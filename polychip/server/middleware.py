@@ -14,13 +14,15 @@ import re
 import time
 import uuid
 
+from polychip.console import is_console_path
 from polychip.server.errors import error_body
 from polychip.server.logs import printable
 
 log = logging.getLogger("polychip.access")
 
 _SAFE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
-OPEN_PATHS = ("/health", "/metrics")     # no API key needed (probes and scrapers)
+OPEN_PATHS = ("/health", "/metrics")     # no API key needed (probes and scrapers); nor the console's
+                                         # page and assets (static; its data comes from keyed routes)
 BODY_METHODS = ("POST", "PUT", "PATCH")
 
 
@@ -76,7 +78,7 @@ class Gate:
                 self.on_response(scope["method"], _route_label(scope["path"]), status["code"])
 
     def _refuse(self, scope, headers) -> tuple | None:
-        if self.api_key is None or scope["path"] in OPEN_PATHS:
+        if self.api_key is None or scope["path"] in OPEN_PATHS or is_console_path(scope["path"]):
             return None
         auth = headers.get(b"authorization", b"").decode("latin-1")
         token = auth[7:].strip() if auth[:7].lower() == "bearer " else headers.get(b"x-api-key", b"").decode(

@@ -17,6 +17,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from polychip.config import ServerConfig
+from polychip.console import mount_console
 from polychip.engine.async_engine import AsyncEngine
 from polychip.engine.engine import COUNTERS, Engine
 from polychip.models.gguf import default_gguf_path
@@ -122,6 +123,7 @@ def build_app(engine: Engine, cfg: ServerConfig | None = None) -> tuple[Gate, Se
     app.include_router(router)
     app.include_router(server_info.router)     # /server_info, /get_server_info
     app.include_router(sglang_api.router)      # /generate, /model_info, /get_model_info, /health_generate
+    mount_console(app)                         # /console: the web console (its data needs the key)
     on_response = (lambda m, r, s: metrics.http.labels(m, r, str(s)).inc()) if metrics is not None else None
     gate = Gate(app, api_key=cfg.api_key, max_body_bytes=cfg.max_request_body_bytes,
                 body_timeout=cfg.timeout_request_body, on_response=on_response)
