@@ -11,10 +11,10 @@ export class ApiError extends Error {
 export function makeClient(key) {
   const headers = (extra = {}) => (key ? { ...extra, Authorization: `Bearer ${key}` } : extra);
 
-  async function request(method, path, { json, form, signal } = {}) {
-    const init = { method, headers: headers(), signal, credentials: 'omit', cache: 'no-store' };
+  async function request(method, path, { json, form, signal, headers: extra = {} } = {}) {
+    const init = { method, headers: headers(extra), signal, credentials: 'omit', cache: 'no-store' };
     if (json !== undefined) {
-      init.headers = headers({ 'Content-Type': 'application/json' });
+      init.headers = headers({ ...extra, 'Content-Type': 'application/json' });
       init.body = JSON.stringify(json);
     } else if (form !== undefined) {
       init.body = form;            // multipart: OpenAI's /v1/files upload, the one non-JSON body

@@ -64,11 +64,11 @@ function Playground({ api, models }) {
   return html`
     <form class="toolbar chat-opts">
       <label>Model <select name="model" value=${model} onChange=${(e) => { setModel(e.currentTarget.value); setVersion(''); }}>
-        ${models.map((m) => html`<option>${m}</option>`)}</select></label>
+        ${models.map((m) => html`<option value=${m}>${m}</option>`)}</select></label>
       <label>Version <select name="version" value=${version} onChange=${(e) => setVersion(e.currentTarget.value)}>
-        <option value="">by weight</option>${versions.map((v) => html`<option>${v}</option>`)}</select></label>
+        <option value="">by weight</option>${versions.map((v) => html`<option value=${v}>${v}</option>`)}</select></label>
       <label>Device type <select name="device" value=${device} onChange=${(e) => setDevice(e.currentTarget.value)}>
-        <option value="">any</option>${types.map((t) => html`<option>${t}</option>`)}</select></label>
+        <option value="">any</option>${types.map((t) => html`<option value=${t}>${t}</option>`)}</select></label>
       <label>Max tokens <input type="number" name="max_tokens" min="1" value=${maxTokens}
         onInput=${(e) => setMaxTokens(e.currentTarget.value)} /></label>
       <button type="button" class="quiet" onClick=${() => setTurns([])}>Clear</button>
@@ -90,8 +90,9 @@ function Turn({ t, i }) {
       <div data-thinking>${t.thinking}</div></details>` : ''}
     <div class="bubble" data-answer>${t.content}${t.pending && !t.content ? '…' : ''}</div>
     ${t.error ? html`<div class="bad small" data-error>${t.error}</div>` : ''}
-    ${t.replica ? html`<div class="meta small" data-meta>
-      <span data-replica>${t.replica}</span> · <span data-device>${t.device}</span> · version ${t.version} ·
+    ${!t.pending && !t.error ? html`<div class="meta small" data-meta>
+      <span data-replica>${t.replica ?? 'this server'}</span> · <span data-device>${t.device ?? '–'}</span> ·
+      version ${t.version ?? '–'} ·
       TTFT <span data-ttft>${ms(t.ttft)}</span> · <span data-rate>${num(t.decodeRate)}</span> tok/s
       ${t.tokens != null ? html` · <span data-tokens>${t.tokens}</span> tokens` : ''}</div>` : ''}
   </div>`;
