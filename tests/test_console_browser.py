@@ -194,7 +194,7 @@ def test_chat_streams_and_shows_where_it_ran(fleet, browser, version, device, re
     answer = send_chat(page, prompt, version=version, device=device, max_tokens=12)
     expected, headers = chat_via_api(fleet.url, version, device, prompt, 12)
     assert headers["x-polychip-device"].startswith(device)
-    assert answer.locator("[data-answer]").inner_text() == expected.strip()
+    assert answer.locator("[data-answer]").text_content() == expected
     assert answer.locator("[data-replica]").inner_text() == replica == headers["x-polychip-replica"]
     assert answer.locator("[data-device]").inner_text() == headers["x-polychip-device"]
     assert answer.locator("[data-tokens]").inner_text() == "12"
