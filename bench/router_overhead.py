@@ -38,7 +38,7 @@ from polychip.bench import datasets
 from polychip.bench.serving import ServingConfig, discover_model, run_step, send_request
 from polychip.bench.datasets import BenchRequest
 from polychip.bench.stats import summarize
-from polychip.server.launcher import ServerProcess
+from polychip.http.launcher import ServerProcess
 
 
 def free_port() -> int:

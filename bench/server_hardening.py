@@ -18,7 +18,7 @@ import time
 
 import httpx
 
-from polychip.server.launcher import ServerProcess
+from polychip.http.launcher import ServerProcess
 
 JSON = {"content-type": "application/json"}
 

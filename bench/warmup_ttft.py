@@ -15,7 +15,7 @@ import time
 
 import httpx
 
-from polychip.server.launcher import ServerProcess
+from polychip.http.launcher import ServerProcess
 
 PROMPT = [{"role": "user", "content": "Write one sentence about the sea."}]
 

@@ -13,7 +13,7 @@ from conftest import make_hf_model
 from test_server_reasoning import BLUE, QUESTION, steer
 
 from polychip.server.fields import FIELDS, markdown
-from polychip.server.launcher import ServerProcess
+from polychip.http.launcher import ServerProcess
 
 IM_START = 151644            # a special token
 NOT_IN_VOCAB = 151936        # the model's vocab_size

@@ -18,8 +18,8 @@ import httpx
 import pytest
 
 from console_helpers import DESKTOP, PHONE, VIEWS, ConsoleBrowser, missing_routes, screens_dir
-from polychip.router.config import HealthConfig, RouterConfig
-from polychip.server.launcher import ServerProcess
+from polychip.router.settings import HealthConfig, RouterConfig
+from polychip.http.launcher import ServerProcess
 from router_helpers import RouterProcess, start_router, wait_for
 
 pytestmark = pytest.mark.device_independent   # names its devices: cpu and simxpu:0

@@ -4,12 +4,16 @@ Every import counts: top-level, inside functions, under ``if TYPE_CHECKING``, re
 (``from . import x``, ``from ..ops import y``) and ``importlib.import_module("polychip....")`` /
 ``__import__`` with a literal (or f-string) name. Lower layers never import higher ones:
 
-    entry points (cli, serve, commands, server, bench, router, package, the polychip facade)
+    commands (cli, serve, commands/)            nothing in the library imports them
+    router   server   library (bench, package, the polychip facade)
+    edge (http/)                                what the server and the router share, and all they share
     pluginkit
     engine
     models  ops  quant  distributed
     devices
-    config.py  errors.py  dtypes.py
+    config.py  errors.py  dtypes.py  yaml_file.py
+
+The router talks HTTP to replicas: it imports only the edge, itself and the leaves.
 """
 from __future__ import annotations
 
@@ -27,14 +31,15 @@ REPO = Path(__file__).resolve().parents[1]
 # module prefix -> layer; the longest prefix wins ("polychip" itself matches only the package facade,
 # LLM and SamplingParams, so that a new subpackage must be given its layer here)
 LAYER_OF = {
-    "polychip": "entry points",
-    "polychip.cli": "entry points",
-    "polychip.serve": "entry points",
-    "polychip.commands": "entry points",
-    "polychip.server": "entry points",
-    "polychip.bench": "entry points",
-    "polychip.router": "entry points",
-    "polychip.package": "entry points",
+    "polychip": "library",
+    "polychip.cli": "commands",
+    "polychip.serve": "commands",
+    "polychip.commands": "commands",
+    "polychip.server": "server",
+    "polychip.router": "router",
+    "polychip.http": "edge",
+    "polychip.bench": "library",
+    "polychip.package": "library",
     "polychip.pluginkit": "pluginkit",
     "polychip.engine": "engine",
     "polychip.models": "models",
@@ -45,23 +50,33 @@ LAYER_OF = {
     "polychip.config": "leaves",
     "polychip.errors": "leaves",
     "polychip.dtypes": "leaves",            # the dtype vocabulary
+    "polychip.yaml_file": "leaves",         # reading a YAML file (specs, deployments)
 }
 
-ABOVE_ENGINE = {"pluginkit", "entry points"}
+TOP = {"commands", "server", "router", "library", "edge"}
+ABOVE_ENGINE = {"pluginkit"} | TOP
 ABOVE_MODELS = {"engine"} | ABOVE_ENGINE
+BELOW_EDGE = {"pluginkit", "engine", "models", "ops", "quant", "distributed", "devices"}
 # importer layer -> (layers it must not import, the rule in words)
 FORBIDDEN = {
-    "leaves": (set(LAYER_OF.values()) - {"leaves"}, "config.py, errors.py and dtypes.py import nothing from "
-                                                    "the package but each other"),
+    "leaves": (set(LAYER_OF.values()) - {"leaves"}, "config.py, errors.py, dtypes.py and yaml_file.py import "
+                                                    "nothing from the package but each other"),
     "devices": ({"ops", "models", "quant", "distributed"} | ABOVE_MODELS,
                 "the plugin layer (devices/) never imports ops, models, the engine, the server or the kit"),
     "ops": ({"models"} | ABOVE_MODELS, "ops never import models or the engine (or above)"),
     "models": (ABOVE_MODELS, "models never import the engine or above"),
     "quant": (ABOVE_MODELS, "quant never imports the engine or above"),
     "distributed": (ABOVE_MODELS, "distributed never imports the engine or above"),
-    "engine": (ABOVE_ENGINE, "the engine never imports the server, the CLI, the bench or the kit"),
-    "pluginkit": ({"entry points"}, "the kit never imports the entry points"),
-    "entry points": (set(), ""),
+    "engine": (ABOVE_ENGINE, "the engine never imports the server, the router, the edge, the CLI, the bench "
+                             "or the kit"),
+    "pluginkit": (TOP, "the kit never imports the entry points"),
+    "edge": (TOP - {"edge"} | BELOW_EDGE, "the edge (http/) imports only the leaves: no engine, devices, "
+                                          "server, router or CLI"),
+    "server": ({"commands", "router"}, "the server never imports the router or the CLI (they share only the edge)"),
+    "router": (TOP - {"router", "edge"} | BELOW_EDGE,
+               "the router imports only the edge and the leaves: no server, engine, models, ops, devices or CLI"),
+    "library": ({"commands", "server", "router"}, "no library module imports the CLI, the server or the router"),
+    "commands": (set(), ""),
 }
 OUT_OF_TREE = "nothing in polychip/ imports an out-of-tree plugin"
 IMPORT_FUNCS = {"import_module", "__import__"}
@@ -241,11 +256,11 @@ def test_planted_violations_are_each_reported(tmp_path):
         "polychip/devices/bad.py:3: polychip.devices.bad imports polychip.engine.engine (devices -> engine)",
         "polychip/devices/bad.py:7: polychip.devices.bad imports polychip.ops.native (devices -> ops)",
         "polychip/devices/bad.py:8: polychip.devices.bad imports polychip.models (devices -> models)",
-        "polychip/devices/bad.py:9: polychip.devices.bad imports polychip.server.app (devices -> entry points)",
+        "polychip/devices/bad.py:9: polychip.devices.bad imports polychip.server.app (devices -> server)",
         "polychip/devices/bad.py:10: polychip.devices.bad imports polychip.pluginkit (devices -> pluginkit)",
         "polychip/devices/bad.py:11: polychip.devices.bad imports polychip_simxpu: nothing in polychip/ imports "
         "an out-of-tree plugin",
-        "polychip/engine/engine.py:4: polychip.engine.engine imports polychip.commands (engine -> entry points)",
+        "polychip/engine/engine.py:4: polychip.engine.engine imports polychip.commands (engine -> commands)",
         "polychip/ops/native.py:1: polychip.ops.native imports polychip.models.decoder (ops -> models)",
         "polychip/models/decoder.py:1: polychip.models.decoder imports polychip.engine.engine (models -> engine)",
     ]

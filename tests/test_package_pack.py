@@ -20,7 +20,7 @@ from polychip.devices.plugin import API_VERSION
 from polychip.package import PackageError, signing
 from polychip.package.opening import PackageOptions, open_llm, open_package
 from polychip.package.pack import PackOptions, pack
-from polychip.server.launcher import ServerProcess, free_port
+from polychip.http.launcher import ServerProcess, free_port
 
 pytestmark = pytest.mark.device_independent   # pins the devices it checks (conftest.py)
 

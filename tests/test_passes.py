@@ -42,7 +42,7 @@ def test_expand_lists_every_call_site(tiny_model, load_unfused):
 
 
 def test_expand_covers_every_op_a_real_forward_calls(tiny_model, test_device):
-    from polychip.commands.coverage import one_forward
+    from polychip.engine.coverage import one_forward
     plugin = open_device(test_device)
     reg = RecordingRegistry(plugin.name)
     register_native(reg)

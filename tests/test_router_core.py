@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from polychip.router.config import HealthConfig, RouterConfig
+from polychip.router.settings import HealthConfig, RouterConfig
 from router_helpers import FakeReplica, ThreadServer, start_router, wait_for
 
 pytestmark = pytest.mark.device_independent   # runs no model on the test device (conftest.py)
@@ -161,8 +161,10 @@ def test_api_key_models_and_bad_requests(cluster):
     assert httpx.get(url + "/v1/models", headers=auth).json()["data"][0]["id"] == "m1"
     r = httpx.post(url + "/v1/completions", json={"model": "nope", "prompt": "x"}, headers=auth)
     assert r.status_code == 404 and "m1" in r.json()["error"]["message"]
-    r = httpx.post(url + "/v1/completions", content=b"{not json", headers=auth)
-    assert r.status_code == 400
+    r = httpx.post(url + "/v1/completions", content=b"{not json", headers={**auth, "content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("invalid JSON body")
+    r = httpx.post(url + "/v1/completions", content=b"{}", headers=auth)      # the edge: JSON or nothing
+    assert r.status_code == 415
     r = httpx.post(url + "/v1/completions", json={"prompt": "x", "priority_class": "urgent"}, headers=auth)
     assert r.status_code == 400 and "priority_class" in r.json()["error"]["message"]
     r = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers=auth)

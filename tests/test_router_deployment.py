@@ -9,7 +9,8 @@ import pytest
 
 from polychip.commands import router as router_cmd
 from polychip.router.deployment import DeploymentError, load_deployment
-from polychip.router.placement import plan
+from polychip.router.inventory import Inventory
+from polychip.router.placement import place
 
 pytestmark = pytest.mark.device_independent   # runs no model on the test device (conftest.py)
 
@@ -29,19 +30,25 @@ router:
 """
 
 
+@pytest.fixture(scope="module")
+def host():
+    """This host's devices, read once for the module (``polychip devices --json`` in a child process)."""
+    return Inventory()
+
+
 def write(tmp_path, text, name="deploy.yaml"):
     p = tmp_path / name
     p.write_text(textwrap.dedent(text))
     return str(p)
 
 
-def test_a_good_file_loads_and_maps_onto_the_router_config(tmp_path):
+def test_a_good_file_loads_and_maps_onto_the_router_config(tmp_path, host):
     path = write(tmp_path, GOOD)
     dep = load_deployment(path)
-    cfg = dep.router_config()
+    cfg = dep.router
     assert cfg.policy == "prefix_aware" and cfg.priority_weights == {"high": 4.0, "normal": 1.0, "low": 1.0}
     assert cfg.health.interval == 2 and cfg.health.failure_threshold == 2 and cfg.guard.max_error_rate == 0.01
-    placed = plan(dep)
+    placed = place(dep, host)
     assert [r.name for r in placed.launch] == ["a", "b"] and not placed.excluded
 
 
@@ -80,38 +87,38 @@ BAD = [
 
 
 @pytest.mark.parametrize("name,text,expected", BAD, ids=[b[0] for b in BAD])
-def test_bad_files_name_the_file_the_field_and_the_expectation(tmp_path, name, text, expected):
+def test_bad_files_name_the_file_the_field_and_the_expectation(tmp_path, name, text, expected, host):
     path = write(tmp_path, text)
     with pytest.raises(DeploymentError) as err:
-        plan(load_deployment(path))
+        place(load_deployment(path), host)
     msg = str(err.value)
     assert path in msg and expected in msg, msg
 
 
-def test_a_model_no_replica_can_serve_refuses_the_deployment(tmp_path):
+def test_a_model_no_replica_can_serve_refuses_the_deployment(tmp_path, host):
     text = GOOD.replace("preferred_device_types: [simxpu, cpu]", "dtype: float16").replace(
         "device: cpu", 'device: "simxpu:0"')
     path = write(tmp_path, text)
     with pytest.raises(DeploymentError) as err:
-        plan(load_deployment(path))
+        place(load_deployment(path), host)
     msg = str(err.value)
     assert f"{path}: models.0: no replica can serve model 'tiny'" in msg
     assert "device simxpu:0 lacks ['float16']" in msg
 
 
-def test_replicas_whose_device_lacks_the_dtype_are_left_out(tmp_path):
+def test_replicas_whose_device_lacks_the_dtype_are_left_out(tmp_path, host):
     text = GOOD.replace("preferred_device_types: [simxpu, cpu]", "dtype: float16").replace("v1: 90, v2: 10",
                                                                                          "v1: 90, v2: 0")
-    placed = plan(load_deployment(write(tmp_path, text)))
+    placed = place(load_deployment(write(tmp_path, text)), host)
     assert [r.name for r in placed.launch] == ["a"]
     assert "lacks ['float16']" in placed.excluded["b"]
 
 
-def test_tensor_parallel_and_int8_replicas_launch_with_serve_flags(tmp_path):
+def test_tensor_parallel_and_int8_replicas_launch_with_serve_flags(tmp_path, host):
     """tp_size and quantization reach `polychip serve` as --tp-size and --quantization."""
     from polychip.router.supervisor import serve_command
     text = GOOD.replace("device: cpu, port: 31001}", "device: cpu, port: 31001, tp_size: 2, quantization: int8}")
-    placed = plan(load_deployment(write(tmp_path, text)))
+    placed = place(load_deployment(write(tmp_path, text)), host)
     a = next(r for r in placed.launch if r.name == "a")
     cmd = serve_command(a, 31001, "auto", a.quantization)
     assert cmd[cmd.index("--tp-size") + 1] == "2" and cmd[cmd.index("--quantization") + 1] == "int8"
@@ -137,8 +144,8 @@ def test_the_command_refuses_a_bad_file_before_listening(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("name", ["mixed.yaml", "two-hosts.yaml"])
-def test_the_example_deployments_are_valid(name):
+def test_the_example_deployments_are_valid(name, host):
     import os
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    placed = plan(load_deployment(os.path.join(root, "examples", "deploy", name)))
+    placed = place(load_deployment(os.path.join(root, "examples", "deploy", name)), host)
     assert placed.launch and not placed.excluded

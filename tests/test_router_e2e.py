@@ -17,7 +17,7 @@ from collections import Counter
 import httpx
 import pytest
 
-from polychip.router.config import HealthConfig, RouterConfig
+from polychip.router.settings import HealthConfig, RouterConfig
 from router_helpers import RouterProcess, start_router, wait_for
 
 pytestmark = pytest.mark.device_independent   # pins the devices it checks (conftest.py)
@@ -217,7 +217,7 @@ def _zombie(pid: int) -> bool:
 
 
 def test_serve_dp_size_is_a_router_over_local_replicas(model_factory):
-    from polychip.server.launcher import ServerProcess
+    from polychip.http.launcher import ServerProcess
     args = ["--dp-size", "2", "--model-path", model_factory("qwen3", True), "--served-model-name", "tiny",
             "--api-key", "k", *REPLICA_ARGS]
     with ServerProcess(args) as s:

@@ -7,8 +7,8 @@ import signal
 import httpx
 import pytest
 
-from polychip.commands import router as router_cmd
-from polychip.router.config import HealthConfig, RouterConfig
+from polychip.commands import router as router_cmd, serve_dp
+from polychip.router.settings import HealthConfig, RouterConfig
 from polychip.router.deployment import load_deployment
 from router_helpers import FakeReplica, RouterProcess, ThreadServer, start_router, wait_for
 
@@ -78,4 +78,4 @@ def test_sighup_rereads_the_file_and_reload_command(tmp_path, fakes):
 def test_dp_size_replica_flags():
     argv = ["--dp-size", "2", "--model-path", "x", "--port=9", "--host", "h", "--api-key", "k", "--device", "cpu",
             "--max-total-tokens", "4096"]
-    assert router_cmd.replica_args(argv) == ["--model-path", "x", "--max-total-tokens", "4096"]
+    assert serve_dp.replica_args(argv) == ["--model-path", "x", "--max-total-tokens", "4096"]

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from polychip.commands import router as router_cmd
-from polychip.router.config import GuardConfig, HealthConfig, RouterConfig
+from polychip.router.settings import GuardConfig, HealthConfig, RouterConfig
 from polychip.router.deployment import from_dict
 from router_helpers import FakeReplica, ThreadServer, start_router, wait_for
 

@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 
 from polychip.errors import ConfigError
-from polychip.router.config import GuardConfig, PrefixConfig
+from polychip.router.settings import GuardConfig, PrefixConfig
 from polychip.router.policies import LeastLoad, PrefixAware
 from polychip.router.prefix_tree import PrefixTree
 from polychip.router.replica import Replica
@@ -159,7 +159,7 @@ def test_the_guard_rolls_back_a_slow_canary_against_the_baseline():
 
 
 def test_health_thresholds_down_after_n_failures_up_after_m_successes():
-    from polychip.router.config import HealthConfig
+    from polychip.router.settings import HealthConfig
     from polychip.router.health import HealthChecker
     from polychip.router.replica import ReplicaInfo
     hc = HealthChecker(HealthConfig(failure_threshold=3, success_threshold=2), None, list, {}, lambda r: None)

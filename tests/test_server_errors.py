@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from polychip.server.launcher import ServerProcess
+from polychip.http.launcher import ServerProcess
 
 KEY = "sekret"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from polychip.server.launcher import ServerProcess
+from polychip.http.launcher import ServerProcess
 
 EXAMPLES = 300
 ROUTES = ["/v1/chat/completions"] * 4 + ["/v1/completions"] * 4 + [

@@ -13,7 +13,7 @@ import pytest
 from polychip.errors import InvalidRequestError
 from polychip.models.tokenizer import Tokenizer
 from polychip.server.chat_template import render_and_encode
-from polychip.server.launcher import ServerProcess
+from polychip.http.launcher import ServerProcess
 from tests.conftest import QWEN_TOKENIZER_DIR
 
 MSG = [{"role": "user", "content": "hello"}]

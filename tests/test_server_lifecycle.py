@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from polychip.server.launcher import ServerProcess
+from polychip.http.launcher import ServerProcess
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from polychip.server.launcher import ServerProcess
+from polychip.http.launcher import ServerProcess
 
 CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
 

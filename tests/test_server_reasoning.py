@@ -17,7 +17,7 @@ import torch
 from conftest import make_hf_model
 from safetensors.torch import load_file, save_file
 
-from polychip.server.launcher import ServerProcess
+from polychip.http.launcher import ServerProcess
 from polychip.server.reasoning import Qwen3ReasoningParser, parse_reasoning
 
 THINK, END_THINK, IM_END = 151667, 151668, 151645

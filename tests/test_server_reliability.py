@@ -17,7 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from polychip.config import ServerConfig
-from polychip.server.launcher import ServerProcess
+from polychip.http.launcher import ServerProcess
 
 MSG = [{"role": "user", "content": "hello"}]
 WAITING = 8

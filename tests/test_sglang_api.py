@@ -12,7 +12,7 @@ import pytest
 from conftest import QWEN_TOKENIZER_DIR
 
 from polychip.models.tokenizer import Tokenizer
-from polychip.server.launcher import ServerProcess
+from polychip.http.launcher import ServerProcess
 
 MODEL_INFO_KEYS = {"model_path", "tokenizer_path", "is_generation", "preferred_sampling_params", "weight_version",
                    "has_image_understanding", "has_audio_understanding", "model_type", "architectures"}

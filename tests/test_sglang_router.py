@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from polychip.server.launcher import ServerProcess, free_port
+from polychip.http.launcher import ServerProcess, free_port
 
 pytest.importorskip("sglang_router", reason="sglang-router is in the test extra: pip install -e .[test]")
 

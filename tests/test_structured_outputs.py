@@ -14,7 +14,7 @@ import pytest
 
 from polychip import LLM, SamplingParams
 from polychip.engine.grammar import GrammarSpec
-from polychip.server.launcher import ServerProcess
+from polychip.http.launcher import ServerProcess
 
 SCHEMAS = {
     "nested objects": ("Describe a person named Ann who lives in Paris, zip code 75001.", {

@@ -20,7 +20,7 @@ from test_server_reasoning import QUESTION, steer
 from polychip.config import ServerConfig
 from polychip.errors import InvalidRequestError
 from polychip.models.tokenizer import Tokenizer
-from polychip.server.launcher import ServerProcess
+from polychip.http.launcher import ServerProcess
 from polychip.server.tool_calls import plan_tools, template_messages
 from polychip.server.tool_parsers import HermesToolParser, detect_parser, parse_tool_calls
 

@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from polychip import LLM, SamplingParams
-from polychip.server.launcher import ServerProcess
+from polychip.http.launcher import ServerProcess
 
 pytestmark = pytest.mark.device_independent   # pins the devices it checks (conftest.py)
 

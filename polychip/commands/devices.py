@@ -40,7 +40,7 @@ def _device_row(cls, spec: DeviceSpec | None, index: int) -> dict:
 
 def describe(rec: PluginRecord, spec: DeviceSpec | None) -> dict:
     p = rec.plugin
-    out = {"name": rec.name, "source": rec.source, "status": "Ready" if rec.ok else "Error",
+    out = {"name": rec.name, "source": rec.source, "status": "Ready" if rec.ok else "Error", "priority": rec.priority,
            "failed_step": rec.failed_step, "reason": rec.reason,
            "plugin_version": getattr(p, "plugin_version", None), "api_version": getattr(p, "api_version", None),
            "torch_device_type": getattr(p, "torch_device_type", None), "devices": []}

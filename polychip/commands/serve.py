@@ -5,47 +5,22 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import signal
 import socket
 import sys
 import threading
 import time
 
-import uvicorn
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from polychip.commands.common import add_engine_args, engine_config_from_args, fail, setup_logging
-from polychip.commands.options import add_config_args, config_from_args
+from polychip.commands.common import engine_config_from_args, fail, setup_logging
+from polychip.commands.options import config_from_args
+from polychip.commands.serve_flags import build_parser
 from polychip.config import EngineConfig, ServerConfig
-from polychip.errors import ConfigError, PolychipError
+from polychip.errors import PolychipError
+from polychip.http import server as edge
 
 log = logging.getLogger("polychip.serve")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="polychip serve", description=__doc__)
-    add_engine_args(p)
-    add_config_args(p, ServerConfig)
-    p.add_argument("--dp-size", type=int, default=None, help="N replicas behind a router (polychip router)")
-    from polychip.package.opening import PackageOptions
-    add_config_args(p, PackageOptions)
-    return p
-
-
-def bind(host: str, port: int) -> socket.socket:
-    """Bind before loading the model, so a busy port fails in a second, not after the load."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)   # proto TCP: asyncio then sets TCP_NODELAY on accepted connections
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror}") from None
-    sock.listen(2048)
-    sock.set_inheritable(True)
-    return sock
 
 
 @contextlib.contextmanager
@@ -70,7 +45,7 @@ def progress(label: str):
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if any(a == "--dp-size" or a.startswith("--dp-size=") for a in argv):   # N replicas behind a router
-        from polychip.commands.router import serve_dp
+        from polychip.commands.serve_dp import serve_dp
         return serve_dp(argv)
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
@@ -80,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         if engine_config.node_rank > 0:     # only node 0 serves HTTP; the others run their worker ranks
             from polychip.engine.tp import run_node
             return run_node(_open_package(engine_config, args))
-        sock = bind(server_config.host, server_config.port)
+        sock = edge.bind(server_config.host, server_config.port)
     except PolychipError as e:
         return fail(e)
     try:
@@ -99,7 +74,7 @@ def _open_package(engine_config: EngineConfig, args: argparse.Namespace) -> Engi
 
 def _serve(engine_config: EngineConfig, config: ServerConfig, sock: socket.socket) -> int:
     from polychip.engine.engine import Engine
-    from polychip.server.http_timeouts import uvicorn_options
+    from polychip.http.timeouts import uvicorn_options
     from polychip.server.openai_api import build_app
 
     grace = config.graceful_shutdown_timeout
@@ -111,19 +86,13 @@ def _serve(engine_config: EngineConfig, config: ServerConfig, sock: socket.socke
             shapes = warm_up(engine)
         log.info("warm-up forwards: %s", ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in shapes.items()))
     app, state = build_app(engine, config)
-    # uvicorn's own timeout is only a backstop: ReadyServer ends streams cleanly after `grace`
-    uv_config = uvicorn.Config(app, log_config=None, log_level=config.log_level, access_log=False,
-                               timeout_graceful_shutdown=grace + 5, lifespan="on", **uvicorn_options(config))
-    server = ReadyServer(uv_config, f"http://{_url_host(config.host)}:{sock.getsockname()[1]}", state.engine,
-                         grace)
-    # our own no-op handlers: uvicorn re-raises the signal after a graceful stop
-    # and we want a clean exit status, not a KeyboardInterrupt traceback
-    previous = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGINT, signal.SIGTERM)}
+    # uvicorn's own timeout is only a backstop: EngineServer ends streams cleanly after `grace`
+    uv_config = edge.uvicorn_config(app, log_level=config.log_level, graceful_timeout=grace + 5,
+                                    **uvicorn_options(config.timeout_request_header, config.timeout_keep_alive))
+    server = EngineServer(uv_config, edge.socket_url(sock), state.engine, grace)
     try:
-        asyncio.run(server.serve(sockets=[sock]))
+        edge.serve_on(server, sock)
     finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
         engine.shutdown()
     if server.fatal_reason is not None:
         log.error("polychip stopped after a fatal fault: %s", server.fatal_reason)
@@ -132,22 +101,16 @@ def _serve(engine_config: EngineConfig, config: ServerConfig, sock: socket.socke
     return 0
 
 
-def _url_host(host: str) -> str:
-    if host in ("0.0.0.0", "::"):
-        return "127.0.0.1" if host == "0.0.0.0" else "[::1]"
-    return f"[{host}]" if ":" in host else host
-
-
 FAULT_LINGER = 2.0   # seconds a failed server keeps answering /health (503) before it exits
 
 
-class ReadyServer(uvicorn.Server):
-    """uvicorn.Server that logs one ready line with the URL once it accepts connections, and on
-    shutdown gives in-flight requests ``grace`` seconds before aborting them (their streams end
-    with an error event and [DONE], so no client hangs)."""
+class EngineServer(edge.ReadyServer):
+    """The edge's server with the engine's lifecycle: one ready line with the URL; an engine fault
+    fails what is in flight and exits; on shutdown in-flight requests get ``grace`` seconds before
+    they are aborted (their streams end with an error event and [DONE], so no client hangs)."""
 
-    def __init__(self, config: uvicorn.Config, url: str, async_engine, grace: float):
-        super().__init__(config)
+    def __init__(self, config, url: str, async_engine, grace: float):
+        super().__init__(config, lambda: f"polychip ready: {url} (OpenAI API at {url}/v1)", log)
         self.url, self.async_engine, self.grace = url, async_engine, grace
         self.fatal_reason: str | None = None
 
@@ -155,8 +118,6 @@ class ReadyServer(uvicorn.Server):
         loop = asyncio.get_running_loop()
         self.async_engine.on_fault(lambda reason: loop.call_soon_threadsafe(self.fatal, reason))
         await super().startup(sockets)
-        if self.started:
-            log.info("polychip ready: %s (OpenAI API at %s/v1)", self.url, self.url)
 
     def fatal(self, reason: str) -> None:
         """The engine can never step again (a tensor-parallel rank failed): fail what is in flight,

@@ -8,12 +8,12 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any
 
-import yaml
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, NonNegativeInt, PositiveFloat,
                       ValidationError, field_validator, model_validator)
 
 from polychip.dtypes import DTYPE_ALIASES, KNOWN_DTYPES
 from polychip.errors import DeviceSpecError
+from polychip.yaml_file import read_yaml_file
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -164,30 +164,6 @@ def from_dict(data: Any, source: str = "<inline>") -> DeviceSpec:
             lines.append(line)
         head = lines[0] if len(lines) == 1 else f"{source}: {len(lines)} problems\n  " + "\n  ".join(lines)
         raise DeviceSpecError(head) from None
-
-
-def read_yaml_file(path: str, what: str, expected: str, error: type[Exception]) -> Any:
-    """The parsed YAML document at ``path``; a missing, unreadable, malformed or empty file is one
-    ``error`` naming the file (``what``: e.g. "device spec"; ``expected``: what the file should hold)."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except FileNotFoundError:
-        raise error(f"{path}: {what} file not found") from None
-    except IsADirectoryError:
-        raise error(f"{path}: is a directory, expected a YAML file") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise error(f"{path}: cannot read ({type(e).__name__}: {e})") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise error(f"{path}: malformed YAML{where}: {problem}") from None
-    if data is None:
-        raise error(f"{path}: the file is empty; expected {expected}")
-    return data
 
 
 def read_yaml(path: str) -> Any:

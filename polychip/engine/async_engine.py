@@ -21,8 +21,9 @@ from typing import Any, Callable
 from polychip.engine.engine import Engine
 from polychip.engine.request import RequestOutput
 from polychip.engine.sampling_params import SamplingParams
+from polychip.devices.spec import supported_dtypes
 from polychip.engine.stats import EngineStats
-from polychip.errors import InvalidRequestError, PolychipError
+from polychip.errors import IntegrityError, InvalidRequestError, PolychipError
 
 log = logging.getLogger("polychip.async_engine")
 
@@ -147,6 +148,32 @@ class AsyncEngine:
         return self.engine.config
 
     @property
+    def grammar(self):
+        """The engine's GrammarBackend (its compile is thread-safe)."""
+        return self.engine.grammar
+
+    @property
+    def architecture(self) -> str:
+        return self.engine.model_config.architecture
+
+    @property
+    def token_capacity(self) -> int:
+        """Tokens the KV pool holds."""
+        return self.engine.pool.num_tokens
+
+    def device_identity(self) -> dict[str, Any]:
+        """What this engine runs on and how: plugin, device, dtypes, quantization, tp, limits."""
+        eng = self.engine
+        plugin = eng.plugin
+        return {"plugin": plugin.name, "plugin_version": plugin.plugin_version,
+                "device_type": plugin.name, "device_index": plugin.index, "device": f"{plugin.name}:{plugin.index}",
+                "torch_device_type": plugin.torch_device_type,
+                "dtype": str(eng.loaded.dtype).removeprefix("torch."),
+                "kv_cache_dtype": str(eng.kv_dtype).removeprefix("torch."),
+                "device_dtypes": list(supported_dtypes(plugin)), "quantization": eng.loaded.quantization,
+                "tp_size": eng.config.tp_size, "max_running_requests": eng.config.max_running_requests}
+
+    @property
     def fault(self) -> str | None:
         """Why the engine can never step again (a tensor-parallel rank failed), or None."""
         return self.engine.fault
@@ -236,6 +263,16 @@ class AsyncEngine:
     async def current_stats(self) -> EngineStats:
         """``Engine.stats()`` taken now, between steps (the published ``stats`` may be a step old)."""
         return await self.call(lambda engine: engine.stats())
+
+    async def integrity(self) -> str:
+        """The pool and prefix-cache consistency check, run between steps: "ok" or "broken: why"."""
+        def check(engine: Engine) -> str:
+            try:
+                engine.check_integrity()
+                return "ok"
+            except IntegrityError as e:
+                return f"broken: {e}"
+        return await self.call(check)
 
     async def flush_prefix_cache(self) -> int:
         """Drop every prefix-cache page no request holds; returns the pages released."""

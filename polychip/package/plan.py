@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from polychip.commands.coverage import one_forward, op_rows
+from polychip.engine.coverage import one_forward, op_rows
 from polychip.devices.spec import DeviceSpec, fmt_bytes
 from polychip.engine.kv_pool import KVPool
 from polychip.models.loader import LoadedModel, load_model

@@ -3,7 +3,7 @@
 Every error names the file, the field path and what was expected, in one DeploymentError.
 Device checks (does the device exist, is tp within what is there, does the device have the
 model's dtype) are in ``placement``; this module knows only the file's shape and its own
-cross-references.
+cross-references. The ``router:`` section is the router's settings model itself.
 """
 from __future__ import annotations
 
@@ -13,10 +13,9 @@ from typing import Annotated, Any
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from polychip.config import QUANTIZATIONS
-from polychip.devices.spec import read_yaml_file
 from polychip.errors import ConfigError
-from polychip.router.config import (DEFAULT_PRIORITY_WEIGHTS, POLICY_NAMES, PRIORITY_CLASSES, GuardConfig,
-                                    HealthConfig, RouterConfig)
+from polychip.router.settings import RouterConfig
+from polychip.yaml_file import read_yaml_file
 
 
 class DeploymentError(ConfigError):
@@ -102,53 +101,10 @@ class ModelEntry(_Strict):
         return self.baseline or next(iter(self.versions))
 
 
-class HealthEntry(_Strict):
-    interval: float = Field(default=5.0, gt=0, le=300)
-    timeout: float = Field(default=5.0, gt=0)
-    failure_threshold: int = Field(default=3, ge=1)
-    success_threshold: int = Field(default=2, ge=1)
-
-
-class GuardEntry(_Strict):
-    max_error_rate: float = Field(default=0.001, ge=0, le=1)
-    max_p95_ratio: float = Field(default=1.5, gt=1)
-    min_samples: int = Field(default=20, ge=1)
-    window: int = Field(default=1000, ge=1)
-
-
-class RouterEntry(_Strict):
-    policy: str = "least_load"
-    priority_weights: dict[str, Annotated[float, Field(gt=0)]] = Field(
-        default_factory=lambda: dict(DEFAULT_PRIORITY_WEIGHTS))
-    health_check: HealthEntry = Field(default_factory=HealthEntry)
-    canary_guard: GuardEntry = Field(default_factory=GuardEntry)
-    max_retries: int = Field(default=2, ge=0)
-    max_inflight_per_replica: int | None = Field(default=None, ge=1)
-    max_queue: int = Field(default=1024, ge=0)
-    queue_timeout: float = Field(default=60.0, gt=0)
-    request_timeout: float = Field(default=600.0, gt=0)
-    drain_timeout: float = Field(default=30.0, gt=0)
-
-    @field_validator("policy")
-    @classmethod
-    def _policy(cls, v):
-        if v not in POLICY_NAMES:
-            raise ValueError(f"unknown policy {v!r}; expected one of {list(POLICY_NAMES)}")
-        return v
-
-    @field_validator("priority_weights")
-    @classmethod
-    def _classes(cls, v):
-        unknown = sorted(set(v) - set(PRIORITY_CLASSES))
-        if unknown:
-            raise ValueError(f"unknown priority class(es) {unknown}; expected {list(PRIORITY_CLASSES)}")
-        return {**DEFAULT_PRIORITY_WEIGHTS, **v}
-
-
 class Deployment(_Strict):
     replicas: list[ReplicaEntry] = Field(min_length=1)
     models: list[ModelEntry] = Field(min_length=1)
-    router: RouterEntry = Field(default_factory=RouterEntry)
+    router: RouterConfig = Field(default_factory=RouterConfig)      # the router's settings (router/settings.py)
     source: str = Field(default="<inline>", exclude=True)
 
     @model_validator(mode="after")
@@ -184,17 +140,6 @@ class Deployment(_Strict):
         if problems:
             raise ValueError("\n".join(problems))
         return self
-
-    def router_config(self, **overrides) -> RouterConfig:
-        r = self.router
-        fields = dict(policy=r.policy, priority_weights=dict(r.priority_weights),
-                      health=HealthConfig(**r.health_check.model_dump()),
-                      guard=GuardConfig(**r.canary_guard.model_dump()), max_retries=r.max_retries,
-                      max_inflight_per_replica=r.max_inflight_per_replica, max_queue=r.max_queue,
-                      queue_timeout=r.queue_timeout, request_timeout=r.request_timeout,
-                      drain_timeout=r.drain_timeout)
-        fields.update({k: v for k, v in overrides.items() if v is not None})
-        return RouterConfig(**fields)
 
 
 def _lines(err: ValidationError, source: str) -> list[str]:

@@ -10,7 +10,7 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 
-from polychip.router.config import RouterConfig
+from polychip.router.settings import RouterConfig
 from polychip.router.policies import Policy
 from polychip.router.replica import Replica
 from polychip.router.rollout import ModelRoute, Rollout

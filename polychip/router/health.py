@@ -11,7 +11,7 @@ from typing import Callable
 
 import httpx
 
-from polychip.router.config import HealthConfig
+from polychip.router.settings import HealthConfig
 from polychip.router.replica import Replica, ReplicaInfo
 
 log = logging.getLogger("polychip.router")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import abc
 
-from polychip.router.config import PrefixConfig
+from polychip.router.settings import PrefixConfig
 from polychip.router.prefix_tree import PrefixTree
 from polychip.router.replica import Replica
 

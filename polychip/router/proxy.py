@@ -17,9 +17,11 @@ from dataclasses import dataclass, field
 
 import anyio
 import httpx
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
-from polychip.router.config import RouterConfig
+from polychip.http.errors import error_body, error_response
+
+from polychip.router.settings import RouterConfig
 from polychip.router.dispatch import Dispatcher, NoReplicaError, QueueFullError, Ticket
 from polychip.router.metrics import RouterMetrics
 from polychip.router.replica import Replica
@@ -31,14 +33,6 @@ access = logging.getLogger("polychip.router.access")
 RETRYABLE_STATUS = frozenset({500, 502, 503, 504})
 CONNECT_FAILED = (httpx.ConnectError, httpx.ConnectTimeout)
 BROKEN = CONNECT_FAILED + (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError, httpx.PoolTimeout)
-
-
-def error_body(message: str, type_: str, code=None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": None, "code": code}}
-
-
-def error_json(status: int, message: str, type_: str, headers: dict | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, type_, status), status_code=status, headers=headers)
 
 
 def sse_text(data: dict | str) -> bytes:
@@ -127,8 +121,8 @@ class Proxy:
         except httpx.TimeoutException as e:
             self.d.release(replica)
             self._finish(call, replica, 504, None, ok=False, kind="timeout")
-            return error_json(504, f"replica {replica.name} sent nothing for {self.cfg.request_timeout:g}s "
-                              f"({type(e).__name__})", "timeout")
+            return error_response(504, f"replica {replica.name} sent nothing for {self.cfg.request_timeout:g}s "
+                                  f"({type(e).__name__})", "timeout")
         if resp.status_code in RETRYABLE_STATUS:
             raise Retry(f"http_{resp.status_code}", f"{replica.name} answered HTTP {resp.status_code}: "
                         f"{resp.text[:200]}")
@@ -228,7 +222,7 @@ class Proxy:
             ok, status, kind = False, 599, "stream_broken"
             log.warning("%s: stream from %s broke after the first token: %s", call.request_id, replica.name, e)
             yield sse_text(error_body(f"the replica {replica.name} failed mid-stream ({type(e).__name__}: {e}); "
-                                      "the answer is incomplete", "upstream_error", 502))
+                                      "the answer is incomplete", "upstream_error", None, 502))
             yield sse_text("[DONE]")
         except asyncio.CancelledError:
             status, kind = 499, "client_gone"
@@ -299,7 +293,7 @@ class Proxy:
                     (time.perf_counter() - call.t0) * 1000)
         headers = {"Retry-After": "1"} if retry_after else None
         type_ = "server_overloaded" if kind == "queue_full" else "service_unavailable"
-        return error_json(status, message, type_, headers)
+        return error_response(status, message, type_, headers=headers)
 
 
 def _has_token(msg) -> bool:

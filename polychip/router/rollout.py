@@ -14,7 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from polychip.errors import ConfigError
-from polychip.router.config import GuardConfig
+from polychip.router.settings import GuardConfig
 
 log = logging.getLogger("polychip.router")
 

@@ -9,12 +9,11 @@ import asyncio
 import logging
 import os
 import signal
-import sys
 import time
 from dataclasses import dataclass, field
 
+from polychip.http.launcher import VERSION_ENV, serve_command as serve_argv
 from polychip.router.deployment import ReplicaEntry
-from polychip.server.server_info import VERSION_ENV
 
 log = logging.getLogger("polychip.router.supervisor")
 
@@ -22,8 +21,7 @@ BACKOFF_START, BACKOFF_MAX, STABLE_AFTER = 1.0, 30.0, 60.0
 
 
 def serve_command(entry: ReplicaEntry, port: int, dtype: str, quantization: str | None) -> list[str]:
-    cmd = [sys.executable, "-m", "polychip.serve", "--host", entry.host, "--port", str(port),
-           "--served-model-name", entry.model, "--device", entry.device]
+    cmd = serve_argv(entry.host, port, ["--served-model-name", entry.model, "--device", entry.device])
     if entry.model_path:
         cmd += ["--model-path", entry.model_path]
     if dtype != "auto":

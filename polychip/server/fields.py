@@ -14,7 +14,7 @@ from typing import Any, Callable
 from pydantic import BaseModel
 
 from polychip.errors import InvalidRequestError
-from polychip.server.logs import printable
+from polychip.http.logs import printable
 
 log = logging.getLogger("polychip.server")
 

@@ -2,7 +2,7 @@
 (``/server_info`` with the KV pool state and an integrity check, ``/flush_cache``), and SGLang's
 native worker routes (server/sglang_api.py: /generate, /model_info, /health_generate).
 
-The routes are module-level handlers on one APIRouter; each finds the server's state on
+The routes are module-level handlers on APIRouters named for their routes (``openai_routes`` here); each finds the server's state on
 ``request.app.state.polychip``. Errors are turned into OpenAI error bodies by the app's exception
 handlers (``errors.install_error_handlers``), not per route.
 """
@@ -17,14 +17,15 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from polychip.config import ServerConfig
-from polychip.console import mount_console
 from polychip.engine.async_engine import AsyncEngine
 from polychip.engine.engine import COUNTERS, Engine
 from polychip.models.gguf import default_gguf_path
+from polychip.http.console import mount_console
+from polychip.http.errors import error_response, install_error_handlers, parse_body
+from polychip.http.gate import EdgeLimits, Gate
 from polychip.server import chat, completions, server_info, sglang_api
-from polychip.server.errors import error_response, install_error_handlers, parse_body
+from polychip.server.errors import to_response
 from polychip.server.metrics import CONTENT_TYPE, ServerMetrics
-from polychip.server.middleware import Gate
 from polychip.server.protocol import ChatCompletionRequest, CompletionRequest, model_card
 from polychip.server.serving import ServerState, state_of
 
@@ -33,9 +34,9 @@ log = logging.getLogger("polychip.server")
 KNOWN_PARAMS = frozenset(ChatCompletionRequest.model_fields) | frozenset(CompletionRequest.model_fields) | {
     "top_logprobs", "logprobs"}
 
-router = APIRouter()
+openai_routes = APIRouter()
 
-@router.get("/health")
+@openai_routes.get("/health")
 async def health(request: Request):
     ae = state_of(request).engine
     if ae.fault is not None:
@@ -46,19 +47,19 @@ async def health(request: Request):
     return JSONResponse({"status": f"engine {why}"}, status_code=503)
 
 
-@router.get("/v1/models")
+@openai_routes.get("/v1/models")
 async def models(request: Request):
     s = state_of(request)
     return {"object": "list", "data": [model_card(s.model_name, s.created, s.max_model_len, s.engine.model_dir)]}
 
 
-@router.post("/v1/chat/completions")
+@openai_routes.post("/v1/chat/completions")
 async def chat_completions(request: Request):
     req = parse_body(await request.body(), ChatCompletionRequest)
     return await chat.create_chat_completion(state_of(request), req, request)
 
 
-@router.post("/v1/completions")
+@openai_routes.post("/v1/completions")
 async def text_completions(request: Request):
     req = parse_body(await request.body(), CompletionRequest)
     return await completions.create_completion(state_of(request), req, request)
@@ -67,19 +68,19 @@ async def text_completions(request: Request):
 async def pool_info(ae: AsyncEngine) -> dict:
     s = await ae.current_stats()
     return {"kv_pool": {"num_pages": s.pages_total, "free_pages": s.pages_free, "cached_pages": s.pages_cached,
-                        "page_size": s.page_size, "integrity": await ae.call(server_info.integrity)},
+                        "page_size": s.page_size, "integrity": await ae.integrity()},
             "num_waiting": s.num_waiting, "num_running": s.num_running,
             "counters": {name: getattr(s, name) for name in COUNTERS}}
 
 
-@router.api_route("/flush_cache", methods=["GET", "POST"])     # SGLang's methods; always 200 here:
+@openai_routes.api_route("/flush_cache", methods=["GET", "POST"])     # SGLang's methods; always 200 here:
 async def flush_cache(request: Request):                          # only pages no request holds are freed
     ae = state_of(request).engine
     released = await ae.flush_prefix_cache()
     return {"message": "Cache flushed.", "released_pages": released, **await pool_info(ae)}
 
 
-@router.get("/metrics")
+@openai_routes.get("/metrics")
 async def prometheus(request: Request):
     s = state_of(request)
     if s.metrics is None:
@@ -119,12 +120,13 @@ def build_app(engine: Engine, cfg: ServerConfig | None = None) -> tuple[Gate, Se
         ae.tokenizer.encode("", special_tokens_as_text=True)
     app = FastAPI(title="polychip", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.polychip = state
-    install_error_handlers(app, KNOWN_PARAMS)
-    app.include_router(router)
-    app.include_router(server_info.router)     # /server_info, /get_server_info
-    app.include_router(sglang_api.router)      # /generate, /model_info, /get_model_info, /health_generate
+    install_error_handlers(app, lambda exc: to_response(exc, KNOWN_PARAMS))
+    app.include_router(openai_routes)
+    app.include_router(server_info.server_info_routes)     # /server_info, /get_server_info
+    app.include_router(sglang_api.sglang_routes)           # /generate, /model_info, /get_model_info, /health_generate
     mount_console(app)                         # /console: the web console (its data needs the key)
     on_response = (lambda m, r, s: metrics.http.labels(m, r, str(s)).inc()) if metrics is not None else None
-    gate = Gate(app, api_key=cfg.api_key, max_body_bytes=cfg.max_request_body_bytes,
-                body_timeout=cfg.timeout_request_body, on_response=on_response)
+    limits = EdgeLimits(api_key=cfg.api_key, max_body_bytes=cfg.max_request_body_bytes,
+                        body_timeout=cfg.timeout_request_body)
+    gate = Gate(app, limits, on_response=on_response)
     return gate, state

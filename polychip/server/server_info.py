@@ -17,42 +17,20 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from polychip.devices.spec import supported_dtypes
-from polychip.engine.engine import COUNTERS, Engine
+from polychip.engine.engine import COUNTERS
 from polychip.engine.stats import EngineStats
-from polychip.errors import IntegrityError
+from polychip.http.launcher import DEFAULT_VERSION, VERSION_ENV
 from polychip.server.serving import ServerState, state_of
 from polychip.server.sglang_api import server_args
 
-VERSION_ENV = "POLYCHIP_VERSION_LABEL"
-DEFAULT_VERSION = "default"
-
-router = APIRouter()
-
-
-def integrity(engine: Engine) -> str:
-    """Runs in the engine thread: the pool and prefix-cache consistency check."""
-    try:
-        engine.check_integrity()
-        return "ok"
-    except IntegrityError as e:
-        return f"broken: {e}"
+server_info_routes = APIRouter()
 
 
 def identity(state: ServerState, version: str) -> dict[str, Any]:
     """The fixed part: what this replica serves and on which device."""
-    engine = state.engine.engine
-    plugin = engine.plugin
     return {"model": state.model_name, "model_id": state.model_name, "version": version,
             "model_path": state.engine.model_dir, "max_model_len": state.max_model_len,
-            "plugin": plugin.name, "plugin_version": plugin.plugin_version,
-            "device_type": plugin.name, "device_index": plugin.index, "device": f"{plugin.name}:{plugin.index}",
-            "torch_device_type": plugin.torch_device_type, "dtype": str(engine.loaded.dtype).removeprefix("torch."),
-            "kv_cache_dtype": str(engine.kv_dtype).removeprefix("torch."),
-            "device_dtypes": list(supported_dtypes(plugin)), "quantization": engine.loaded.quantization,
-            "tp_size": engine.config.tp_size,
-            "max_running_requests": engine.config.max_running_requests,
-            "max_waiting_requests": state.config.max_waiting_requests}
+            **state.engine.device_identity(), "max_waiting_requests": state.config.max_waiting_requests}
 
 
 def build_server_info(ident: dict[str, Any], s: EngineStats, integrity_check: str) -> dict[str, Any]:
@@ -66,8 +44,8 @@ def build_server_info(ident: dict[str, Any], s: EngineStats, integrity_check: st
             "devices": [dataclasses.asdict(r) for r in s.ranks]}     # every tensor-parallel rank
 
 
-@router.get("/server_info")
-@router.get("/get_server_info")
+@server_info_routes.get("/server_info")
+@server_info_routes.get("/get_server_info")
 async def server_info(request: Request):
     state = state_of(request)
     app_state = request.app.state
@@ -75,4 +53,4 @@ async def server_info(request: Request):
         app_state.server_identity = {**server_args(state),
                                      **identity(state, os.environ.get(VERSION_ENV) or DEFAULT_VERSION)}
     ae = state.engine
-    return build_server_info(app_state.server_identity, await ae.current_stats(), await ae.call(integrity))
+    return build_server_info(app_state.server_identity, await ae.current_stats(), await ae.integrity())

@@ -15,7 +15,7 @@ from polychip.engine.async_engine import AsyncEngine, RequestStream, SubRequest
 from polychip.engine.request import RequestOutput, TokenLogprob
 from polychip.engine.sampling_params import SamplingParams
 from polychip.errors import InvalidRequestError
-from polychip.server.errors import APIError
+from polychip.http.errors import APIError
 from polychip.server.protocol import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger("polychip.server")
@@ -40,7 +40,7 @@ class ServerState:
     @property
     def grammar(self):
         """The engine's GrammarBackend (thread-safe compile)."""
-        return self.engine.engine.grammar
+        return self.engine.grammar
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:

@@ -23,7 +23,7 @@ from fastapi.responses import Response
 import polychip
 from polychip.engine.async_engine import SubRequest
 from polychip.engine.sampling_params import SamplingParams
-from polychip.server.errors import parse_body
+from polychip.http.errors import parse_body
 from polychip.server.serving import ServerState, state_of
 from polychip.server.sglang_generate import GenerateRequest, generate
 
@@ -31,13 +31,13 @@ log = logging.getLogger("polychip.server")
 
 HEALTH_GENERATE_TIMEOUT = 20.0      # seconds, as SGLang's SGLANG_HEALTH_CHECK_TIMEOUT default
 
-router = APIRouter()
+sglang_routes = APIRouter()
 
 
 def model_info(state: ServerState) -> dict:
-    eng = state.engine.engine
-    root = state.engine.model_dir
-    path = eng.config.model_path or root
+    ae = state.engine
+    root = ae.model_dir
+    path = ae.config.model_path or root
     hf = {}
     cfg_file = os.path.join(root, "config.json")
     if os.path.exists(cfg_file):
@@ -46,18 +46,18 @@ def model_info(state: ServerState) -> dict:
     return {"model_path": path, "tokenizer_path": path, "is_generation": True, "preferred_sampling_params": None,
             "weight_version": "default", "has_image_understanding": False, "has_audio_understanding": False,
             "model_type": hf.get("model_type"), "architectures": hf.get("architectures")
-            or [eng.model_config.architecture]}
+            or [ae.architecture]}
 
 
 def server_args(state: ServerState) -> dict:
     """SGLang's ``/server_info`` fields: the settings in ``ServerArgs`` names (the API key never
     shown), ``status``, token limits and ``internal_states``. sglang-router reads ``model_path``,
     ``served_model_name``, ``tp_size`` and ``dp_size`` from them when it registers a worker."""
-    eng = state.engine.engine
-    ec, cfg = eng.config, state.config
+    ae = state.engine
+    ec, cfg = ae.config, state.config
     path = ec.model_path or state.engine.model_dir
     args = {"model_path": path, "tokenizer_path": path, "served_model_name": state.model_name, "host": cfg.host,
-            "port": cfg.port, "dtype": ec.dtype, "context_length": ec.max_model_len, "device": eng.plugin.name,
+            "port": cfg.port, "dtype": ec.dtype, "context_length": ec.max_model_len, "device": ae.device_identity()["plugin"],
             "tp_size": ec.tp_size, "dp_size": 1, "pp_size": 1, "page_size": ec.page_size,
             "max_total_tokens": ec.max_total_tokens, "mem_fraction_static": ec.mem_fraction_static,
             "chunked_prefill_size": ec.chunked_prefill_size, "max_running_requests": ec.max_running_requests,
@@ -67,26 +67,26 @@ def server_args(state: ServerState) -> dict:
             "grammar_backend": "xgrammar", "skip_server_warmup": cfg.skip_server_warmup,
             "enable_metrics": cfg.enable_metrics, "log_level": cfg.log_level, "api_key": None,
             "is_embedding": False, "weight_version": "default"}
-    internal = {**args, "memory_usage": {"token_capacity": eng.pool.num_tokens},
+    internal = {**args, "memory_usage": {"token_capacity": ae.token_capacity},
                 "effective_max_running_requests_per_dp": ec.max_running_requests}
-    return {**args, "status": "ready", "max_total_num_tokens": eng.pool.num_tokens,
+    return {**args, "status": "ready", "max_total_num_tokens": ae.token_capacity,
             "max_req_input_len": state.max_model_len - 1, "internal_states": [internal],
             "polychip_version": polychip.__version__}
 
 
-@router.api_route("/generate", methods=["POST", "PUT"])
+@sglang_routes.api_route("/generate", methods=["POST", "PUT"])
 async def generate_route(request: Request):
     req = parse_body(await request.body(), GenerateRequest)
     return await generate(state_of(request), req, request)
 
 
-@router.get("/model_info")
-@router.get("/get_model_info")
+@sglang_routes.get("/model_info")
+@sglang_routes.get("/get_model_info")
 async def model_info_route(request: Request):
     return model_info(state_of(request))
 
 
-@router.get("/health_generate")
+@sglang_routes.get("/health_generate")
 async def health_generate(request: Request):
     ae = state_of(request).engine
     if not ae.alive:

@@ -8,8 +8,9 @@ import logging
 from typing import AsyncIterator
 
 from polychip.engine.async_engine import RequestStream
-from polychip.server.errors import error_body, message_of, to_response
-from polychip.server.logs import printable
+from polychip.http.errors import error_body
+from polychip.server.errors import message_of, to_response
+from polychip.http.logs import printable
 
 log = logging.getLogger("polychip.server")
 

@@ -1,5 +1,5 @@
-"""The web console: a page built from ``console/`` (Vite; the bundle under ``static/`` is committed)
-and the routes that serve it at ``/console`` on the router and on ``polychip serve``.
+"""The web console: a page built from ``console/`` (Vite; the bundle in ``polychip/console/static`` is
+committed) and the routes that serve it at ``/console`` on the router and on ``polychip serve``.
 
 The page itself is public (it holds no data); everything it shows comes from the API routes, with
 the key the operator types in, sent as ``Authorization: Bearer``. The responses carry a strict
@@ -13,7 +13,7 @@ from fastapi import FastAPI
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 
-STATIC = Path(__file__).parent / "static"
+STATIC = Path(__file__).resolve().parents[1] / "console" / "static"
 PATH = "/console"
 CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; connect-src 'self'; "
        "font-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")

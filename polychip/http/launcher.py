@@ -1,10 +1,13 @@
-"""Start ``polychip serve`` in a subprocess on a free port and wait until it is healthy
-(used by the tests; handy for benchmarks and scripts too)."""
+"""Launching ``polychip serve``: the command line (the router's supervisor builds on it) and
+``ServerProcess``, one server in a subprocess on a free port, waited on until healthy (used by
+the tests; handy for benchmarks and scripts too).
+
+``VERSION_ENV`` is how a launcher tells a replica its version label; the server reports it in
+``/server_info``."""
 from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -12,11 +15,15 @@ import time
 
 import httpx
 
+from polychip.http.server import free_port
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+VERSION_ENV = "POLYCHIP_VERSION_LABEL"
+DEFAULT_VERSION = "default"
+
+
+def serve_command(host: str, port: int, args: list[str] = ()) -> list[str]:
+    """``python -m polychip.serve --host H --port P ARGS...`` with this interpreter."""
+    return [sys.executable, "-m", "polychip.serve", "--host", host, "--port", str(port), *args]
 
 
 class ServerProcess:
@@ -24,7 +31,7 @@ class ServerProcess:
                  env: dict | None = None):
         self.host, self.port = host, port or free_port(host)
         self.url = f"http://{host}:{self.port}"
-        cmd = [sys.executable, "-m", "polychip.serve", "--host", host, "--port", str(self.port), *args]
+        cmd = serve_command(host, self.port, args)
         self.lines: list[str] = []
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env={**os.environ, **(env or {})})

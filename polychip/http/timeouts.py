@@ -3,7 +3,7 @@ and a request's headers must arrive within a bound once they have begun (slowlor
 
 uvicorn's h11 protocol arms its keep-alive timer only after a response and has no header
 timeout, so a socket that never sends, or sends one header byte a minute, stays open forever.
-The body's arrival time is bounded in the Gate (``--timeout-request-body``).
+The body's arrival time is bounded in the Gate (``http/gate.py``).
 """
 from __future__ import annotations
 
@@ -12,8 +12,6 @@ import logging
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
-
-from polychip.config import ServerConfig
 
 log = logging.getLogger("polychip.access")
 
@@ -53,7 +51,7 @@ class TimedH11Protocol(H11Protocol):
             self.transport.close()
 
 
-def uvicorn_options(cfg: ServerConfig) -> dict:
-    """The uvicorn.Config arguments that carry the server's connection timeouts."""
-    protocol = type("TimedH11Protocol", (TimedH11Protocol,), {"header_timeout": cfg.timeout_request_header})
-    return {"http": protocol, "timeout_keep_alive": cfg.timeout_keep_alive}
+def uvicorn_options(header_timeout: float, keep_alive: float) -> dict:
+    """The uvicorn.Config arguments that carry the connection timeouts (seconds)."""
+    protocol = type("TimedH11Protocol", (TimedH11Protocol,), {"header_timeout": header_timeout})
+    return {"http": protocol, "timeout_keep_alive": keep_alive}

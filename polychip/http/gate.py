@@ -1,5 +1,5 @@
-"""One pure-ASGI gate in front of the app: request ids, API key, content type, body size and
-arrival time, access log.
+"""One pure-ASGI gate in front of an app (the server's and the router's): request ids,
+cross-origin refusal, API key, content type, body size and arrival time, access log.
 
 Pure ASGI (not BaseHTTPMiddleware) so streaming responses and client disconnects pass
 through untouched.
@@ -7,16 +7,19 @@ through untouched.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import re
 import time
 import uuid
+from dataclasses import dataclass
+from typing import Callable
+from urllib.parse import urlsplit
 
-from polychip.console import is_console_path
-from polychip.server.errors import error_body
-from polychip.server.logs import printable
+from polychip.http.auth import bearer_token, key_refusal
+from polychip.http.console import is_console_path
+from polychip.http.errors import error_body
+from polychip.http.logs import printable
 
 log = logging.getLogger("polychip.access")
 
@@ -24,6 +27,8 @@ _SAFE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 OPEN_PATHS = ("/health", "/metrics")     # no API key needed (probes and scrapers); nor the console's
                                          # page and assets (static; its data comes from keyed routes)
 BODY_METHODS = ("POST", "PUT", "PATCH")
+SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
+SAME_ORIGIN_FETCH = ("same-origin", "none")   # Sec-Fetch-Site values of a page on this origin, or a typed URL
 
 
 def client_request_id(headers: dict[bytes, bytes]) -> str | None:
@@ -38,10 +43,35 @@ def is_json(headers: dict[bytes, bytes]) -> bool:
     return media == b"application/json"
 
 
+def cross_origin(headers: dict[bytes, bytes]) -> str | None:
+    """Why a request is a browser's cross-origin one (None when it is not). A browser says so in
+    ``Sec-Fetch-Site``, or sends an ``Origin`` that is not this host; sglang-router and curl send
+    neither, so they pass."""
+    site = headers.get(b"sec-fetch-site", b"").decode("latin-1").lower()
+    if site and site not in SAME_ORIGIN_FETCH:
+        return f"Sec-Fetch-Site: {printable(site)}"
+    origin = headers.get(b"origin", b"").decode("latin-1")
+    if not origin:
+        return None
+    host = headers.get(b"host", b"").decode("latin-1").lower()
+    if origin == "null" or urlsplit(origin).netloc.lower() != host:
+        return f"Origin {printable(origin)!r} is not this server ({printable(host) or 'no Host'})"
+    return None
+
+
+@dataclass(frozen=True)
+class EdgeLimits:
+    """What the gate enforces; the server's and the router's settings each map onto it."""
+
+    api_key: str | None = None          # None: no key at the gate (the router checks its own per route)
+    max_body_bytes: int = 16 * 1024 * 1024
+    body_timeout: float = 60.0
+    access_log: bool = True
+
+
 class Gate:
-    def __init__(self, app, *, api_key: str | None, max_body_bytes: int, body_timeout: float = 60.0,
-                 on_response=None):
-        self.app, self.api_key, self.max_body, self.body_timeout = app, api_key, max_body_bytes, body_timeout
+    def __init__(self, app, limits: EdgeLimits, on_response: Callable | None = None):
+        self.app, self.limits = app, limits
         self.on_response = on_response       # (method, route, status) for metrics
 
     async def __call__(self, scope, receive, send):
@@ -56,47 +86,59 @@ class Gate:
         async def send_with_id(message):
             if message["type"] == "http.response.start":
                 status["code"] = message["status"]
-                message.setdefault("headers", [])
-                message["headers"] = list(message["headers"]) + [(b"x-request-id", (label or rid).encode())]
+                raw = list(message.get("headers", []))
+                if not any(k.lower() == b"x-request-id" for k, _ in raw):
+                    raw.append((b"x-request-id", (label or rid).encode()))
+                message["headers"] = raw
             await send(message)
 
         try:
-            refusal = self._refuse(scope, headers)
-            if refusal is None and scope["method"] in BODY_METHODS:
-                body, refusal = await self._read_body_in_time(receive, headers)
-                if refusal is None:
-                    receive = _replay(body, receive)
-            if refusal is not None:
-                await _send_json(send_with_id, *refusal)
-            else:
-                await self.app(scope, receive, send_with_id)
+            await self._admit(scope, receive, send_with_id, headers)
         finally:
+            self._log(scope, rid, label, status["code"], t0)
+
+    async def _admit(self, scope, receive, send, headers) -> None:
+        refusal = self._refuse(scope, headers)
+        if refusal is None and scope["method"] in BODY_METHODS:
+            body, refusal = await self._read_body_in_time(receive, headers)
+            if refusal is None:
+                receive = _replay(body, receive)
+        if refusal is not None:
+            await _send_json(send, *refusal)
+        else:
+            await self.app(scope, receive, send)
+
+    def _log(self, scope, rid: str, label: str | None, code: int, t0: float) -> None:
+        if self.limits.access_log:
             ms = (time.perf_counter() - t0) * 1000
             log.info("%s%s %s %s %d %.0fms", rid, f" ({label})" if label else "", printable(scope["method"]),
-                     printable(scope["path"]), status["code"], ms)
-            if self.on_response is not None:
-                self.on_response(scope["method"], _route_label(scope["path"]), status["code"])
+                     printable(scope["path"]), code, ms)
+        if self.on_response is not None:
+            self.on_response(scope["method"], _route_label(scope["path"]), code)
 
     def _refuse(self, scope, headers) -> tuple | None:
-        if self.api_key is None or scope["path"] in OPEN_PATHS or is_console_path(scope["path"]):
+        if scope["method"] not in SAFE_METHODS and (why := cross_origin(headers)) is not None:
+            return 403, error_body(f"cross-origin request refused ({why}): a web page on another site may not "
+                                   "call this API", "permission_error", None, "cross_origin"), {}
+        if self.limits.api_key is None or scope["path"] in OPEN_PATHS or is_console_path(scope["path"]):
             return None
-        auth = headers.get(b"authorization", b"").decode("latin-1")
-        token = auth[7:].strip() if auth[:7].lower() == "bearer " else headers.get(b"x-api-key", b"").decode(
-            "latin-1")
-        if token and hmac.compare_digest(token.encode(), self.api_key.encode()):
+        token = bearer_token(headers.get(b"authorization", b"").decode("latin-1"),
+                             headers.get(b"x-api-key", b"").decode("latin-1"))
+        refused = key_refusal(token, self.limits.api_key)
+        if refused is None:
             return None
-        why = "missing API key" if not token else "invalid API key"
-        return 401, error_body(f"{why}: send 'Authorization: Bearer <key>'", "authentication_error", None,
-                               "invalid_api_key"), {"www-authenticate": "Bearer"}
+        return refused.status, error_body(refused.message, refused.type, None, refused.code), refused.headers
 
     async def _read_body_in_time(self, receive, headers) -> tuple[bytes, tuple | None]:
+        limit = self.limits.body_timeout
         try:
-            body, refusal = await asyncio.wait_for(self._read_body(receive, headers), self.body_timeout)
+            body, refusal = await asyncio.wait_for(self._read_body(receive, headers), limit)
         except asyncio.TimeoutError:
-            return b"", (408, error_body(f"the request body did not arrive within {self.body_timeout:g} s "
+            return b"", (408, error_body(f"the request body did not arrive within {limit:g} s "
                                          "(--timeout-request-body)", "invalid_request_error", None, 408), {})
         # a body is JSON or nothing: a form or text/plain POST is what a web page can send cross-site.
-        # An empty POST needs no type (sglang-router fans POST /flush_cache out without one).
+        # An empty POST needs no type (sglang-router fans POST /flush_cache out without one); a
+        # browser's cross-origin POST was refused above whatever its body.
         # Checked once the body is read, so the connection stays usable (unread bytes make a reset).
         if refusal is None and body and not is_json(headers):
             given = headers.get(b"content-type", b"").decode("latin-1") or "none"
@@ -105,10 +147,11 @@ class Gate:
         return body, refusal
 
     async def _read_body(self, receive, headers) -> tuple[bytes, tuple | None]:
-        too_big = (413, error_body(f"request body is larger than the limit of {self.max_body} bytes "
+        limit = self.limits.max_body_bytes
+        too_big = (413, error_body(f"request body is larger than the limit of {limit} bytes "
                                    "(--max-request-body-bytes)", "invalid_request_error", None, 413), {})
         length = headers.get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_body:
+        if length is not None and length.isdigit() and int(length) > limit:
             return b"", too_big
         chunks, size = [], 0
         while True:
@@ -117,7 +160,7 @@ class Gate:
                 return b"", (499, error_body("client disconnected", "invalid_request_error"), {})
             chunk = message.get("body", b"")
             size += len(chunk)
-            if size > self.max_body:
+            if size > limit:
                 return b"", too_big
             chunks.append(chunk)
             if not message.get("more_body", False):

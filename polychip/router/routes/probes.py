@@ -1,0 +1,23 @@
+"""/health (200 while a replica is up, else 503) and /metrics (Prometheus); no API key."""
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from polychip.router.metrics import CONTENT_TYPE
+from polychip.router.routes import router_of
+
+probe_routes = APIRouter()
+
+
+@probe_routes.get("/health")
+async def health(request: Request):
+    replicas = router_of(request).dispatcher.replicas
+    up = [r.name for r in replicas.values() if r.up]
+    body = {"status": "ok" if up else "no replica is up", "replicas_up": len(up), "replicas": len(replicas)}
+    return JSONResponse(body, status_code=200 if up else 503)
+
+
+@probe_routes.get("/metrics")
+async def metrics(request: Request):
+    return Response(router_of(request).metrics.render(), media_type=CONTENT_TYPE)
