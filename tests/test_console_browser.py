@@ -16,11 +16,13 @@ import textwrap
 
 import httpx
 import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
 
 from console_helpers import DESKTOP, PHONE, VIEWS, ConsoleBrowser, missing_routes, screens_dir
 from polychip.router.settings import HealthConfig, RouterConfig
 from polychip.http.launcher import ServerProcess
-from router_helpers import RouterProcess, start_router, wait_for
+from router_helpers import RouterProcess, ThreadServer, start_router, wait_for
 
 pytestmark = pytest.mark.device_independent   # names its devices: cpu and simxpu:0
 
@@ -261,3 +263,44 @@ def test_serve_console_shows_its_one_replica(sim, browser, screens):
     cp.shot(screens, "serve-chat")
     cp.assert_clean(missing, locked=True)
     cp.close()
+
+
+def thinking_replica() -> FastAPI:
+    """A replica that streams a Qwen3-style answer: reasoning_content deltas, then content."""
+    from router_helpers import FakeReplica
+    app = FakeReplica(model="qwen3-fake", device="simxpu:1").app
+
+    async def answer(request: Request):
+        pieces = [{"reasoning_content": "The user greets"}, {"reasoning_content": " me."},
+                  {"content": "Hello"}, {"content": " back!"}]
+
+        async def events():
+            for delta in pieces:
+                yield f"data: {json.dumps({'choices': [{'index': 0, 'delta': delta}]})}\n\n"
+            usage = {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+            yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
+            yield "data: [DONE]\n\n"
+        return StreamingResponse(events(), media_type="text/event-stream")
+    app.router.routes = [r for r in app.router.routes if getattr(r, "path", "") != "/v1/chat/completions"]
+    app.add_api_route("/v1/chat/completions", answer, methods=["POST"])
+    return app
+
+
+def test_chat_shows_thinking_apart_from_the_answer(browser, screens):
+    with ThreadServer(thinking_replica()) as replica:
+        server, _ = start_router(RouterConfig(health=HealthConfig(interval=0.3, success_threshold=1)), [replica.url])
+        try:
+            wait_for(lambda: httpx.get(server.url + "/health").status_code == 200, 20, "replica up")
+            cp = browser.page(server.url)
+            page = cp.open("chat")
+            answer = send_chat(page, "Hi")
+            assert answer.locator("[data-thinking]").text_content() == "The user greets me."
+            assert answer.locator("[data-answer]").text_content() == "Hello back!"
+            assert answer.locator("[data-device]").inner_text() == "simxpu:1"
+            assert answer.locator("[data-tokens]").inner_text() == "4"
+            answer.locator("details.thinking summary").click()      # shown while streaming, folded after
+            cp.shot(screens, "chat-thinking")
+            cp.assert_clean(missing_routes(server.url, None))
+            cp.close()
+        finally:
+            server.stop()
