@@ -5,7 +5,7 @@ import { html } from './html.js';
 
 const COLORS = ['#1f6feb', '#d2691e', '#2da44e', '#a371f7', '#cf222e', '#8c959f'];
 
-export function Chart({ title, t, lines, unit = '', scale = 1 }) {
+export function Chart({ title, t, lines, unit = '', scale = 1, dots = false }) {
   const box = useRef(null);
   const plot = useRef(null);
   const names = lines.map((l) => l.label).join('|');
@@ -18,9 +18,9 @@ export function Chart({ title, t, lines, unit = '', scale = 1 }) {
       cursor: { drag: { x: false, y: false } },
       scales: { y: { range: (u, lo, hi) => [0, Math.max((hi || 0) * 1.1, 1)] } },
       axes: [{}, { values: (u, ticks) => ticks.map((v) => `${+v.toPrecision(3)}${unit}`), size: 60 }],
-      // points too: a bin with a figure between two empty ones is a dot, not an invisible line
+      // dots for a line with gaps (percentiles of steps without requests): a lone figure stays visible
       series: [{}, ...lines.map((l, i) => ({ label: l.label, stroke: COLORS[i % COLORS.length], width: 1.5,
-                                             points: { show: true, size: 4, fill: COLORS[i % COLORS.length] } }))],
+                                             ...(dots ? { points: { show: true, size: 4, fill: COLORS[i % COLORS.length] } } : {}) }))],
     };
     plot.current = new uPlot(opts, data, box.current);
     const watch = new ResizeObserver(() => plot.current.setSize({ width: box.current.clientWidth, height: 170 }));
@@ -29,7 +29,7 @@ export function Chart({ title, t, lines, unit = '', scale = 1 }) {
       watch.disconnect();
       plot.current.destroy();
     };
-  }, [names, unit]);
+  }, [names, unit, dots]);
   useEffect(() => {
     plot.current.setData(data);
   });

@@ -48,9 +48,9 @@ function Charts({ d, pick, setPick }) {
     <div class="charts">
       <${Chart} title="Output tokens/s" t=${t} lines=${[{ label: 'tok/s', values: s.output_tokens_per_s }]} />
       <${Chart} title="Requests/s" t=${t} lines=${[{ label: 'req/s', values: s.requests_per_s }]} />
-      <${Chart} title="Time to first token" t=${t} unit=" ms" scale=${1000}
+      <${Chart} title="Time to first token" t=${t} unit=" ms" scale=${1000} dots=${true}
         lines=${[{ label: 'p50', values: s.ttft_p50_s }, { label: 'p95', values: s.ttft_p95_s }]} />
-      <${Chart} title="Time per output token" t=${t} unit=" ms" scale=${1000}
+      <${Chart} title="Time per output token" t=${t} unit=" ms" scale=${1000} dots=${true}
         lines=${[{ label: 'p50', values: s.tpot_p50_s }, { label: 'p95', values: s.tpot_p95_s }]} />
       <${Chart} title="Waiting in the router, by priority" t=${t} lines=${queue} />
       <${Chart} title="Errors/s" t=${t} lines=${[{ label: 'errors/s', values: s.errors_per_s }]} />
