@@ -154,11 +154,20 @@ def test_every_view_with_the_key(fleet, browser, screens, size):
     _expect_missing_or_shown(page, missing, "/admin/devices", "[data-host]")
     cp.shot(screens, f"{size}-room")
 
-    chat_via_api(fleet.url, "v2", "simxpu", "warm the live view", 6)     # something for Live to show
+    for i in range(3):       # something for Live to show, on both device types
+        chat_via_api(fleet.url, "v2", "simxpu", f"warm the live view {i}", 6)
+        chat_via_api(fleet.url, "v1", "cpu", f"warm the live view {i}", 6)
+    live = httpx.get(fleet.url + "/admin/live", headers=AUTH).json()
+    for device in ("cpu", "simxpu"):
+        s = next(x for x in live["series"] if (x["model"], x["device_type"]) == ("tiny", device))
+        assert sum(s["requests_per_s"]) * live["step_s"] >= 3
     cp.show("live")
     page.wait_for_selector(".chart canvas")
     assert page.locator(".chart").count() == 6
-    assert page.locator("select option", has_text="tiny on simxpu").count() == 1
+    for device in ("cpu", "simxpu"):
+        assert page.locator("select option", has_text=f"tiny on {device}").count() == 1
+    page.wait_for_function("() => [...document.querySelectorAll('.tile b')].some(b => parseFloat(b) > 0 "
+                           "|| parseFloat(b.textContent) > 0)")
     cp.shot(screens, f"{size}-live")
 
     cp.show("rollout")
