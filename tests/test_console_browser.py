@@ -94,7 +94,8 @@ def screens(tmp_path_factory):
 def chat_via_api(url: str, version: str, device_type: str, prompt: str, max_tokens: int) -> tuple[str, dict]:
     """The same streamed request the Chat view sends, straight to the router: (text, headers)."""
     body = {"model": "tiny", "messages": [{"role": "user", "content": prompt}], "stream": True,
-            "max_tokens": max_tokens, "temperature": 0, "preferred_device_types": [device_type]}
+            "max_tokens": max_tokens, "temperature": 0, "preferred_device_types": [device_type],
+            "stream_options": {"include_usage": True}}
     text = ""
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120,
                       headers={**AUTH, "x-polychip-version": version}) as r:
@@ -161,6 +162,7 @@ def test_every_view_with_the_key(fleet, browser, screens, size):
     for device in ("cpu", "simxpu"):
         s = next(x for x in live["series"] if (x["model"], x["device_type"]) == ("tiny", device))
         assert sum(s["requests_per_s"]) * live["step_s"] >= 3
+        assert sum(s["output_tokens_per_s"]) * live["step_s"] >= 18      # 3 x 6 tokens, from the usage
     cp.show("live")
     page.wait_for_selector(".chart canvas")
     assert page.locator(".chart").count() == 6
