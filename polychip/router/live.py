@@ -3,7 +3,7 @@
 Each finished request is recorded into the bin of the second-step it ended in, per (model,
 device type): requests, errors, output tokens, and its TTFT and TPOT; the router's queue per
 priority class and its requests in flight are sampled once per step. The last ``window`` seconds
-are kept; the view gives rates per second and p50/p95 per bin, for every (model, device type),
+(since the router started, at most) are kept; the view gives rates per second and p50/p95 per bin, for every (model, device type),
 every model, every device type and all traffic. No Prometheus server is needed.
 """
 from __future__ import annotations
@@ -50,6 +50,7 @@ class LiveSeries:
             raise ValueError(f"live series: need 0 < step <= window, got step={step}, window={window}")
         self.step, self.window, self.clock = step, window, clock
         self.bins: deque[_Bin] = deque(maxlen=int(window // step))
+        self.first = int(clock() // step)        # no steps before the router started
 
     def _bin(self) -> _Bin:
         index = int(self.clock() // self.step)
@@ -88,7 +89,7 @@ class LiveSeries:
     def view(self, classes=("high", "normal", "low")) -> dict:
         now = int(self.clock() // self.step)
         count = self.bins.maxlen
-        slots = list(range(now - count + 1, now + 1))
+        slots = list(range(max(now - count + 1, self.first), now + 1))
         by_index = {b.index: b for b in self.bins if b.index > now - count}
         keys = sorted({k for b in by_index.values() for k in b.cells})
         groups = {(ALL, ALL): keys}
