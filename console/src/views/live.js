@@ -24,6 +24,7 @@ export function Live({ api }) {
 const keyOf = (s) => `${s.model}|${s.device_type}`;
 const labelOf = (s) => (s.model === '*' && s.device_type === '*' ? 'all traffic'
   : `${s.model === '*' ? 'all models' : s.model} on ${s.device_type === '*' ? 'all devices' : s.device_type}`);
+const span = (s) => (s < 120 ? `last ${Math.round(s)} s` : `last ${Math.round(s / 60)} min`);
 const last = (values) => values.filter((v) => v != null).slice(-1)[0];
 
 function Charts({ d, pick, setPick }) {
@@ -35,7 +36,7 @@ function Charts({ d, pick, setPick }) {
       <label>Show <select value=${keyOf(s)} onChange=${(e) => setPick(e.currentTarget.value)}>
         ${d.series.map((x) => html`<option value=${keyOf(x)}>${labelOf(x)}</option>`)}
       </select></label>
-      <span class="muted small">last ${Math.round(d.window_s / 60)} min, ${d.step_s} s steps</span>
+      <span class="muted small">${span(d.t.length * d.step_s)} (up to ${Math.round(d.window_s / 60)} min) in ${d.step_s} s steps</span>
     </div>
     <div class="tiles">
       <div class="tile"><b>${num(last(s.output_tokens_per_s))}</b> output tok/s</div>
