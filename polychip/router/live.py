@@ -9,14 +9,22 @@ every model, every device type and all traffic. No Prometheus server is needed.
 from __future__ import annotations
 
 import asyncio
+import statistics
 import time
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
-from polychip.router.rollout import percentile
-
 ALL = "*"
 MAX_SAMPLES = 2048          # latency samples kept per bin and key (later ones in a busy bin are dropped)
+
+
+def percentile(values, q: int) -> float | None:
+    """The q-th percentile (inclusive method) of one step's samples; None for no sample."""
+    if not values:
+        return None
+    if len(values) == 1:
+        return float(values[0])
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
 
 
 @dataclass
