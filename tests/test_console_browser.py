@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import re
 import textwrap
+from pathlib import Path
 
 import httpx
 import pytest
@@ -58,7 +59,9 @@ def fleet(model_factory, sim, tmp_path_factory):
     """
     path = tmp_path_factory.mktemp("console-deploy") / "fleet.yaml"
     path.write_text(textwrap.dedent(text))
-    router = RouterProcess(["--deployment", str(path), "--api-key", KEY, "--replica-api-key", KEY])
+    files = tmp_path_factory.mktemp("console-files")
+    router = RouterProcess(["--deployment", str(path), "--api-key", KEY, "--replica-api-key", KEY,
+                            "--files-dir", str(files)])
     try:
         router.wait_ready(2)
         yield router
@@ -240,6 +243,32 @@ def test_rollout_weight_change_needs_confirmation(fleet, browser, screens):
     cp.assert_clean(missing)
     cp.close()
     httpx.post(fleet.url + "/admin/rollout", json={"model": "tiny", "weights": {"v2": 1}}, headers=AUTH)
+
+
+def test_batch_submitted_followed_and_downloaded(fleet, browser, screens, tmp_path):
+    lines = [{"custom_id": f"q{i}", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": "tiny", "messages": [{"role": "user", "content": f"batch {i}"}], "max_tokens": 4}}
+             for i in range(2)]
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    cp = browser.page(fleet.url)
+    page = cp.open("batches")
+    cp.set_key(KEY)
+    page.wait_for_selector("main table")
+    page.set_input_files('input[type="file"]', str(requests))
+    page.click('form.form button[type="submit"]')
+    page.wait_for_selector("form.form .ok")
+    row = page.locator("tr[data-batch]").first
+    row.locator(".st-completed").wait_for(timeout=120_000)
+    assert "2/2 done" in row.inner_text()
+    cp.shot(screens, "batch-done")
+    with page.expect_download() as got:
+        row.locator("button", has_text="Output").click()
+    out = [json.loads(x) for x in Path(got.value.path()).read_text().splitlines()]
+    assert sorted(x["custom_id"] for x in out) == ["q0", "q1"]
+    assert all(x["response"]["status_code"] == 200 for x in out)
+    cp.assert_clean(missing_routes(fleet.url, KEY))
+    cp.close()
 
 
 def test_router_without_a_key(open_router, browser, screens):
