@@ -6,7 +6,7 @@ over the same two; and one `polychip serve` on its own.
 Every view is opened with and without the key, at 1280x800 and at phone width, with a screenshot of
 each (in $POLYCHIP_CONSOLE_SCREENS or the test's tmp folder); a chat is streamed and its text and
 device checked against the API; a canary weight is changed through the page and read back from
-/admin/rollout. Any browser console error, failed request or unexpected HTTP error fails the test.
+/admin/rollout; a batch is uploaded, followed and its output downloaded. Any browser console error, failed request or unexpected HTTP error fails the test.
 """
 from __future__ import annotations
 
