@@ -3,7 +3,10 @@ FastAPI app behind the shared edge (``polychip/http``: body limits and timeouts,
 cross-origin refusal, request ids, OpenAI error bodies).
 
 Request extension fields: ``preferred_device_types`` (list of device types, most preferred
-first) and ``priority_class`` (high | normal | low; or the header ``x-polychip-priority``).
+first) and ``priority_class`` (high | normal | low; or the header ``x-polychip-priority``); the
+header ``x-polychip-version`` sends the request to that version instead of one picked by the
+weights (another live version only if none of its replicas is up). ``/console`` is the web
+console (polychip/console), ``/admin/live`` its time series (router/live.py).
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import httpx
 from fastapi import FastAPI
 
 from polychip.errors import ConfigError
+from polychip.http.console import mount_console
 from polychip.http.errors import install_error_handlers
 from polychip.http.gate import EdgeLimits, Gate
 from polychip.http.server import url_host
@@ -116,6 +120,7 @@ class Router:
             await self.workloads.inventory_ready()
             await self.workloads.declare(self.deployment.workloads, self.deployment.source)
         self._tasks.append(asyncio.ensure_future(self.health.run()))
+        self._tasks.append(asyncio.ensure_future(self.metrics.live.sample_forever(self.dispatcher)))
         if cfg.batch.files_dir is not None:
             from polychip.router.batch.dispatch import router_jobs
             self.batches = router_jobs(self, cfg.batch)
@@ -303,6 +308,7 @@ def build_app(router: Router) -> Gate:
     for routes in (openai_api.openai_routes, probes.probe_routes, admin.admin_routes, workload_api.workload_routes,
                    batches.batch_routes):
         app.include_router(routes)
+    mount_console(app)
     cfg = router.cfg
     # the API key is checked per route (routes/__init__.py), so that a reload can change it
     limits = EdgeLimits(api_key=None, max_body_bytes=cfg.max_request_body_bytes,
