@@ -9,15 +9,20 @@ COMMANDS = {
     "serve": "start the OpenAI-compatible server",
     "router": "one OpenAI endpoint over many replicas (health, failover, canary)",
     "generate": "generate text offline from a prompt",
+    "batch": "run an OpenAI batch file (JSONL) through the engine in-process",
     "devices": "list device plugins and their devices",
     "probe": "check a device spec step by step before serving",
     "conformance": "run the plugin-author kit against a device, one line per check",
     "coverage": "show which op implementation a model uses on a device",
+    "workload": "submit, list, describe, tail and delete models served on devices (via a router)",
+    "telemetry": "a router's metrics, filterable by label (e.g. --filter device_type==simxpu), and devices",
     "bench": "benchmarks: serving, compare, peers",
     "pack": "write a signed offline model package (.pcpkg)",
     "verify": "check a package's signature, hashes and target without loading it",
     "inspect": "show a package's devices, plan, versions and files",
     "keygen": "make an Ed25519 key pair for signing packages",
+    "sign": "write a detached signature beside a YAML file (device spec, deployment file)",
+    "doctor": "check this host: versions, trust store, signatures, plugins, devices, ports",
 }
 
 

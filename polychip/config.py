@@ -156,6 +156,10 @@ class EngineConfig(_FromKwargs):
                                        "failed", group=TP_GROUP)
     dist_init_timeout: float = option(120.0, "seconds every rank gets to join; then the missing ones are named",
                                       group=TP_GROUP)
+    dist_secret: str | None = option(None, "shared secret every rank must prove at the rendezvous (visible in "
+                                           "ps: prefer --dist-secret-file or $POLYCHIP_DIST_SECRET); one host "
+                                           "without one: a random secret for its own ranks", group=TP_GROUP)
+    dist_secret_file: str | None = option(None, "file holding the shared secret of --dist-secret", group=TP_GROUP)
     allreduce_fp32: bool = option(True, "sum bfloat16/float16 all-reduces in their own dtype, not float32",
                                   group=TP_GROUP, flag="--disable-allreduce-fp32")
 
@@ -270,6 +274,16 @@ class ServerConfig(_FromKwargs):
                                                  "has begun; then the connection is closed", group="connections")
     timeout_request_body: float = option(60.0, "seconds a request body may take to arrive; then 408",
                                          group="connections")
+    # hardening (docs/packages.md, "Trust chain")
+    ssl_certfile: str | None = option(None, "serve https with this certificate (PEM; uvicorn's ssl_certfile)",
+                                      group="TLS and hardening")
+    ssl_keyfile: str | None = option(None, "the private key of --ssl-certfile (PEM)", group="TLS and hardening")
+    ssl_ca_certs: str | None = option(None, "CA bundle (PEM): clients must present a certificate it signed "
+                                            "(mutual TLS, e.g. the router's --replica-client-cert)",
+                                      group="TLS and hardening")
+    seccomp: bool = option(False, "after the model is loaded and the port bound, allow only the syscalls serving "
+                                  "needs (no process creation, ptrace, mount, new sockets); refused where the "
+                                  "kernel or libseccomp lacks it", group="TLS and hardening")
 
     def __post_init__(self):
         if not 0 <= self.port < 65536:
@@ -292,6 +306,10 @@ class ServerConfig(_FromKwargs):
         for name in ("timeout_keep_alive", "timeout_request_header", "timeout_request_body"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            raise ConfigError("--ssl-certfile and --ssl-keyfile go together")
+        if self.ssl_ca_certs is not None and self.ssl_certfile is None:
+            raise ConfigError("--ssl-ca-certs (client certificates) needs --ssl-certfile and --ssl-keyfile")
 
     def chat_template_defaults(self) -> dict:
         """The chat-template arguments every request starts from; --enable-thinking beats the JSON."""

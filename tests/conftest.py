@@ -123,6 +123,13 @@ def device_capabilities(test_device) -> dict:
 
 
 @pytest.fixture(autouse=True)
+def _fresh_router_state(tmp_path_factory, monkeypatch):
+    """Every test's routers keep their state (sqlite, the default) in a fresh directory: nothing
+    from an earlier test or run, and never the user's ~/.local/state. Subprocesses inherit it."""
+    monkeypatch.setenv("POLYCHIP_STATE_DIR", str(tmp_path_factory.mktemp("router-state")))
+
+
+@pytest.fixture(autouse=True)
 def _device_needs(request):
     marker = request.node.get_closest_marker("device_needs")
     if marker is None:

@@ -6,7 +6,7 @@ import io
 import os
 import tarfile
 
-from polychip.package import signing
+from polychip.trust import keys as signing
 from polychip.package.pack import assemble
 
 FILES = {"config.json": b'{"a": 1}\n', "plan.json": b'{"fusions": [], "ops": []}\n',
@@ -27,9 +27,10 @@ def fields(device_types=("cpu",), plugin_api=1, device_versions=None, versions=N
     return {"model": {"source": "synthetic"}, "target": {"device_types": list(device_types)}, "versions": versions}
 
 
-def synthetic_package(folder, files: dict[str, bytes] = FILES, key=None, name="p.pcpkg", **field_args) -> str:
+def synthetic_package(folder, files: dict[str, bytes] = FILES, key=None, name="p.pcpkg", extra: dict | None = None,
+                      **field_args) -> str:
     """A package of ``files`` written by polychip's own assembler (signed with ``key``'s private
-    file when given)."""
+    file when given; ``extra``: more manifest fields, e.g. release or plugin_pin)."""
     staging = os.path.join(folder, f"staging-{name}")
     os.makedirs(staging)
     for n, data in files.items():
@@ -37,7 +38,7 @@ def synthetic_package(folder, files: dict[str, bytes] = FILES, key=None, name="p
             f.write(data)
     out = os.path.join(folder, name)
     private = signing.load_private_key(key) if key else None
-    assemble(staging, list(files), out, fields(**field_args), private)
+    assemble(staging, list(files), out, {**fields(**field_args), **(extra or {})}, private)
     return out
 
 

@@ -140,6 +140,13 @@ class FakeReplica:
         async def completions(request: Request):
             return await answer(request, False)
 
+        @app.post("/batch_check")       # the server's own body checks (server/batch_check.py)
+        async def batch_check(request: Request):
+            from polychip.server.batch_check import body_problem
+            data = json.loads(await request.body())
+            problems = [(i, body_problem(data["url"], body)) for i, body in enumerate(data["bodies"])]
+            return {"problems": [{"index": i, "message": why[0], "param": why[1]} for i, why in problems if why]}
+
         @app.post("/v1/chat/completions")
         async def chat(request: Request):
             return await answer(request, True)

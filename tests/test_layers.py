@@ -7,6 +7,7 @@ Every import counts: top-level, inside functions, under ``if TYPE_CHECKING``, re
     commands (cli, serve, commands/)            nothing in the library imports them
     router   server   library (bench, package, the polychip facade)
     edge (http/)                                what the server and the router share, and all they share
+    trust                                       keys, trust store, signed YAML, pins, seccomp: for router and library
     pluginkit
     engine
     models  ops  quant  distributed
@@ -35,11 +36,13 @@ LAYER_OF = {
     "polychip.cli": "commands",
     "polychip.serve": "commands",
     "polychip.commands": "commands",
+    "polychip.batch": "commands",           # polychip batch's own parts (engine in-process, progress bar)
     "polychip.server": "server",
     "polychip.router": "router",
     "polychip.http": "edge",
     "polychip.bench": "library",
     "polychip.package": "library",
+    "polychip.trust": "trust",              # keys, the trust store, signed YAML, plugin pins, seccomp
     "polychip.pluginkit": "pluginkit",
     "polychip.engine": "engine",
     "polychip.models": "models",
@@ -80,6 +83,8 @@ FORBIDDEN = {
     "router": (TOP - {"router", "edge"} | BELOW_EDGE,
                "the router imports only the edge and the leaves: no server, engine, models, ops, devices or CLI"),
     "library": ({"commands", "server", "router"}, "no library module imports the CLI, the server or the router"),
+    "trust": (set(LAYER_OF.values()) - {"leaves", "trust"}, "the trust library (trust/) imports only the "
+                                                              "leaves: the router and the library both use it"),
     "commands": (set(), ""),
 }
 OUT_OF_TREE = "nothing in polychip/ imports an out-of-tree plugin"

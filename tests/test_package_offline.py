@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from polychip.package import signing
+from polychip.trust import keys as signing
 from polychip.package.pack import PackOptions, pack
 
 pytestmark = pytest.mark.device_independent   # runs the default device (cpu), as the command it checks does

@@ -17,7 +17,8 @@ from polychip.commands import inspect as inspect_cmd
 from polychip.commands import verify as verify_cmd
 from polychip.devices.discovery import open_device
 from polychip.devices.plugin import API_VERSION
-from polychip.package import PackageError, signing
+from polychip.package import PackageError
+from polychip.trust import keys as signing
 from polychip.package.opening import PackageOptions, open_llm, open_package
 from polychip.package.pack import PackOptions, pack
 from polychip.http.launcher import ServerProcess, free_port
@@ -50,7 +51,7 @@ def test_keygen_writes_a_private_key_only_its_owner_reads(tmp_path):
     private, public = signing.keygen(str(tmp_path / "k"))
     assert stat.S_IMODE(os.stat(private).st_mode) == 0o600
     assert open(public).read().startswith("-----BEGIN PUBLIC KEY-----")
-    with pytest.raises(PackageError, match="exists; not overwriting a key"):
+    with pytest.raises(signing.TrustError, match="exists; not overwriting a key"):
         signing.keygen(str(tmp_path / "k"))
 
 

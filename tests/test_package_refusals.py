@@ -11,7 +11,8 @@ from package_helpers import plain, read_members, special, synthetic_package, wri
 
 from polychip.devices.discovery import open_device
 from polychip.errors import ConfigError
-from polychip.package import PackageError, signing
+from polychip.package import PackageError
+from polychip.trust import keys as signing
 from polychip.package.opening import PackageOptions, open_package
 
 pytestmark = pytest.mark.device_independent   # pins the devices it checks (conftest.py)

@@ -4,6 +4,7 @@ left running instead of launching a second set. The replica here is a small stan
 (``serve_command`` swapped), since the model is not the point."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -92,18 +93,20 @@ def test_a_new_router_replaces_what_an_old_one_left_and_ports_are_reported(tmp_p
     # a replica an old router left: the record names its pid and command (as if pdeathsig were lost)
     leftover = subprocess.Popen([sys.executable, "-c", FAKE_SERVE, "0", str(tmp_path / "old.txt")],
                                 start_new_session=True, stdout=subprocess.DEVNULL)
-    wait_for(lambda: (tmp_path / "old.txt").exists(), 30, "the leftover replica")
-    old = Supervisor(run_dir=tmp_path / "run", scope="deploy.yaml")
-    old.run_dir.mkdir(parents=True)
-    (old.run_dir / "r0.json").write_text(__import__("json").dumps({"pid": leftover.pid, "cmd": leftover.args}))
-    router, pid, port = _launch_router(tmp_path, "b")
+    router = pid = None
     try:
+        wait_for(lambda: (tmp_path / "old.txt").exists(), 30, "the leftover replica")
+        old = Supervisor(run_dir=tmp_path / "run", scope="deploy.yaml")
+        old.run_dir.mkdir(parents=True)
+        (old.run_dir / "r0.json").write_text(json.dumps({"pid": leftover.pid, "cmd": leftover.args}))
+        router, pid, port = _launch_router(tmp_path, "b")
         leftover.wait(15)
         assert leftover.returncode is not None and _alive(pid)
         print(f"\nfault 5: leftover replica replaced (exit {leftover.returncode}); the new one bound port {port}")
-        rec = __import__("json").loads((old.run_dir / "r0.json").read_text())
+        rec = json.loads((old.run_dir / "r0.json").read_text())
         assert rec["pid"] == pid and "0" in rec["cmd"]          # launched with port 0: it bound its own
     finally:
-        router.kill()
-        router.wait()
-        _cleanup(pid, leftover.pid)
+        if router is not None:
+            router.kill()
+            router.wait()
+        _cleanup(*(p for p in (pid, leftover.pid) if p))

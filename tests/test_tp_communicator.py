@@ -7,6 +7,7 @@ import os
 import queue as queue_mod
 import textwrap
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -67,8 +68,10 @@ def _rank_main(rank: int, store_path: str, results) -> None:
         out["gather0"] = comm.all_gather(part, dim=0).tolist()
         out["gather_last"] = comm.all_gather(part, dim=-1).tolist()
         out["bcast"] = comm.broadcast(torch.tensor([float(rank * 10)]), src=2).item()
-        out["obj"] = comm.broadcast_object({"step": 7, "ids": [1, 2]} if rank == 1 else None, src=1)
-        out["objs"] = comm.all_gather_object(("rank", rank))
+        sent = comm.broadcast_ints(np.array([7, 1, 2]) if rank == 1 else None, src=1)
+        out["obj"] = sent.tolist()
+        out["stop"] = comm.broadcast_ints(None, src=0)
+        out["objs"] = comm.all_gather_json({"rank": rank, "name": "x" * rank})
         comm.barrier()
         for dtype, big in DRIFT_LARGE.items():
             vals = [big, 1.0, 1.0, -big]
@@ -117,8 +120,8 @@ def test_collectives_on_a_group_the_instance_owns(world_results):
         assert out["gather0"] == [[float(r)] * 3 for r in range(WORLD) for _ in range(2)]
         assert out["gather_last"] == [[float(r) for r in range(WORLD) for _ in range(3)]] * 2
         assert out["bcast"] == 20.0
-        assert out["obj"] == {"step": 7, "ids": [1, 2]}
-        assert out["objs"] == [("rank", r) for r in range(WORLD)]
+        assert out["obj"] == [7, 1, 2] and out["stop"] is None
+        assert out["objs"] == [{"rank": r, "name": "x" * r} for r in range(WORLD)]
 
 
 @pytest.mark.parametrize("dtype", list(DRIFT_LARGE), ids=str)

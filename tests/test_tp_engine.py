@@ -97,7 +97,7 @@ class GatherStub:
     def __init__(self, everyone):
         self.everyone = everyone
 
-    def all_gather_object(self, obj):
+    def all_gather_json(self, obj):
         return self.everyone
 
 

@@ -24,6 +24,8 @@ def main(argv: list[str]) -> int:
     from polychip.commands.options import add_config_args, config_from_args
     from polychip.package.opening import PackageOptions, engine_config_for
     add_config_args(p, PackageOptions)
+    from polychip.trust.options import TrustOptions
+    add_config_args(p, TrustOptions)
     add_log_level_arg(p)
     args = p.parse_args(argv)
     setup_logging(args.log_level)
@@ -35,7 +37,8 @@ def main(argv: list[str]) -> int:
                             top_k=args.top_k)
         t0 = time.perf_counter()
         # a .pcpkg is verified and extracted before anything of it is loaded (on every node)
-        config = engine_config_for(engine_config_from_args(args), config_from_args(args, PackageOptions))
+        config = engine_config_for(engine_config_from_args(args), config_from_args(args, PackageOptions),
+                                   config_from_args(args, TrustOptions))
         if config.node_rank > 0:     # this host only runs its worker ranks; node 0 prints the text
             from polychip.engine.tp import run_node
             return run_node(config)

@@ -11,7 +11,7 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="polychip keygen", description=__doc__)
     p.add_argument("-o", "--output", required=True, help="private key file; the public key goes to OUTPUT.pub")
     args = p.parse_args(argv)
-    from polychip.package import signing
+    from polychip.trust import keys as signing
     try:
         private, public = signing.keygen(args.output)
         kid = signing.key_id(signing.load_trusted_key(public).key)

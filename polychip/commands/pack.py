@@ -24,6 +24,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--plugin", action="append", default=[], dest="plugins",
                    help="extra device plugin: module.path or path/to/plugin.py (repeatable)")
     p.add_argument("--sign-key", default=None, help="Ed25519 private key (polychip keygen) to sign the manifest")
+    p.add_argument("--release", type=int, default=None,
+                   help="release number of this model (a site's trust store refuses a lower one than it has loaded)")
+    p.add_argument("--release-name", default=None, help="the model name release numbers count for (default: "
+                                                         "the output file's name without .pcpkg)")
     p.add_argument("--dtype", default="auto", choices=MODEL_DTYPES)
     p.add_argument("--cache-dir", default=None)
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
@@ -32,7 +36,8 @@ def main(argv: list[str]) -> int:
     from polychip.package.pack import PackOptions, pack
     try:
         res = pack(PackOptions(args.output, args.model_path, args.quantization, args.target_device,
-                               args.device_config, tuple(args.plugins), args.sign_key, args.dtype, args.cache_dir))
+                               args.device_config, tuple(args.plugins), args.sign_key, args.dtype, args.cache_dir,
+                               release=args.release, release_name=args.release_name))
     except PolychipError as e:
         return fail(e)
     total = sum(f["size"] for f in res.files)

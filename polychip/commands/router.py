@@ -2,6 +2,7 @@
 
   polychip router --replica http://h1:30000 --replica http://h2:30000 [--policy least_load]
   polychip router --deployment deploy.yaml          (launches and supervises the replicas)
+  polychip router --state-dir DIR                   (no replicas yet: `polychip workload submit` adds them)
   polychip router rollout status [--url URL]
   polychip router rollout set MODEL v1=90 v2=10 [--url URL]
   polychip router reload [--url URL]                (re-read the deployment file; SIGHUP does too)
@@ -22,9 +23,11 @@ import sys
 import httpx
 
 from polychip.commands.common import fail, setup_logging
-from polychip.errors import ConfigError, PolychipError
+from polychip.commands.options import add_config_args, config_from_args
+from polychip.errors import PolychipError
 from polychip.http import server as edge
 from polychip.router.settings import add_settings_args, settings_from_args
+from polychip.trust.options import TrustOptions
 
 log = logging.getLogger("polychip.router")
 
@@ -38,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--deployment", default=None, metavar="FILE.yaml",
                    help="replicas to launch and supervise, models with version weights, router settings")
     add_settings_args(p)
+    add_config_args(p, TrustOptions)    # flags only, never the file's: the store is what checks the file
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -50,15 +54,17 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(args.log_level)
     logging.getLogger("httpx").setLevel(logging.WARNING)     # one line per health check otherwise
     try:
+        trust = config_from_args(args, TrustOptions)
         if not args.replica and not args.deployment:
-            raise ConfigError("give --replica URL (repeatable) or --deployment FILE.yaml")
+            log.info("no --replica or --deployment: the router starts empty; `polychip workload submit` "
+                     "launches replicas on it")
         deployment = placed = None
         inventory = None
         if args.deployment:
             from polychip.router.deployment import load_deployment
             from polychip.router.inventory import Inventory
             from polychip.router.placement import place
-            deployment, inventory = load_deployment(args.deployment), Inventory()
+            deployment, inventory = load_deployment(args.deployment, trust), Inventory()
             placed = place(deployment, inventory)   # refuse what no device here can serve, before binding
         cfg = settings_from_args(args, deployment.router if deployment else None)
         if cfg.health.interval > 30:
@@ -71,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from polychip.router.app import Router
         router = Router(cfg, args.replica, deployment, args.deployment, placed, inventory,
-                        settings_from_file=lambda dep: settings_from_args(args, dep.router))
+                        settings_from_file=lambda dep: settings_from_args(args, dep.router), trust=trust)
         return run_router(router, sock)
     except PolychipError as e:
         return fail(e)
@@ -86,7 +92,7 @@ def run_router(router, sock) -> int:
     cfg = router.cfg
     uv = edge.uvicorn_config(build_app(router), log_level=cfg_log_level(), graceful_timeout=cfg.drain_timeout,
                              **uvicorn_options(cfg.timeout_request_header, cfg.timeout_keep_alive))
-    url = edge.socket_url(sock)
+    url = router.url = edge.socket_url(sock)
 
     async def reload_on_sighup():
         try:

@@ -17,7 +17,7 @@ from polychip.commands.common import engine_config_from_args, fail, setup_loggin
 from polychip.commands.options import config_from_args
 from polychip.commands.serve_flags import build_parser
 from polychip.config import EngineConfig, ServerConfig
-from polychip.errors import PolychipError
+from polychip.errors import ConfigError, PolychipError
 from polychip.http import server as edge
 
 log = logging.getLogger("polychip.serve")
@@ -53,8 +53,13 @@ def main(argv: list[str] | None = None) -> int:
         engine_config = engine_config_from_args(args)
         server_config = config_from_args(args, ServerConfig)
         if engine_config.node_rank > 0:     # only node 0 serves HTTP; the others run their worker ranks
+            if server_config.seccomp:
+                raise ConfigError("--seccomp filters node 0's serving process; a --node-rank > 0 node serves none")
             from polychip.engine.tp import run_node
             return run_node(_open_package(engine_config, args))
+        if server_config.seccomp:
+            from polychip.trust.seccomp import check_available
+            check_available()               # refused now, not after the model load
         sock = edge.bind(server_config.host, server_config.port)
     except PolychipError as e:
         return fail(e)
@@ -67,9 +72,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _open_package(engine_config: EngineConfig, args: argparse.Namespace) -> EngineConfig:
-    """A .pcpkg --model-path verified and extracted before anything of it is loaded (else as is)."""
+    """The device spec checked against the trust store, and a .pcpkg --model-path verified and
+    extracted, before anything of them is loaded (else as is)."""
     from polychip.package.opening import PackageOptions, engine_config_for
-    return engine_config_for(engine_config, config_from_args(args, PackageOptions))
+    from polychip.trust.options import TrustOptions
+    return engine_config_for(engine_config, config_from_args(args, PackageOptions),
+                             config_from_args(args, TrustOptions))
 
 
 def _serve(engine_config: EngineConfig, config: ServerConfig, sock: socket.socket) -> int:
@@ -80,16 +88,24 @@ def _serve(engine_config: EngineConfig, config: ServerConfig, sock: socket.socke
     grace = config.graceful_shutdown_timeout
     with progress(f"loading {engine_config.model_path or 'the default model (SmolLM2-135M-Instruct)'}"):
         engine = Engine(engine_config)
+    engine.startup.update(warmup=None, warmed_at=None)
     if not config.skip_server_warmup:
         from polychip.engine.warmup import warm_up
+        began = time.time()
         with progress("warming up"):
             shapes = warm_up(engine)
+        engine.startup.update(warmup=time.time() - began, warmed_at=time.time())
         log.info("warm-up forwards: %s", ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in shapes.items()))
     app, state = build_app(engine, config)
     # uvicorn's own timeout is only a backstop: EngineServer ends streams cleanly after `grace`
     uv_config = edge.uvicorn_config(app, log_level=config.log_level, graceful_timeout=grace + 5,
-                                    **uvicorn_options(config.timeout_request_header, config.timeout_keep_alive))
-    server = EngineServer(uv_config, edge.socket_url(sock), state.engine, grace)
+                                    **uvicorn_options(config.timeout_request_header, config.timeout_keep_alive),
+                                    **edge.uvicorn_tls(config.ssl_certfile, config.ssl_keyfile, config.ssl_ca_certs))
+    server = EngineServer(uv_config, edge.socket_url(sock, "https" if config.ssl_certfile else "http"), state.engine,
+                          grace)
+    if config.seccomp:                  # loaded and bound: from here on only the allowlist
+        from polychip.trust.seccomp import apply
+        apply()
     try:
         edge.serve_on(server, sock)
     finally:

@@ -16,5 +16,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_args(p, ServerConfig)
     p.add_argument("--dp-size", type=int, default=None, help="N replicas behind a router (polychip router)")
     from polychip.package.opening import PackageOptions
+    from polychip.trust.options import TrustOptions
     add_config_args(p, PackageOptions)
+    add_config_args(p, TrustOptions)
     return p

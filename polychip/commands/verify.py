@@ -14,6 +14,7 @@ from polychip.commands.common import fail
 from polychip.commands.options import add_config_args, config_from_args
 from polychip.errors import PolychipError
 from polychip.package.opening import PackageOptions
+from polychip.trust.options import TrustOptions
 
 
 def device_checks(manifest: dict, plugins: tuple[str, ...], device_config: str | None, strict: bool, path: str):
@@ -44,23 +45,44 @@ def device_checks(manifest: dict, plugins: tuple[str, ...], device_config: str |
     return checks
 
 
+def release_check(store, manifest: dict, path: str, allow_downgrade: bool):
+    """The package's release number against the highest the trust store has seen (not recorded:
+    verify loads nothing)."""
+    from polychip.package.reader import Check
+    release = manifest.get("release")
+    if release is None:
+        return Check("warn", "release", "no release number: a downgrade of it cannot be refused")
+    try:
+        store.check_release(release["name"], release["number"], path, allow_downgrade)
+    except PolychipError as e:
+        return Check("FAIL", "release", str(e).removeprefix("[config] "))
+    return Check("ok", "release", f"{release['name']} release {release['number']}, none newer seen here")
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="polychip verify", description=__doc__)
     p.add_argument("package")
     add_config_args(p, PackageOptions)          # --trusted-key, --require-signature, --strict-versions
+    add_config_args(p, TrustOptions)            # --trust-store, --allow-*
     p.add_argument("--plugin", action="append", default=[], dest="plugins")
     p.add_argument("--device-config", default=None, help="device spec YAML for the target device")
     p.add_argument("--skip-device", action="store_true", help="check the file only, not this machine")
     args = p.parse_args(argv)
-    from polychip.package import signing
+    from polychip.trust import keys as signing
     from polychip.package.reader import scan
     t0 = time.perf_counter()
     try:
         options = config_from_args(args, PackageOptions)
-        trusted = [signing.load_trusted_key(k) for k in options.trusted_keys]
+        trust = config_from_args(args, TrustOptions)
+        store = trust.store()
+        trusted = [signing.load_trusted_key(k) for k in options.trusted_keys] + \
+            (store.trusted_keys() if store is not None else [])
     except PolychipError as e:
         return fail(e)
-    res = scan(args.package, trusted, options.require_signature, keep_going=True)
+    res = scan(args.package, trusted, options.require_signature or store is not None, keep_going=True,
+               allow_unsigned=store is not None and trust.allow_unsigned)
+    if store is not None and res.ok and res.manifest is not None:
+        res.checks.append(release_check(store, res.manifest, args.package, trust.allow_downgrade))
     checks = list(res.checks)
     if res.manifest is not None and not args.skip_device and res.ok:
         checks += device_checks(res.manifest, tuple(args.plugins), args.device_config, options.strict_versions,

@@ -4,8 +4,9 @@ One instance per process and rank. It owns two groups and every collective names
 
 * ``group``: the plugin's backend (gloo, nccl, a vendor's) for tensors on the device: the
   row-parallel all-reduces, the vocabulary all-gather, barriers;
-* ``control``: gloo on the host for small Python objects (rank 0's step broadcast). Like SGLang's
-  CPU group, it keeps pickled metadata off the device link whatever the device backend is.
+* ``control``: gloo on the host for the control plane (rank 0's step as an int64 array, the set-up
+  facts as JSON; never pickle, so a peer cannot make a rank run code). Like SGLang's CPU group, it
+  keeps metadata off the device link whatever the device backend is.
 
 Why ``init_process_group`` at all: torch's public API builds groups (``new_group``) only on top of
 its default group, a process-wide object. A vendor backend registered with
@@ -17,8 +18,9 @@ same process is refused with a clear error instead of sharing hidden state.
 from __future__ import annotations
 
 import datetime
-import pickle
+import json
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -30,6 +32,8 @@ REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.Re
 #: how long the control group waits for rank 0's next step: idle servers wait for requests.
 #: Liveness there comes from peers' closed connections and the rendezvous heartbeats, not this.
 CONTROL_TIMEOUT = datetime.timedelta(days=1)
+#: the most values (or bytes) one control message may announce: a step of 1M tokens is far beyond any
+MAX_CONTROL_VALUES = 64 * 2**20
 
 
 def check_backend(plugin_name: str, backend) -> str:
@@ -113,30 +117,47 @@ class Communicator:
         """Every rank reaches this point: a one-element all-reduce, which any backend implements."""
         self.all_reduce(torch.zeros(1, device=self.device))
 
-    # small Python objects, on the host control group
-    def broadcast_object(self, obj=None, src: int = 0, timeout_s: float | None = None):
-        """``obj`` from rank ``src``, returned on every rank. The sender waits at most ``timeout_s``
-        (default: the device timeout) for the receivers to take it; a receiver waits as long as the
-        control group allows, since an idle server's workers wait for the next request. Pickled, as
-        ``torch.distributed.broadcast_object_list`` does: every peer must be trusted."""
+    # the control plane, on the host control group: int64 arrays and JSON, never pickle
+    def broadcast_ints(self, values: np.ndarray | None = None, src: int = 0,
+                       timeout_s: float | None = None) -> np.ndarray | None:
+        """An int64 array (None: the stop message) from rank ``src``, returned on every rank. The
+        sender waits at most ``timeout_s`` (default: the device timeout) for the receivers to take
+        it; a receiver waits as long as the control group allows, since an idle server's workers
+        wait for the next request."""
         if self.rank == src:
-            data = pickle.dumps(obj)
             wait = datetime.timedelta(seconds=timeout_s or self.timeout_s)
-            size = torch.tensor([len(data)], dtype=torch.int64)
+            size = torch.tensor([-1 if values is None else len(values)], dtype=torch.int64)
             dist.broadcast(size, src=src, group=self.control, async_op=True).wait(wait)
-            payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-            dist.broadcast(payload, src=src, group=self.control, async_op=True).wait(wait)
-            return obj
+            if values is not None:
+                payload = torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64))
+                dist.broadcast(payload, src=src, group=self.control, async_op=True).wait(wait)
+            return values
         size = torch.empty(1, dtype=torch.int64)
         dist.broadcast(size, src=src, group=self.control)
-        payload = torch.empty(int(size.item()), dtype=torch.uint8)
+        n = int(size.item())
+        if n < 0:
+            return None
+        if n > MAX_CONTROL_VALUES:
+            raise ValueError(f"rank {src} announced a control message of {n} values; at most "
+                             f"{MAX_CONTROL_VALUES} are accepted")
+        payload = torch.empty(n, dtype=torch.int64)
         dist.broadcast(payload, src=src, group=self.control)
-        return pickle.loads(payload.numpy().tobytes())
+        return payload.numpy()
 
-    def all_gather_object(self, obj) -> list:
-        out = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.control)
-        return out
+    def all_gather_json(self, obj) -> list:
+        """Every rank's JSON-able ``obj``, in rank order (set-up facts: small, sent once)."""
+        data = json.dumps(obj, sort_keys=True).encode("utf-8")
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+        dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), group=self.control)
+        lengths = [int(t.item()) for t in sizes]
+        width = max(lengths)
+        if width > MAX_CONTROL_VALUES:
+            raise ValueError(f"a rank announced {width} bytes of set-up facts; at most {MAX_CONTROL_VALUES}")
+        padded = torch.zeros(width, dtype=torch.uint8)
+        padded[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        out = [torch.zeros(width, dtype=torch.uint8) for _ in range(self.world_size)]
+        dist.all_gather(out, padded, group=self.control)
+        return [json.loads(t[:n].numpy().tobytes().decode("utf-8")) for t, n in zip(out, lengths)]
 
     def close(self) -> None:
         """Destroy the groups this instance created (safe to call twice)."""

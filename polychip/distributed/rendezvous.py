@@ -21,6 +21,7 @@ from typing import Callable
 
 import torch.distributed as dist
 
+from polychip.distributed.secret import proof, proves
 from polychip.errors import ConfigError, PluginError
 
 log = logging.getLogger("polychip.distributed")
@@ -108,22 +109,43 @@ def _raise_failures(store, world_size: int, node_of: Callable[[int], int]) -> No
         raise PluginError(msg, layer="framework")
 
 
-def join(store, rank: int, world_size: int, facts: dict, timeout_s: float, node_of: Callable[[int], int]) -> None:
-    """Claim ``rank``, publish ``facts`` and wait for every rank; every rank's facts must equal rank 0's.
+def _refused(store, world_size: int, secret: bytes | None, node_of) -> list[str]:
+    """Rank 0's check of every other rank's proof of the secret; it answers each with its own."""
+    challenge = store.get(f"{PREFIX}challenge").decode()
+    out = []
+    for r in range(1, world_size):
+        auth = json.loads(store.get(f"{PREFIX}auth/{r}"))
+        if not proves(secret, r, challenge, auth["nonce"], auth["proof"]):
+            out.append(f"rank {r} (node {node_of(r)}) was refused: it does not know the tensor-parallel secret "
+                       "(--dist-secret / --dist-secret-file)")
+        store.set(f"{PREFIX}auth0/{r}", proof(secret, 0, challenge, auth["nonce"]))
+    return out
 
-    Raises ConfigError within ``timeout_s``: a duplicate rank, ranks that did not join (named, with
-    their nodes), or ranks whose facts differ from rank 0's (the fields named, on every rank)."""
+
+def join(store, rank: int, world_size: int, facts: dict, timeout_s: float, node_of: Callable[[int], int],
+         secret: bytes | None = None) -> None:
+    """Claim ``rank``, prove the ``secret`` (rank 0 proves it back), publish ``facts`` and wait for
+    every rank; every rank's facts must equal rank 0's.
+
+    Raises ConfigError within ``timeout_s``: a duplicate rank, a rank that does not know the secret
+    (named, on every rank), ranks that did not join (named, with their nodes), or ranks whose facts
+    differ from rank 0's (the fields named, on every rank)."""
     token = uuid.uuid4().hex
     owner = store.compare_set(f"{PREFIX}rank/{rank}", "", token)
     if (owner.decode() if isinstance(owner, bytes) else owner) != token:
         raise DuplicateRankError(f"rank {rank} (node {node_of(rank)}) has already joined this world from "
                                  "another process: two nodes were started with the same --node-rank")
     deadline = time.monotonic() + timeout_s
+    nonce = uuid.uuid4().hex
+    if rank == 0:
+        store.set(f"{PREFIX}challenge", uuid.uuid4().hex)     # before rank 0's facts, which the others wait for
     store.set(f"{PREFIX}facts/{rank}", json.dumps(facts, sort_keys=True))
     facts_keys = [f"{PREFIX}facts/{r}" for r in range(world_size)]
     verdict_keys = [f"{PREFIX}verdict/{r}" for r in range(1, world_size)]
     if rank != 0:   # compare with rank 0's facts and say so, then wait for rank 0's word on everyone
         if _wait_for(store, facts_keys[:1], deadline):
+            challenge = store.get(f"{PREFIX}challenge").decode()
+            store.set(f"{PREFIX}auth/{rank}", json.dumps({"nonce": nonce, "proof": proof(secret, rank, challenge, nonce)}))
             theirs = json.loads(store.get(facts_keys[0]))
             diff = sorted(k for k in set(theirs) | set(facts) if theirs.get(k) != facts.get(k))
             store.set(verdict_keys[rank - 1], ", ".join(f"{k}: node 0 has {theirs.get(k)!r}, node {node_of(rank)} "
@@ -133,13 +155,18 @@ def join(store, rank: int, world_size: int, facts: dict, timeout_s: float, node_
                 store.add(f"{PREFIX}heard", 1)
                 if word != "ok":
                     raise ConfigError(word)
+                if not proves(secret, 0, challenge, nonce, store.get(f"{PREFIX}auth0/{rank}").decode()):
+                    raise ConfigError(f"rank 0 at the rendezvous does not know the tensor-parallel secret "
+                                      "(--dist-secret / --dist-secret-file): this rank refuses to join it")
                 return
     elif _wait_for(store, verdict_keys, deadline, lambda: _raise_failures(store, world_size, node_of)):
+        refused = _refused(store, world_size, secret, node_of)
         bad = {r: store.get(verdict_keys[r - 1]).decode() for r in range(1, world_size)}
         bad = {r: d for r, d in bad.items() if d}
         word = "ok" if not bad else "rank(s) differ from rank 0: " + "; ".join(f"rank {r}: {d}" for r, d in bad.items())
+        word = "; ".join(refused) if refused else word
         store.set(f"{PREFIX}world", word)
-        if bad:
+        if refused or bad:
             _let_them_hear(store, world_size - 1)
             raise ConfigError(word)
         return

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import time
 from collections import defaultdict
 
 from polychip.config import EngineConfig
@@ -61,6 +62,7 @@ class Engine:
         # discovered, spec-checked, initialised
         self.plugin = tp.plugin if tp is not None else plugin or open_from_config(config)
         self.plugin.set_seed(config.seed)
+        began = time.time()
         self.loaded = load_model(config.model_path, self.plugin, config.dtype, config.enable_fusion,
                                  config.cache_dir, config.max_model_len, quantization=config.quantization,
                                  comm=tp.comm if tp else None)
@@ -88,7 +90,12 @@ class Engine:
         self.pool = KVPool(self.plugin, mc.num_layers, num_pages, page, kv_heads, mc.head_dim, self.kv_dtype,
                            scratch=static_bs > 0)
         self.runner.attach_pool(self.pool)
+        compiling = time.time()
         self.runner.compile_decode(self.pool.scratch_page)
+        done = time.time()
+        # wall clock of each start-up step (the server's /server_info "startup" block)
+        self.startup = {"load": compiling - began, "compile": done - compiling, "loaded_at": compiling,
+                        "compiled_at": done}
         self.host_tier = HostTier(self.plugin, self.pool, HostTier.slots_for(config, self.pool)) \
             if config.enable_hierarchical_cache else None
         self.pages = PageManager(self.pool.allocator, page, prefix_cache=not config.disable_radix_cache,

@@ -1,7 +1,7 @@
 """Tensor parallelism, engine side: rank 0's worker processes, the step broadcast, and faults.
 
 Rank 0 is the engine's own process. It opens its device through the plugin, schedules, broadcasts
-each step's :class:`HostBatch` on the communicator's control group, runs its shard of the forward
+each step's :class:`HostBatch` (as int64, engine/step_wire.py) on the communicator's control group, runs its shard of the forward
 and samples; the sampled tokens reach the other ranks as the next step's input ids. Every other
 rank is a ``python -m polychip.engine.tp_worker`` process on its own device (started here for this
 node's ranks, by :func:`run_node` on the other nodes), which runs the same forward on its shard.
@@ -26,9 +26,11 @@ from typing import Callable
 
 from polychip.config import EngineConfig
 from polychip.devices.discovery import open_device
+from polychip.distributed import secret as dist_secret
 from polychip.distributed.communicator import Communicator
 from polychip.distributed.rendezvous import HeartbeatWatch, StoreServer, join, reported_failures
 from polychip.distributed.world import LOCAL_HOST, World, local_devices, rendezvous_address
+from polychip.engine import step_wire
 from polychip.engine.model_runner import Batch, ModelRunner, StepLimits
 from polychip.errors import ConfigError, PolychipError
 from polychip.models.loader import read_config, resolve_model_dir
@@ -47,7 +49,8 @@ class TensorParallelError(PolychipError):
 
 
 def worker_command(config: EngineConfig, rank: int, device: str, host: str, port: int) -> list[str]:
-    cfg = json.dumps(dataclasses.asdict(config))
+    """The worker's command line; the secret is not on it (see LocalWorkers)."""
+    cfg = json.dumps(dataclasses.asdict(dataclasses.replace(config, dist_secret=None, dist_secret_file=None)))
     level = logging.getLevelName(logging.getLogger("polychip").getEffectiveLevel()).lower()
     return [sys.executable, "-m", "polychip.engine.tp_worker", "--rank", str(rank), "--device", device,
             "--store", f"[{host}]:{port}" if ":" in host else f"{host}:{port}", "--config", cfg,
@@ -57,12 +60,17 @@ def worker_command(config: EngineConfig, rank: int, device: str, host: str, port
 class LocalWorkers:
     """The worker processes this node started, one per local rank."""
 
-    def __init__(self, config: EngineConfig, ranks: list[int], devices: list[str], host: str, port: int):
+    def __init__(self, config: EngineConfig, ranks: list[int], devices: list[str], host: str, port: int,
+                 secret: bytes | None):
         self.ranks, self.devices = ranks, devices
         self.procs: dict[int, subprocess.Popen] = {}
+        env = dict(os.environ)                 # the secret reaches the workers in their environment only
+        env.pop(dist_secret.ENV_VAR, None)
+        if secret is not None:
+            env[dist_secret.ENV_VAR] = secret.decode()
         try:
             for rank, device in zip(ranks, devices):
-                self.procs[rank] = subprocess.Popen(worker_command(config, rank, device, host, port))
+                self.procs[rank] = subprocess.Popen(worker_command(config, rank, device, host, port), env=env)
         except OSError as e:
             self.kill()
             raise ConfigError(f"cannot start a tensor-parallel worker process: {e}") from None
@@ -96,6 +104,17 @@ class LocalWorkers:
             self.wait(5.0)
 
 
+def world_secret(config: EngineConfig) -> bytes | None:
+    """The rendezvous secret: the one given, else (one host) a random one for this node's ranks."""
+    secret = dist_secret.resolve(config.dist_secret, config.dist_secret_file)
+    if secret is None and config.nnodes == 1 and config.node_rank == 0:
+        return dist_secret.random_secret()
+    if secret is None:
+        log.warning("tensor parallel over %d nodes without --dist-secret(-file): any process that reaches %s "
+                    "can join as a rank", config.nnodes, config.dist_init_addr)
+    return secret
+
+
 def check_shardable(config: EngineConfig) -> None:
     """A ConfigError naming the counts when the model's heads cannot be split over tp_size ranks."""
     model_dir, _ = resolve_model_dir(config.model_path, config.cache_dir)
@@ -111,7 +130,7 @@ def agree_on_pool(comm: Communicator, pages: int, signature: dict, status: dict)
     """Every rank's KV page count, model and device, gathered on the control group (model loads may
     take unequal times, so not under --dist-timeout). The smallest rank sets the page count; a rank
     that loaded another model is an error naming it. Returns (pages, every rank's status)."""
-    everyone = comm.all_gather_object({"pages": pages, "model": signature, "status": status})
+    everyone = comm.all_gather_json({"pages": pages, "model": signature, "status": status})
     for r, info in enumerate(everyone):
         if info["model"] != everyone[0]["model"]:
             diff = {k: (everyone[0]["model"][k], v) for k, v in info["model"].items() if everyone[0]["model"][k] != v}
@@ -143,16 +162,18 @@ class TensorParallel:
         self.workers = self.server = self.comm = self.watch = self.plugin = None
         devices = local_devices(config, world)
         check_shardable(config)        # before any process starts
+        secret = world_secret(config)
         host, port = rendezvous_address(config)
         try:
             self.server = StoreServer(host, port, config.dist_init_timeout)
             log.info("tensor parallel: %d ranks on %d node(s); rendezvous at %s:%d; this node: %s",
                      world.tp_size, world.nnodes, host, self.server.port,
                      ", ".join(f"rank {r} on {d}" for r, d in zip(world.local_ranks, devices)))
-            self.workers = LocalWorkers(config, world.local_ranks[1:], devices[1:], host, self.server.port)
+            self.workers = LocalWorkers(config, world.local_ranks[1:], devices[1:], host, self.server.port, secret)
             self.plugin = open_device(devices[0], tuple(config.plugins), config.device_config,
                                       num_threads=config.num_threads)
-            join(self.server.store, 0, world.tp_size, world.facts(config), config.dist_init_timeout, world.node_of)
+            join(self.server.store, 0, world.tp_size, world.facts(config), config.dist_init_timeout, world.node_of,
+                 secret)
             self.comm = Communicator(self.plugin.communicator_backend(), 0, world.tp_size, self.server.store,
                                      timeout_s=config.dist_timeout, plugin_name=self.plugin.name,
                                      device=self.plugin.device_handle(), accumulate_fp32=config.allreduce_fp32)
@@ -183,7 +204,7 @@ class TensorParallel:
 
     # the step
     def broadcast_step(self, host_batch) -> None:
-        self.comm.broadcast_object(host_batch)
+        self.comm.broadcast_ints(step_wire.encode(host_batch))
 
     def failure(self, err: BaseException) -> TensorParallelError:
         """The error for a failed collective: the monitor's diagnosis when it has one (a worker's
@@ -265,7 +286,7 @@ class TensorParallel:
         self._stopping.set()
         if clean:
             try:
-                self.comm.broadcast_object(None)
+                self.comm.broadcast_ints(None)
             except RuntimeError as e:
                 log.warning("stop message not delivered: %s", e)
                 clean = False
@@ -306,7 +327,7 @@ def run_node(config: EngineConfig) -> int:
     host, port = rendezvous_address(config)
     log.info("node %d of %d: ranks %s on %s; rank 0 at %s:%d", world.node_rank, world.nnodes,
              world.local_ranks, devices, host, port)
-    workers = LocalWorkers(config, world.local_ranks, devices, host, port)
+    workers = LocalWorkers(config, world.local_ranks, devices, host, port, world_secret(config))
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     try:

@@ -15,9 +15,11 @@ import sys
 
 from polychip.config import EngineConfig, parse_host_port
 from polychip.devices.discovery import open_device
+from polychip.distributed import secret as dist_secret
 from polychip.distributed.communicator import Communicator
 from polychip.distributed.rendezvous import DuplicateRankError, Heartbeat, connect_store, join, report_failure
 from polychip.distributed.world import World
+from polychip.engine import step_wire
 from polychip.engine.kv_pool import KVPool, resolve_kv_dtype
 from polychip.engine.memory_plan import activation_bytes, size_pool
 from polychip.engine.model_runner import ModelRunner, StepLimits
@@ -41,7 +43,8 @@ def serve_rank(config: EngineConfig, rank: int, device: str, host: str, port: in
         log.error("rank %d: %s; exiting", rank, reason)
         os._exit(EXIT_LOST_RANK0)   # the main thread may sit in a collective that never returns
 
-    join(store, rank, world.tp_size, world.facts(config), config.dist_init_timeout, world.node_of)
+    join(store, rank, world.tp_size, world.facts(config), config.dist_init_timeout, world.node_of,
+         dist_secret.resolve(None, None))     # from the environment rank 0 or run_node gave this process
     beat = Heartbeat(host, port, rank, lambda: device_status(plugin, rank, node, kv_bytes[0]), lost).start()
     comm = None
     try:
@@ -71,10 +74,10 @@ def serve_rank(config: EngineConfig, rank: int, device: str, host: str, port: in
                  pages, loaded.kv_heads)
         steps = 0
         while True:
-            host_batch = comm.broadcast_object()
-            if host_batch is None:
+            message = comm.broadcast_ints()
+            if message is None:
                 break
-            runner.execute(runner.to_device(host_batch))
+            runner.execute(runner.to_device(step_wire.decode(message)))
             steps += 1
         log.info("rank %d: stopped by rank 0 after %d steps", rank, steps)
         runner.release_compiled()

@@ -43,9 +43,21 @@ def url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-def socket_url(sock: socket.socket) -> str:
+def socket_url(sock: socket.socket, scheme: str = "http") -> str:
     host, port = sock.getsockname()[:2]
-    return f"http://{url_host(host)}:{port}"
+    return f"{scheme}://{url_host(host)}:{port}"
+
+
+def uvicorn_tls(certfile: str | None, keyfile: str | None, ca_certs: str | None) -> dict:
+    """uvicorn's ssl_* arguments: https with a certificate and its key; with ``ca_certs``, clients
+    must present a certificate that CA signed. Nothing without a certificate."""
+    if certfile is None:
+        return {}
+    import ssl
+    out = {"ssl_certfile": certfile, "ssl_keyfile": keyfile}
+    if ca_certs is not None:
+        out.update(ssl_ca_certs=ca_certs, ssl_cert_reqs=ssl.CERT_REQUIRED)
+    return out
 
 
 class ReadyServer(uvicorn.Server):

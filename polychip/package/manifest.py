@@ -79,7 +79,23 @@ def parse_manifest(raw: bytes, source: str) -> dict:
     api = versions.get("plugin_api") if isinstance(versions, dict) else None
     if isinstance(api, bool) or not isinstance(api, (int, str)):
         raise PackageError(f"{where}: 'versions.plugin_api' must be a plugin API version such as \"1.1\" (or 1)")
+    _check_trust_fields(data, where)
     return data
+
+
+def _check_trust_fields(data: dict, where: str) -> None:
+    """The optional release number (no downgrade) and plugin pin (polychip/trust)."""
+    release = data.get("release")
+    if release is not None and not (isinstance(release, dict) and isinstance(release.get("name"), str)
+                                    and release["name"] and isinstance(release.get("number"), int)
+                                    and not isinstance(release["number"], bool) and release["number"] >= 0):
+        raise PackageError(f"{where}: 'release' must be {{name (the model's name), number (an integer >= 0)}}")
+    pin = data.get("plugin_pin")
+    if pin is not None and not (isinstance(pin, dict) and isinstance(pin.get("plugin"), str)
+                                and isinstance(pin.get("files"), dict)
+                                and all(isinstance(k, str) and isinstance(v, str) for k, v in pin["files"].items())):
+        raise PackageError(f"{where}: 'plugin_pin' must be {{plugin, distribution, version, installed, "
+                           "files: {path: sha256}}")
 
 
 def dump_manifest(data: dict) -> bytes:

@@ -17,13 +17,14 @@ from safetensors.torch import save_file
 
 from polychip.devices.discovery import open_device
 from polychip.models.loader import weight_files, read_config, resolve_model_dir
-from polychip.package import signing
+from polychip.trust import keys as signing
 from polychip.package.compat import current_versions
 from polychip.package.hashing import sha256_file
 from polychip.package.manifest import (FORMAT_VERSION, MANIFEST, PLAN, SIGNATURE, SUFFIX, PackageError,
                                        dump_manifest, manifest_sha256, name_problem)
 from polychip.package.plan import build_plan, dump_plan
 from polychip.quant import int8
+from polychip.trust.pins import pin_of
 
 log = logging.getLogger("polychip.package")
 
@@ -46,8 +47,12 @@ class PackOptions:
     dtype: str = "auto"
     cache_dir: str | None = None
     shard_bytes: int = SHARD_BYTES
+    release: int | None = None              # the model's release number (the trust store refuses older ones)
+    release_name: str | None = None         # the model's name for release numbers (default: the output's stem)
 
     def __post_init__(self):
+        if self.release is not None and self.release < 0:
+            raise PackageError(f"--release must be >= 0, got {self.release}")
         if not self.output.endswith(SUFFIX):
             raise PackageError(f"-o {self.output}: a package file must end in {SUFFIX}")
         if self.quantization not in (None, *int8.QUANTIZATIONS):
@@ -166,6 +171,13 @@ def assemble(staging: str, names: list[str], output: str, fields: dict, private=
     return raw
 
 
+def release_field(opts: PackOptions) -> dict:
+    if opts.release is None:
+        return {}
+    name = opts.release_name or os.path.basename(opts.output).removesuffix(SUFFIX)
+    return {"release": {"name": name, "number": opts.release}}
+
+
 def pack(opts: PackOptions) -> PackResult:
     """Write the package. The plan is made by loading the staged files themselves on the target,
     so it describes exactly what is packed (and an int8 model is quantised once)."""
@@ -181,6 +193,7 @@ def pack(opts: PackOptions) -> PackResult:
             names += write_weights(model_dir, staging, cfg.tie_word_embeddings, opts.quantization, opts.shard_bytes)
             plan, lm = build_plan(staging, plugin, opts.dtype)
             versions = current_versions(plugin)
+            pin = pin_of(plugin)
             del lm
         finally:
             plugin.destroy()
@@ -191,7 +204,7 @@ def pack(opts: PackOptions) -> PackResult:
                       "dtype": plan["dtype"], "quantization": plan["quantization"]},
             "target": {"device_types": [plan["target"]["device_type"]], "device_name": plan["target"]["device_name"],
                        "spec": plan["target"]["spec"]},
-            "versions": versions}, private)
+            "versions": versions, "plugin_pin": pin, **release_field(opts)}, private)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     signer = signing.key_id(private.public_key()) if private is not None else None

@@ -12,7 +12,7 @@ import os
 import tarfile
 from dataclasses import dataclass, field
 
-from polychip.package import signing
+from polychip.trust import keys as signing
 from polychip.package.hashing import copy_hashing
 from polychip.package.manifest import (MANIFEST, MAX_MANIFEST_BYTES, MAX_SIGNATURE_BYTES, PLAN, SIGNATURE,
                                        PackageError, manifest_sha256, name_problem, parse_manifest)
@@ -70,8 +70,9 @@ def member_problem(m: tarfile.TarInfo) -> str:
 
 class _Scan:
     def __init__(self, path: str, trusted: list[signing.TrustedKey], require_signature: bool,
-                 keep_going: bool, out_dir: str | None):
+                 keep_going: bool, out_dir: str | None, allow_unsigned: bool = False):
         self.res = ScanResult(path)
+        self.allow_unsigned = allow_unsigned   # a trust store's keys are given, and --allow-unsigned
         self.until: str | None = None          # stop after this member (inspect reads up to plan.json)
         self.refused = 0                       # members refused (unsafe, unlisted, repeated)
         self.trusted, self.require, self.keep_going, self.out_dir = trusted, require_signature, keep_going, out_dir
@@ -123,11 +124,14 @@ class _Scan:
         if sig is not None:
             try:
                 self.res.signature_key_id = signing.signature_key_id(sig)[0]
-            except PackageError as e:
+            except signing.TrustError as e:
                 self.fatal(SIGNATURE, e.args[0])
         if not self.trusted and not self.require:
             self.check("skip", "signature", "unsigned package" if sig is None else
                        f"signed by key {self.res.signature_key_id[:16]}; not checked (no --trusted-key)")
+            return
+        if sig is None and self.allow_unsigned:
+            self.check("warn", "signature", f"UNSIGNED (no {SIGNATURE}); accepted by --allow-unsigned")
             return
         if sig is None:
             self.fatal("signature", f"no {SIGNATURE}: the package is unsigned and a signature is required")
@@ -135,7 +139,7 @@ class _Scan:
             self.fatal("signature", "a signature is required but no --trusted-key was given to check it with")
         try:
             self.res.signer = signing.verify(manifest, sig, self.trusted)
-        except PackageError as e:
+        except signing.TrustError as e:
             self.fatal("signature", e.args[0])
         self.check("ok", "signature", f"{signing.ALGORITHM} by trusted key {self.res.signer.label()}")
 
@@ -195,10 +199,10 @@ class _Scan:
 
 def scan(path: str, trusted: list[signing.TrustedKey] = (), require_signature: bool = False,
          keep_going: bool = False, out_dir: str | None = None, head_only: bool = False,
-         until: str | None = None) -> ScanResult:
+         until: str | None = None, allow_unsigned: bool = False) -> ScanResult:
     """Verify the package at ``path`` in one pass; with ``out_dir``, write its members there.
     ``head_only``: stop after the manifest and signature; ``until``: after that member."""
-    s = _Scan(path, list(trusted), require_signature, keep_going, out_dir)
+    s = _Scan(path, list(trusted), require_signature, keep_going, out_dir, allow_unsigned)
     s.until = until
     try:
         f = open(path, "rb")

@@ -3,7 +3,10 @@ FastAPI app behind the shared edge (``polychip/http``: body limits and timeouts,
 cross-origin refusal, request ids, OpenAI error bodies).
 
 Request extension fields: ``preferred_device_types`` (list of device types, most preferred
-first) and ``priority_class`` (high | normal | low; or the header ``x-polychip-priority``).
+first) and ``priority_class`` (high | normal | low; or the header ``x-polychip-priority``); the
+header ``x-polychip-version`` sends the request to that version instead of one picked by the
+weights (another live version only if none of its replicas is up). ``/console`` is the web
+console (polychip/console), ``/admin/live`` its time series (router/live.py).
 """
 from __future__ import annotations
 
@@ -12,12 +15,15 @@ import contextlib
 import logging
 import os
 import socket
+import ssl
+import tempfile
 import time
 
 import httpx
 from fastapi import FastAPI
 
 from polychip.errors import ConfigError
+from polychip.http.console import mount_console
 from polychip.http.errors import install_error_handlers
 from polychip.http.gate import EdgeLimits, Gate
 from polychip.http.server import url_host
@@ -30,36 +36,64 @@ from polychip.router.placement import Placement, device_configs, effective_dtype
 from polychip.router.policies import make_policy
 from polychip.router.proxy import Proxy
 from polychip.router.replica import Replica
+from polychip.router.replica_logs import ReplicaLogs
 from polychip.router.rollout import ModelRoute, Rollout
-from polychip.router.routes import admin, openai_api, probes
+from polychip.router.routes import admin, batches, openai_api, probes, workloads as workload_api
 from polychip.router.settings import RouterConfig, reload_changes
+from polychip.router.state_sync import RouterState
 from polychip.router.supervisor import Supervisor
+from polychip.router.workload_store import JsonFileKV, MemoryKV
+from polychip.router.workloads import Workloads
+from polychip.trust.options import TrustOptions
 
 log = logging.getLogger("polychip.router")
+
+
+def replica_tls(cfg: RouterConfig) -> ssl.SSLContext:
+    """How https replicas are checked: the CA bundle (default: the system's), and the router's own
+    client certificate when the replicas ask for one (serve --ssl-ca-certs)."""
+    try:
+        ctx = ssl.create_default_context(cafile=cfg.replica_ca_bundle)
+    except (OSError, ssl.SSLError) as e:
+        raise ConfigError(f"--replica-ca-bundle {cfg.replica_ca_bundle}: not a readable PEM CA bundle ({e})") from None
+    if cfg.replica_client_cert is not None:
+        try:
+            ctx.load_cert_chain(cfg.replica_client_cert, cfg.replica_client_key)
+        except (OSError, ssl.SSLError) as e:
+            raise ConfigError(f"--replica-client-cert {cfg.replica_client_cert} / --replica-client-key "
+                              f"{cfg.replica_client_key}: not a usable certificate and key ({e})") from None
+    return ctx
 
 
 class Router:
     def __init__(self, cfg: RouterConfig, replica_urls: list[str] = (), deployment: Deployment | None = None,
                  deployment_path: str | None = None, placed: Placement | None = None,
-                 inventory: Inventory | None = None, settings_from_file=None):
+                 inventory: Inventory | None = None, settings_from_file=None, trust: TrustOptions | None = None):
         self.cfg = cfg
+        self.trust = trust          # checks the deployment file on reload; its flags go to launched replicas
         self.rollout = Rollout(cfg.guard, on_rollback=self._rolled_back, on_kept=self._rollback_refused,
                                serving=self._version_serving)
         self.dispatcher = Dispatcher(cfg, self.rollout, make_policy(cfg.policy, cfg.prefix))
         self.metrics = RouterMetrics(self.dispatcher)
-        self.supervisor = Supervisor(scope=os.path.abspath(deployment_path) if deployment_path else "")
+        self.state = RouterState(cfg, self.rollout, self.dispatcher)
+        self.supervisor = Supervisor(scope=os.path.abspath(deployment_path) if deployment_path else "",
+                                     logs=_replica_logs(cfg), on_event=self._process_event,
+                                     trust_flags=trust.replica_flags() if trust is not None else [])
         self.inventory = inventory or Inventory()
+        self.workloads = Workloads(self, _workload_store(cfg), cfg.node_id or socket.gethostname())
+        self.url: str | None = None          # set once the server listens
         self.deployment, self.deployment_path, self.placed = deployment, deployment_path, placed
         # the settings a reloaded file's router section gives (the command line's flags still win)
         self.settings_from_file = settings_from_file or (lambda dep: dep.router)
         self.excluded: dict[str, str] = {}
         for i, url in enumerate(replica_urls):
-            self.dispatcher.add(Replica(f"r{i}", url.rstrip("/")))
+            self._add(Replica(f"r{i}", url.rstrip("/")))
         self.client: httpx.AsyncClient | None = None
         self.proxy: Proxy | None = None
         self._tasks: list[asyncio.Task] = []
         self._reload_lock = asyncio.Lock()
         self.startup_error: Exception | None = None
+        self.batches = None          # BatchJobs when --files-dir is given (router/batch/jobs.py)
 
     # lifecycle
     async def start(self) -> None:
@@ -67,21 +101,39 @@ class Router:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
         timeout = httpx.Timeout(cfg.request_timeout, connect=cfg.connect_timeout)
         # no Nagle on the replica connections: a request's headers and body go out as two writes
-        transport = httpx.AsyncHTTPTransport(limits=limits, socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
+        transport = httpx.AsyncHTTPTransport(limits=limits, verify=replica_tls(cfg),
+                                             socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
         self.client = httpx.AsyncClient(transport=transport, timeout=timeout)
         self.proxy = Proxy(cfg, self.dispatcher, self.rollout, self.metrics, self.client)
         headers = {"authorization": f"Bearer {cfg.replica_api_key}"} if cfg.replica_api_key else {}
         self.health = HealthChecker(cfg.health, self.client, lambda: list(self.dispatcher.replicas.values()),
                                     headers, self._replica_changed)
+        await self.state.start()
+        for replica in self.dispatcher.replicas.values():
+            self.state.replica_changed(replica)
         if self.deployment is not None:
             placed = self.placed or await self._place(self.deployment)
             await self._apply(self.deployment, placed)
+            self.state.reconcile(self.deployment.models)
+        await self.workloads.start()
+        if self.deployment is not None and self.deployment.workloads:
+            await self.workloads.inventory_ready()
+            await self.workloads.declare(self.deployment.workloads, self.deployment.source)
         self._tasks.append(asyncio.ensure_future(self.health.run()))
+        self._tasks.append(asyncio.ensure_future(self.metrics.live.sample_forever(self.dispatcher)))
+        if cfg.batch.files_dir is not None:
+            from polychip.router.batch.dispatch import router_jobs
+            self.batches = router_jobs(self, cfg.batch)
+            await self.batches.start()
 
     async def stop(self) -> None:
+        if self.batches is not None:
+            await self.batches.stop()
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.workloads.stop()
+        await self.state.stop()
         await self.supervisor.stop_all(self.cfg.drain_timeout)
         if self.client is not None:
             await self.client.aclose()
@@ -91,7 +143,18 @@ class Router:
             replica.breaker.came_back(replica.changed_at)
         if replica.info is not None:
             self.rollout.learn(replica.info.model, replica.info.version)
+            self.state.adopt_learnt(replica.info.model)
+        self.state.replica_changed(replica)
+        self.workloads.replica_changed(replica)
         self.dispatcher.pump()
+
+    def _add(self, replica: Replica) -> None:
+        self.dispatcher.add(replica)
+        if self.state.store is not None:
+            self.state.replica_changed(replica)
+
+    def _process_event(self, name: str, kind: str, detail) -> None:
+        self.workloads.process_event(name, kind, detail)
 
     def _rolled_back(self, model: str, version: str, reason: str) -> None:
         self.metrics.rollbacks.labels(model, version).inc()
@@ -120,11 +183,13 @@ class Router:
         wanted = {r.name: r for r in placed.launch + placed.remote}
         old_entries = {r.name: r for r in self.deployment.replicas} if self.deployment is not dep else {}
         for name, replica in dict(self.dispatcher.replicas).items():
+            if name in self.workloads:           # workloads have their own life (workloads.py)
+                continue
             if name not in wanted or (name in old_entries and old_entries[name] != wanted[name]):
                 await self._drain(replica)
         for name, entry in wanted.items():
             if name not in self.dispatcher.replicas:
-                self.dispatcher.add(self._replica_for(entry, dep))
+                self._add(self._replica_for(entry, dep))
         self.deployment = dep
 
     def _replica_for(self, entry, dep: Deployment) -> Replica:
@@ -150,6 +215,7 @@ class Router:
         while replica.inflight and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
         self.dispatcher.remove(replica.name)
+        self.state.replica_changed(replica, gone=True)
         if replica.launched:
             await self.supervisor.stop(replica.name, self.cfg.drain_timeout)
 
@@ -159,13 +225,18 @@ class Router:
         if self.deployment_path is None:
             raise ConfigError("the router was not started from a deployment file (--deployment)")
         async with self._reload_lock:
-            dep = await asyncio.to_thread(load_deployment, self.deployment_path)
+            dep = await asyncio.to_thread(load_deployment, self.deployment_path, self.trust)
             cfg = self.settings_from_file(dep)
             changed = reload_changes(self.cfg, cfg)
             placed = await self._place(dep)
+            if dep.workloads:
+                await self.workloads.inventory_ready()
+            await self.workloads.check_declared(dep.workloads, dep.source)
             before = set(self.dispatcher.replicas)
             self.apply_settings(cfg)
             await self._apply(dep, placed)
+            self.state.reconcile(dep.models)
+            await self.workloads.declare(dep.workloads, dep.source)
             after = set(self.dispatcher.replicas)
             log.info("deployment reloaded from %s: +%s -%s, settings changed: %s", self.deployment_path,
                      sorted(after - before), sorted(before - after), changed or "none")
@@ -205,6 +276,18 @@ class Router:
         return out + [{"name": n, "excluded": why} for n, why in sorted(self.excluded.items())]
 
 
+def _replica_logs(cfg: RouterConfig) -> ReplicaLogs:
+    """Launched replicas' own log files: under the state dir, else a fresh folder for this router."""
+    where = (os.path.join(cfg.state_dir, "replica-logs") if cfg.state_dir
+             else tempfile.mkdtemp(prefix="polychip-replica-logs-"))
+    log.info("launched replicas log to %s/NAME.log (rotated at %d bytes)", where, cfg.replica_log_max_bytes)
+    return ReplicaLogs(where, cfg.replica_log_max_bytes, cfg.replica_log_backups)
+
+
+def _workload_store(cfg: RouterConfig):
+    return JsonFileKV(os.path.join(cfg.state_dir, "workloads.json")) if cfg.state_dir else MemoryKV()
+
+
 def build_app(router: Router) -> Gate:
     """The router's ASGI app: its routes on FastAPI, behind the edge's gate."""
     @contextlib.asynccontextmanager
@@ -222,10 +305,13 @@ def build_app(router: Router) -> Gate:
     app = FastAPI(title="polychip router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.router = router
     install_error_handlers(app)
-    for routes in (openai_api.openai_routes, probes.probe_routes, admin.admin_routes):
+    for routes in (openai_api.openai_routes, probes.probe_routes, admin.admin_routes, workload_api.workload_routes,
+                   batches.batch_routes):
         app.include_router(routes)
+    mount_console(app)
     cfg = router.cfg
     # the API key is checked per route (routes/__init__.py), so that a reload can change it
     limits = EdgeLimits(api_key=None, max_body_bytes=cfg.max_request_body_bytes,
-                        body_timeout=cfg.timeout_request_body, access_log=False)   # the proxy logs each request
+                        body_timeout=cfg.timeout_request_body, access_log=False,   # the proxy logs each request
+                        upload_paths=("/v1/files",), max_upload_bytes=cfg.batch.max_file_bytes + batches.FORM_OVERHEAD)
     return Gate(app, limits)

@@ -1,5 +1,6 @@
 """The router's Prometheus metrics (prefix ``polychip_router_``), one registry per router.
 
+Alongside, ``live`` keeps the last minutes of the same figures as time series for the console.
 Per-request series carry model, version, replica, device type and priority class; replica
 health, in-flight counts, queue lengths and canary weights are read at scrape time.
 """
@@ -7,6 +8,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
+
+from polychip.router.live import LiveSeries
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
@@ -34,6 +37,7 @@ class RouterMetrics:
                                          "Rollbacks the guard refused: no other version would be left serving",
                                          ["model", "version"], registry=r)
         r.register(_StateCollector(dispatcher))
+        self.live = LiveSeries()        # the same requests, kept as recent time series (/admin/live)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

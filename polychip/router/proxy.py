@@ -344,6 +344,9 @@ class Proxy:
         e2e = time.perf_counter() - call.t0
         labels = self._labels(call, replica)
         replica.served += 1
+        if replica.first_ttft is None and ok and status < 400:    # a non-streamed answer: its first token is its end
+            replica.first_ttft = ttft if ttft is not None else e2e
+            replica.first_token_at = time.time() - e2e + replica.first_ttft
         self.metrics.requests.labels(*labels, str(status)).inc()
         if ttft is not None:
             self.metrics.ttft.labels(*labels).observe(ttft)
@@ -351,9 +354,11 @@ class Proxy:
             self.metrics.e2e.labels(*labels).observe(e2e)
         if tokens:
             self.metrics.tokens.labels(call.model, labels[1], replica.name, replica.device_type).inc(tokens)
+        self.metrics.live.finished(call.model, replica.device_type, ttft, e2e, tokens)
         failed = not ok or status >= 500
         if kind is not None and kind != "client_gone":
             self.metrics.errors.labels(*labels, kind).inc()
+            self.metrics.live.error(call.model, replica.device_type, kind)
         if kind == "client_gone":
             replica.breaker.neutral()
         else:
@@ -369,6 +374,7 @@ class Proxy:
         """An attempt the client does not see: the breaker counts it, the guard does not."""
         labels = self._labels(call, replica)
         self.metrics.errors.labels(*labels, r.kind).inc()
+        self.metrics.live.error(call.model, replica.device_type, r.kind)
         if r.failure:
             self.d.outcome(replica, False, r.reason)
         else:
@@ -379,6 +385,7 @@ class Proxy:
     def _refuse(self, call: Call, status: int, message: str, kind: str, retry_after: float | None = 1.0) -> Response:
         labels = self._labels(call, None)
         self.metrics.errors.labels(*labels, kind).inc()
+        self.metrics.live.error(call.model, "", kind)
         self.metrics.requests.labels(*labels, str(status)).inc()
         access.info("%s POST %s %d model=%s version=%s priority=%s target=- (%s: %s) %.0fms", call.request_id,
                     call.path, status, call.model, call.version, call.priority, kind, message,

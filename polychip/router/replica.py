@@ -68,6 +68,8 @@ class Replica:
     successes: int = 0
     inflight: int = 0
     served: int = 0
+    first_ttft: float | None = None          # time to first token of its first answered request
+    first_token_at: float | None = None      # wall clock of that first token
     changed_at: float = field(default_factory=time.monotonic)
     breaker: Any = None                  # its circuit breaker (router.breaker.Breaker), set by the dispatcher
 

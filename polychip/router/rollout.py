@@ -66,6 +66,8 @@ class Rollout:
         self.on_kept = on_kept                  # (model, version, reason) -> None: a rollback refused
         self.serving = serving or (lambda model, version: True)   # has (model, version) a serving replica?
         self.decisions: dict[str, dict] = {}    # model -> the guard's last decision
+        self.on_change = None                   # (route, source) -> None: the state store records it
+        self.may_decide = lambda: True          # False on a router that is not the leader of N
 
     # the set of models and versions
     def declare(self, route: ModelRoute) -> None:
@@ -82,6 +84,18 @@ class Rollout:
             self.models[model] = ModelRoute(model, {version: 1.0}, version)
         elif version not in route.weights and not route.declared:
             route.weights[version] = 1.0
+            route.baseline = _heaviest(route.weights)
+
+    def forget(self, model: str, version: str) -> None:
+        """A learnt version whose last replica left stops drawing traffic (the model goes with its
+        last version); a declared model keeps its weights."""
+        route = self.models.get(model)
+        if route is None or route.declared:
+            return
+        route.weights.pop(version, None)
+        if not route.weights:
+            del self.models[model]
+        else:
             route.baseline = _heaviest(route.weights)
 
     def forget_undeclared(self, keep: set[str]) -> None:
@@ -109,6 +123,8 @@ class Rollout:
             if w > 0:
                 route.rolled_back.pop(v, None)
         log.info("rollout: %s weights now %s", model, merged)
+        if self.on_change is not None:
+            self.on_change(route, "runtime")
         return route
 
     # per request: what the client saw, once per request
@@ -119,7 +135,8 @@ class Rollout:
             stats = self.stats[(model, version)] = VersionWindow(self.guard.window)
         stats.record(ok, ttft, tpot, e2e)
         route = self.models.get(model)
-        if route is not None and version != route.baseline and route.weights.get(version, 0) > 0:
+        if (route is not None and version != route.baseline and route.weights.get(version, 0) > 0
+                and self.may_decide()):
             reason = verdict(self.guard, stats, self.stats.get((model, route.baseline)), route.baseline)
             if reason:
                 self._roll_back(route, version, reason)
@@ -145,6 +162,8 @@ class Rollout:
         log.warning("canary guard: %s version %s rolled back (weight 0): %s", route.name, version, reason)
         if self.on_rollback is not None:
             self.on_rollback(route.name, version, reason)
+        if self.on_change is not None:
+            self.on_change(route, "guard")
 
     def _decide(self, model: str, action: str, version: str, reason: str) -> None:
         self.decisions[model] = {"action": action, "version": version, "reason": reason, "at": time.time()}

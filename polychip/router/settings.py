@@ -107,6 +107,19 @@ class PrefixConfig(_Settings):
 Seconds = Annotated[float, Field(gt=0)]
 
 
+class BatchConfig(_Settings):
+    """OpenAI files and batch jobs (/v1/files, /v1/batches); fixed while the router runs."""
+
+    files_dir: str | None = setting(None, "uploads, batch outputs and batch progress live here; the files and "
+                                    "batches API is off without it", flag="--files-dir", live=False)
+    max_file_bytes: int = setting(200 * 1024 * 1024, "an upload's size limit in bytes (OpenAI's: 200 MB)",
+                                  flag="--max-file-bytes", live=False, ge=1)
+    concurrency: int = setting(4, "batch requests in flight at once, all batches together, in the low "
+                               "priority class", live=False, ge=1)
+    retry_for: Seconds = setting(300.0, "seconds a batch request the router cannot place yet (503) is retried",
+                                 live=False)
+
+
 class RouterConfig(_Settings):
     # listening and the edge (fixed while the router runs)
     host: str = setting("127.0.0.1", "address to listen on", live=False)
@@ -126,6 +139,7 @@ class RouterConfig(_Settings):
     guard: GuardConfig = setting(default_factory=GuardConfig, alias="canary_guard")
     prefix: PrefixConfig = setting(default_factory=PrefixConfig)
     breaker: BreakerConfig = setting(default_factory=BreakerConfig, alias="circuit_breaker")
+    batch: BatchConfig = setting(default_factory=BatchConfig)
     max_retries: int = setting(2, "other replicas tried when one fails before the first token", ge=0)
     max_inflight_per_replica: int | None = setting(
         None, "requests in flight per replica before the router queues (default: its max running)", ge=1)
@@ -142,6 +156,32 @@ class RouterConfig(_Settings):
     drain_timeout: Seconds = setting(30.0, "in-flight requests get this long on SIGTERM or removal")
     api_key: str | None = setting(None, "clients must send it (not /health, /metrics)")
     replica_api_key: str | None = setting(None, "sent to the replicas", live=False)
+    replica_ca_bundle: str | None = setting(None, "CA bundle (PEM) that https replicas' certificates must chain "
+                                                  "to (default: the system's)", live=False)
+    replica_client_cert: str | None = setting(None, "client certificate (PEM) shown to https replicas that ask "
+                                                    "for one (serve --ssl-ca-certs)", live=False)
+    replica_client_key: str | None = setting(None, "the private key of --replica-client-cert", live=False)
+    # state (polychip/router/state): weights, rollbacks, the replica registry, the leader; and the
+    # workloads' records and launched replicas' logs (state_dir)
+    state: str = setting("sqlite", "the state store: sqlite (a file in --state-dir), etcd://h1:2379,h2:2379 "
+                         "(N routers share it) or memory://", live=False)
+    state_dir: str | None = setting(None, "sqlite's directory (default: $POLYCHIP_STATE_DIR, else "
+                                    "~/.local/state/polychip/router-PORT); also keeps workload records (relaunched "
+                                    "after a restart) and the launched replicas' logs (unset: workload records in "
+                                    "memory, logs in a temporary folder)", live=False)
+    node_id: str | None = setting(None, "this router's name among N routers and in workload placement "
+                                  "(default: HOST-PORT for the state, the hostname for workloads)", live=False)
+    state_lease_ttl: float = setting(10.0, "seconds a dead router's leadership and replica registry outlive it",
+                                     live=False, ge=1, le=300)
+    replica_log_max_bytes: int = setting(10 * 2**20, "each launched replica's log file rotates at this size",
+                                         live=False, ge=1024)
+    replica_log_backups: int = setting(3, "rotated log files kept per launched replica", live=False, ge=1)
+
+    @model_validator(mode="after")
+    def _client_cert_and_key(self):
+        if (self.replica_client_cert is None) != (self.replica_client_key is None):
+            raise ValueError("replica_client_cert and replica_client_key go together")
+        return self
 
     @field_validator("policy")
     @classmethod
@@ -199,7 +239,7 @@ def _diff(old: _Settings, new: _Settings, prefix: str) -> tuple[list[str], list[
 
 
 # the command line
-FLAG_PREFIX = {"health": "health", "guard": "canary", "prefix": "prefix", "breaker": "cb"}
+FLAG_PREFIX = {"health": "health", "guard": "canary", "prefix": "prefix", "breaker": "cb", "batch": "batch"}
 
 
 def _fields(cls, prefix: str = "", path: tuple = ()):

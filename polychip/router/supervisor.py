@@ -1,7 +1,8 @@
 """Launches ``polychip serve`` replicas from a deployment and keeps them running: one that exits
-is restarted with exponential backoff (reset after it ran a while), its output goes to the
-router's log under its name, and ``stop`` sends SIGTERM (the replica drains) then kills it
-after a grace period.
+is restarted with exponential backoff (reset after it ran a while), its output goes to its own
+rotated file (``ReplicaLogs``; the router's log when there is none), ``on_event(name, kind,
+detail)`` hears each start ("started", pid) and exit ("exited", the exit status), and ``stop``
+sends SIGTERM (the replica drains) then kills it after a grace period.
 
 A launched replica dies with the router: the kernel sends it SIGTERM when the router's process
 goes, however it goes (``PR_SET_PDEATHSIG``, Linux). A replica without a fixed port binds port 0
@@ -60,8 +61,11 @@ def _running_cmd(pid: int) -> list[str] | None:
     return [a.decode(errors="replace") for a in raw.split(b"\0") if a] or None
 
 
-def serve_command(entry: ReplicaEntry, port: int, dtype: str, quantization: str | None) -> list[str]:
-    cmd = serve_argv(entry.host, port, ["--served-model-name", entry.model, "--device", entry.device])
+def serve_command(entry: ReplicaEntry, port: int, dtype: str, quantization: str | None,
+                  trust_flags: list[str] = ()) -> list[str]:
+    """The replica's ``polychip serve`` command; ``trust_flags``: the router's own trust options,
+    so every replica checks its package and spec against the same store."""
+    cmd = serve_argv(entry.host, port, ["--served-model-name", entry.model, "--device", entry.device, *trust_flags])
     if entry.model_path:
         cmd += ["--model-path", entry.model_path]
     if dtype != "auto":
@@ -90,17 +94,32 @@ class Managed:
     on_port: Callable[[int], None] | None = None     # told the port a replica bound (port 0)
 
 
+def exit_reason(code: int) -> str:
+    """'exit status 1' or 'killed by SIGKILL' for a subprocess return code."""
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit status {code}"
+
+
 class Supervisor:
-    def __init__(self, run_dir: Path | str | None = None, scope: str = ""):
+    def __init__(self, run_dir: Path | str | None = None, scope: str = "", logs=None, on_event=None,
+                 trust_flags: list[str] = ()):
         self.managed: dict[str, Managed] = {}
         key = hashlib.sha256(scope.encode()).hexdigest()[:16]      # one deployment's replicas
         self.run_dir = Path(run_dir or default_run_dir()) / key
+        self.logs = logs              # ReplicaLogs, or None: output into the router's log
+        self.on_event = on_event or (lambda name, kind, detail: None)
+        self.trust_flags = list(trust_flags)     # the router's trust options, for every replica it launches
 
     def start(self, entry: ReplicaEntry, port: int, dtype: str, quantization: str | None,
               on_port: Callable[[int], None] | None = None) -> Managed:
         """Launch (port 0: the replica binds a free port and ``on_port`` hears which)."""
         env = {**os.environ, **entry.env, VERSION_ENV: entry.version}
-        m = Managed(entry, port, serve_command(entry, port, dtype, quantization), env, on_port=on_port)
+        m = Managed(entry, port, serve_command(entry, port, dtype, quantization, self.trust_flags), env,
+                    on_port=on_port)
         self.replace_leftover(entry.name, m.cmd)
         self.managed[entry.name] = m
         m.task = asyncio.ensure_future(self._keep_running(m))
@@ -150,11 +169,13 @@ class Supervisor:
                 log.info("replica %s: started (pid %d, %s)", m.entry.name, m.proc.pid,
                          f"port {m.port}" if m.port else "binding a free port")
                 self._record(m)
+                self.on_event(m.entry.name, "started", m.proc.pid)
                 await self._pipe_output(m)
                 code = await m.proc.wait()
             m.exits.append(code)
             if m.stopping:
                 break
+            self.on_event(m.entry.name, "exited", code)
             if time.monotonic() - m.started_at > STABLE_AFTER:
                 backoff = BACKOFF_START
             m.restarts += 1
@@ -163,7 +184,7 @@ class Supervisor:
             backoff = min(backoff * 2, BACKOFF_MAX)
 
     async def _pipe_output(self, m: Managed) -> None:
-        out = logging.getLogger(f"polychip.replica.{m.entry.name}")
+        out = self.logs.writer(m.entry.name) if self.logs else logging.getLogger(f"polychip.replica.{m.entry.name}")
         async for raw in m.proc.stdout:
             line = raw.decode(errors="replace").rstrip()
             out.info("%s", line)

@@ -1,5 +1,7 @@
 """The operator's routes, behind the API key: /admin/replicas, /admin/rollout (status, set
-weights) and /admin/reload (re-read the deployment file)."""
+weights), /admin/reload (re-read the deployment file), /admin/state (the state store: backend,
+leader, members, stored models, replica registry) and /admin/live (the console's recent time
+series, router/live.py)."""
 from __future__ import annotations
 
 from typing import Annotated
@@ -10,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from polychip.errors import ConfigError
 from polychip.http.errors import APIError, parse_body
 from polychip.router.routes import requires_key, router_of
+from polychip.router.settings import PRIORITY_CLASSES
 
 admin_routes = APIRouter(prefix="/admin", dependencies=[requires_key])
 
@@ -29,6 +32,11 @@ async def replicas(request: Request):
             "policy": router.cfg.policy}
 
 
+@admin_routes.get("/live")
+async def live(request: Request):
+    return router_of(request).metrics.live.view(PRIORITY_CLASSES)
+
+
 @admin_routes.get("/rollout")
 async def rollout_status(request: Request):
     return {"models": router_of(request).rollout.status()}
@@ -44,6 +52,11 @@ async def rollout_set(request: Request):
         raise APIError(400, e.args[0], "invalid_request_error") from None
     router.dispatcher.pump()
     return {"models": router.rollout.status()}
+
+
+@admin_routes.get("/state")
+async def state(request: Request):
+    return await router_of(request).state.describe()
 
 
 @admin_routes.post("/reload")

@@ -1,0 +1,113 @@
+"""A router's presence in the store: one lease, its member key, the keys it holds under the lease
+(its replica registry) and the leader election; what etcd's concurrency.Session does, over any backend."""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+from polychip.router.state.base import Event, StateStore, StoreError
+
+log = logging.getLogger("polychip.router.state")
+LEADER_KEY = "leader"
+MEMBERS = "members/"
+
+
+class Session:
+    """``start()`` grants the lease, writes ``members/NODE`` and campaigns; a thread refreshes the lease
+    every ttl/3. The leader is whoever created ``leader`` under a live lease: when its lease ends the
+    key goes, every session sees the delete and campaigns, and compare-and-set lets exactly one win."""
+
+    def __init__(self, store: StateStore, node_id: str, ttl: float, info: dict | None = None,
+                 on_leader: Callable[[str | None], None] | None = None):
+        self.store, self.node_id, self.ttl = store, node_id, ttl
+        self.info = info or {}
+        self.on_leader = on_leader
+        self.lease: int | None = None
+        self.leader: str | None = None
+        self.leader_since = 0.0                  # wall clock of the last change seen
+        self._held: dict[str, Any] = {}          # leased keys to put back if the lease is lost
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._watch = None
+
+    @property
+    def is_leader(self) -> bool:
+        return self.leader == self.node_id
+
+    def start(self) -> None:
+        self._grant()
+        entry = self.store.get(LEADER_KEY)
+        self._set_leader(entry.value if entry else None)
+        rev = self.store.list(LEADER_KEY)[1]
+        self._watch = self.store.watch(LEADER_KEY, self._on_leader_event, rev + 1)
+        self.campaign()
+        threading.Thread(target=self._keepalive, daemon=True, name=f"state-session {self.node_id}").start()
+
+    def _grant(self) -> None:
+        with self._lock:
+            self.lease = self.store.grant_lease(self.ttl)
+            self.store.put(MEMBERS + self.node_id, self.info, lease=self.lease)
+            for key, value in self._held.items():
+                self.store.put(key, value, lease=self.lease)
+
+    def put_leased(self, key: str, value: Any) -> None:
+        with self._lock:
+            self._held[key] = value
+            self.store.put(key, value, lease=self.lease)
+
+    def delete_leased(self, key: str) -> None:
+        with self._lock:
+            self._held.pop(key, None)
+            self.store.delete(key)
+
+    def campaign(self) -> bool:
+        won = self.store.compare_and_set(LEADER_KEY, self.node_id, expect=0, lease=self.lease)
+        if won:
+            log.warning("state: router %s is the leader now", self.node_id)
+            self._set_leader(self.node_id)
+        return won
+
+    def _on_leader_event(self, ev: Event) -> None:
+        if ev.key != LEADER_KEY:
+            return
+        self._set_leader(ev.value)
+        if ev.kind == "delete" and not self._stop.is_set():
+            try:
+                self.campaign()
+            except StoreError as e:
+                log.warning("state: campaign after the leader left failed: %s", e)
+
+    def _set_leader(self, leader: str | None) -> None:
+        if leader != self.leader:
+            self.leader = leader
+            self.leader_since = time.time()
+            if self.on_leader is not None:
+                self.on_leader(leader)
+
+    def _keepalive(self) -> None:
+        while not self._stop.wait(self.ttl / 3):
+            try:
+                if not self.store.refresh_lease(self.lease):
+                    log.warning("state: router %s lost its lease (store unreachable longer than %gs); "
+                                "re-registering", self.node_id, self.ttl)
+                    self._grant()
+                if self.leader is None:
+                    self.campaign()
+            except StoreError as e:
+                log.warning("state: lease refresh failed: %s", e)
+
+    def members(self) -> list[str]:
+        return [e.key[len(MEMBERS):] for e in self.store.list(MEMBERS)[0]]
+
+    def close(self) -> None:
+        """Leave at once (revoking the lease drops the member, the leadership and the registry)."""
+        self._stop.set()
+        if self._watch is not None:
+            self._watch.cancel()
+        if self.lease is not None:
+            try:
+                self.store.revoke_lease(self.lease)
+            except StoreError as e:
+                log.warning("state: could not revoke lease on close (it expires in %gs): %s", self.ttl, e)

@@ -1,0 +1,153 @@
+"""The state store's three backends behave alike: get/put/delete/list, compare-and-set, watches from
+a revision, leases that drop their keys, leader election; SQLite survives a restart and refuses a
+second router; etcd survives the loss of one member of three."""
+import threading
+import time
+
+import pytest
+
+from polychip.router.state import MemoryStore, Session, SqliteStore, StoreError, open_store
+from tests.etcd_cluster import EtcdCluster
+
+pytestmark = pytest.mark.device_independent
+
+
+@pytest.fixture(scope="module")
+def etcd1():
+    cluster = EtcdCluster(1)
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(params=["memory", "sqlite", "etcd"])
+def store(request, tmp_path):
+    if request.param == "memory":
+        s = MemoryStore()
+    elif request.param == "sqlite":
+        s = SqliteStore(str(tmp_path / "state.sqlite3"))
+    else:
+        s = open_store(request.getfixturevalue("etcd1").spec)
+        for e in s.list("")[0]:
+            s.delete(e.key)
+    yield s
+    s.close()
+
+
+def wait_for(cond, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_get_put_delete_list_and_cas(store):
+    assert store.get("models/a") is None
+    r1 = store.put("models/a", {"weights": {"v1": 1.0}})
+    store.put("models/b", [1, 2])
+    store.put("other", "x")
+    got = store.get("models/a")
+    assert got.value == {"weights": {"v1": 1.0}} and got.revision == r1
+    entries, rev = store.list("models/")
+    assert [e.key for e in entries] == ["models/a", "models/b"] and rev >= r1
+    assert not store.compare_and_set("models/a", 1, expect=r1 - 1)
+    assert store.compare_and_set("models/a", 2, expect=r1)
+    assert store.get("models/a").value == 2
+    assert not store.compare_and_set("models/a", 3, expect=0)       # exists: create-only fails
+    assert store.compare_and_set("models/new", 3, expect=0)
+    assert not store.delete("models/a", expect=r1)                 # stale revision
+    assert store.delete("models/a") and not store.delete("models/a")
+    assert store.get("models/a") is None
+
+
+def test_watch_from_a_revision_sees_every_change_in_order(store):
+    r0 = store.put("w/seed", 0)
+    seen = []
+    watch = store.watch("w/", seen.append, r0 + 1)
+    for i in range(20):
+        store.put(f"w/{i % 3}", i)
+    store.delete("w/seed")
+    store.put("elsewhere", 1)
+    assert wait_for(lambda: len(seen) == 21), seen
+    assert [e.value for e in seen[:20]] == list(range(20))
+    assert seen[-1].kind == "delete" and seen[-1].key == "w/seed"
+    assert [e.revision for e in seen] == sorted(e.revision for e in seen)
+    watch.cancel()
+    store.put("w/after", 1)
+    time.sleep(0.3)
+    assert len(seen) == 21
+
+
+def test_a_lease_not_refreshed_drops_its_keys(store):
+    lease = store.grant_lease(2)
+    store.put("replicas/r1", {"url": "http://x"}, lease=lease)
+    kept = store.grant_lease(2)
+    store.put("replicas/r2", {"url": "http://y"}, lease=kept)
+    deadline = time.monotonic() + 3.5
+    while time.monotonic() < deadline:
+        assert store.refresh_lease(kept)
+        time.sleep(0.5)
+    assert store.get("replicas/r1") is None, "the lease of r1 ran out: its key must be gone"
+    assert store.get("replicas/r2") is not None
+    assert not store.refresh_lease(lease)
+    store.revoke_lease(kept)
+    assert store.get("replicas/r2") is None
+
+
+def test_exactly_one_leader_and_a_new_one_when_it_goes(store):
+    sessions = [Session(store, f"router-{i}", ttl=2) for i in range(3)]
+    for s in sessions:
+        s.start()
+    assert wait_for(lambda: len({s.leader for s in sessions}) == 1 and sessions[0].leader is not None)
+    assert sum(s.is_leader for s in sessions) == 1
+    assert sorted(sessions[0].members()) == ["router-0", "router-1", "router-2"]
+    leader = next(s for s in sessions if s.is_leader)
+    leader.close()
+    rest = [s for s in sessions if s is not leader]
+    assert wait_for(lambda: rest[0].leader is not None and rest[0].leader != leader.node_id
+                    and rest[0].leader == rest[1].leader)
+    assert sum(s.is_leader for s in rest) == 1
+    for s in rest:
+        s.close()
+
+
+def test_sqlite_survives_a_restart_and_refuses_a_second_router(tmp_path):
+    path = str(tmp_path / "state.sqlite3")
+    a = SqliteStore(path)
+    rev = a.put("models/m", {"weights": {"v1": 0.0, "v2": 100.0}, "rolled_back": {"v1": "why"}})
+    with pytest.raises(StoreError, match="in use by another router"):
+        SqliteStore(path)
+    a.close()
+    b = SqliteStore(path)
+    got = b.get("models/m")
+    assert got.value["rolled_back"] == {"v1": "why"} and got.revision == rev
+    assert b.put("models/x", 1) == rev + 1           # the revision goes on from where it was
+    b.close()
+
+
+def test_default_state_dir_and_bad_spec(tmp_path, monkeypatch):
+    monkeypatch.setenv("POLYCHIP_STATE_DIR", str(tmp_path / "d"))
+    s = open_store("sqlite", None, 9999)
+    assert s.path == str(tmp_path / "d" / "state.sqlite3")
+    s.close()
+    with pytest.raises(StoreError, match="expected sqlite"):
+        open_store("redis://x")
+
+
+def test_etcd_keeps_working_when_one_of_three_members_dies():
+    cluster = EtcdCluster(3)
+    try:
+        store = open_store(cluster.spec)
+        seen = []
+        rev = store.put("k/0", 0)
+        store.watch("k/", seen.append, rev + 1)
+        cluster.kill(0)                     # the member this store and its watch talk to
+        for i in range(1, 11):
+            store.put(f"k/{i}", i)
+        assert wait_for(lambda: len(seen) == 10, 15), seen
+        assert [e.value for e in seen] == list(range(1, 11))
+        assert store.describe()["backend"] == "etcd"
+        store.close()
+    finally:
+        cluster.stop()
