@@ -1,9 +1,9 @@
 """Decode step time with the static decode path on and off (--disable-cuda-graph), interleaved in
 one process so that both see the same machine load.
 
-    .venv/bin/python bench/decode_overhead.py                          # overhead: shrunk model, batch 1
-    .venv/bin/python bench/decode_overhead.py --model smollm2 --batch 1 16 --context 800
-    .venv/bin/python bench/decode_overhead.py --model smollm2 --batch 1 16 --quantization int8
+    .venv/bin/python benchmarks/decode_overhead.py                          # overhead: shrunk model, batch 1
+    .venv/bin/python benchmarks/decode_overhead.py --model smollm2 --batch 1 16 --context 800
+    .venv/bin/python benchmarks/decode_overhead.py --model smollm2 --batch 1 16 --quantization int8
 
 --model shrunk measures the Python and dispatch overhead: SmolLM2-135M's op graph (30 layers, tied
 embeddings, the same fusions and kernels) with its arithmetic shrunk to nothing (hidden 64, one

@@ -1,7 +1,7 @@
 """int8 weight-only linear on SmolLM2-135M's shapes: the CPU plugin's kernels against torch's
 (the native ``linear_int8``) and against the float32 linear they replace.
 
-    PYTHONPATH=. .venv/bin/python bench/linear_int8_kernels.py [--num-threads N]   # under flock /tmp/polychip-cpu.lock
+    PYTHONPATH=. .venv/bin/python benchmarks/linear_int8_kernels.py [--num-threads N]   # under flock /tmp/polychip-cpu.lock
 
 Per shape and M (rows of x, float32): the plugin's ``linear_int8_tiles`` (M <= 64) or
 ``linear_int8_blocks``, torch's ``_weight_int8pack_mm`` on float32 x (the native op) and on

@@ -14,7 +14,7 @@ $PY -m polychip.cli bench peers --input-len 800 --output-len 512 --concurrency 1
 $PY -m polychip.cli bench peers --input-len 800 --output-len 128 --concurrency 16 \
     --engines polychip,polychip-int8,hf-static,llama.cpp --kv-cache-dtype bfloat16 --shared-prefix-len 0 \
     --json "$OUT/peers-800in-128out-c16-bf16kv.json" 2>"$OUT/peers-800in-128out-c16-bf16kv.log"
-PYTHONPATH=$PWD $PY bench/single_stream_rounds.py --rounds 3 >"$OUT/single-stream-rounds.txt"
+PYTHONPATH=$PWD $PY benchmarks/single_stream_rounds.py --rounds 3 >"$OUT/single-stream-rounds.txt"
 PORT=${PORT:-30555}
 $PY -m polychip.cli serve --port "$PORT" --enable-metrics --max-running-requests 16 >"$OUT/serve.log" 2>&1 &
 SERVER=$!

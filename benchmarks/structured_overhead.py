@@ -7,7 +7,7 @@ machine noise hits both; medians are reported: wall time, process CPU time (all 
 than wall time on a shared machine), and the sample stage (mask fill + apply + accept) on its own,
 over all rounds and for the quietest round (the one whose two wall medians add up least).
 
-    PYTHONPATH=$PWD python bench/structured_overhead.py [--rounds 3] [--steps 48] [--model-path ...]
+    PYTHONPATH=$PWD python benchmarks/structured_overhead.py [--rounds 3] [--steps 48] [--model-path ...]
 """
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """Time of one decode step at batch B and context L, and the CPU kernels' share of it.
 
-    .venv/bin/python bench/decode_step_ops.py B L     # e.g. 16 800, or 1 800
+    .venv/bin/python benchmarks/decode_step_ops.py B L     # e.g. 16 800, or 1 800
 
 The steps run eager (--disable-cuda-graph): the compiled decode step calls the kernels through the
-dispatcher, past this script's timing wrapper. bench/decode_overhead.py compares the two paths.
+dispatcher, past this script's timing wrapper. benchmarks/decode_overhead.py compares the two paths.
 """
 import collections
 import random

@@ -1,6 +1,6 @@
 """The CPU plugin's float32 linear kernels side by side on SmolLM2-135M's shapes, decode-sized M.
 
-    .venv/bin/python bench/linear_kernels.py [--old COMMIT]    # run under flock /tmp/polychip-cpu.lock
+    .venv/bin/python benchmarks/linear_kernels.py [--old COMMIT]    # run under flock /tmp/polychip-cpu.lock
 
 Per shape and M: linear_tiles, linear_blocks (one BLAS call per block of weight rows), F.linear
 (MKL, multi-threaded) and, with --old, linear_gemv built from the linear kernel source at COMMIT. Weights

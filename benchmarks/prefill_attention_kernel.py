@@ -1,7 +1,7 @@
 """Prefill attention (SmolLM2-135M's heads: 9 query heads, 3 kv heads, D 64, pages of 16): the
 native PyTorch op against the CPU plugin's paged_prefill_attention, side by side in one process.
 
-    .venv/bin/python bench/prefill_attention_kernel.py [threads]      # default 2
+    .venv/bin/python benchmarks/prefill_attention_kernel.py [threads]      # default 2
 
 Columns, ms per call (GFLOP/s of useful causal work: 4 D H per query row and key it attends to):
   sdpa     SDPA with a bool causal mask on K/V already gathered (the attention part alone)

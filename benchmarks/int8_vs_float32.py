@@ -1,6 +1,6 @@
 """Decode tokens/s and resident memory, int8 weights against float32, in one run.
 
-    PYTHONPATH=. .venv/bin/python bench/int8_vs_float32.py [--model-path M] [--rounds 2] [--num-threads N]
+    PYTHONPATH=. .venv/bin/python benchmarks/int8_vs_float32.py [--model-path M] [--rounds 2] [--num-threads N]
 
 Each (weights, round) runs in a fresh child process, alternating float32 and int8, so resident
 memory is that model's alone: the engine (KV pool fixed at 4096 tokens), then a single stream

@@ -1,7 +1,7 @@
 """Issue 11's two figures for a running polychip build: /health latency while a huge prompt is in
 flight, and another request's latency next to a request with a long stop list.
 
-    python bench/server_hardening.py [--model-path P] [--stop-strings N --stop-len L]
+    python benchmarks/server_hardening.py [--model-path P] [--stop-strings N --stop-len L]
 
 It starts ``polychip serve`` (the build on PYTHONPATH) on a free loopback port, so the same script
 measures an old checkout (before) and this one (after).

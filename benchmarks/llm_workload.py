@@ -1,6 +1,6 @@
 """In-process workload through LLM.generate: N random prompts of IN tokens, OUT greedy tokens each.
 
-    .venv/bin/python bench/llm_workload.py IN OUT N     # e.g. 800 128 16, or 800 64 1
+    .venv/bin/python benchmarks/llm_workload.py IN OUT N     # e.g. 800 128 16, or 800 64 1
 
 Prints wall time, output tokens/s, the first TTFTs, TPOT and the engine's stage seconds.
 """

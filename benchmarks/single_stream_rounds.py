@@ -8,7 +8,7 @@ Each engine runs in a process of its own, one after another: llama.cpp's OpenMP 
 torch's spin for a while after their work, so two engines in one process slow each other down
 many times over on 2 cores (and OMP_WAIT_POLICY=passive slows both).
 
-    PYTHONPATH=$PWD .venv/bin/python bench/single_stream_rounds.py [--rounds 3] [--decode-tokens 64]
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/single_stream_rounds.py [--rounds 3] [--decode-tokens 64]
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Which package of the top half imports which package of polychip (every import, also those in
 function bodies; parsed as tests/test_layers.py does).
 
-  python bench/import_graph.py [ROOT]
+  python benchmarks/import_graph.py [ROOT]
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 through ``polychip router`` in front of it, interleaved round by round in one run (so both see
 the same machine load), then a router over two replicas.
 
-  .venv/bin/python bench/router_overhead.py [--model-path P] [--input-len 256] [--output-len 64]
+  .venv/bin/python benchmarks/router_overhead.py [--model-path P] [--input-len 256] [--output-len 64]
         [--concurrency 1,16] [--rounds 3] [--two-replicas] [--json out.json]
 
 Prints median TTFT (direct, via router, added) and output throughput (cost %) per round and

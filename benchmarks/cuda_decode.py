@@ -2,7 +2,7 @@
 eager and with graphs, against the HBM roofline (every byte a decode step reads: the weights, and
 the KV of the contexts in the batch, at the read bandwidth measured here in the same run).
 
-    python bench/cuda_decode.py MODEL_PATH [--dtype bfloat16] [--json OUT.json]
+    python benchmarks/cuda_decode.py MODEL_PATH [--dtype bfloat16] [--json OUT.json]
 """
 from __future__ import annotations
 

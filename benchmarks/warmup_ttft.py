@@ -4,7 +4,7 @@ Starts a fresh server per run (alternating with and without ``--skip-server-warm
 streamed chat request the moment it reports ready, and prints the time to the first token, plus
 the second request's TTFT for reference.
 
-    PYTHONPATH=$PWD python bench/warmup_ttft.py --runs 3 [-- extra serve flags]
+    PYTHONPATH=$PWD python benchmarks/warmup_ttft.py --runs 3 [-- extra serve flags]
 """
 from __future__ import annotations
 

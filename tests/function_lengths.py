@@ -1,7 +1,7 @@
 """Function length across polychip/: max, median and p90 of every def's line count (decorators
 excluded, docstring included), and the longest ones.
 
-  python bench/function_lengths.py [ROOT] [--top N] [--limit 60]
+  python tests/function_lengths.py [ROOT] [--top N] [--limit 60]
 
 Exit status 1 when a function is longer than --limit (0 to report only)."""
 from __future__ import annotations

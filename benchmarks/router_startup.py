@@ -1,7 +1,7 @@
 """The router's start-up cost: seconds from launch to its ready line and peak resident memory
 (``/usr/bin/time -v``), and the modules ``import polychip.router.app`` loads (``-X importtime``).
 
-  python bench/router_startup.py [ROOT] [--runs 3]
+  python benchmarks/router_startup.py [ROOT] [--runs 3]
 
 ROOT is a checkout (default: this one); the router gets one replica URL nobody answers, so
 nothing but the router itself is measured."""

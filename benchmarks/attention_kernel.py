@@ -1,8 +1,8 @@
 """Decode attention per step (30 layers of SmolLM2-135M: 9 query heads, 3 kv heads, D 64, pages
 of 16): the native PyTorch op (gather + SDPA) against the CPU plugin's paged_decode_attention.
 
-    .venv/bin/python bench/attention_kernel.py [threads]      # default 2
-    .venv/bin/python bench/attention_kernel.py --kv-dtypes [threads]
+    .venv/bin/python benchmarks/attention_kernel.py [threads]      # default 2
+    .venv/bin/python benchmarks/attention_kernel.py --kv-dtypes [threads]
 
 Each layer has its own pool (30 pools: K/V come from memory, as in a real step); each sequence's
 pages are consecutive, as the engine's allocator hands them out for a prompt. Prints ms per step and the K/V bytes read per second (model bytes, not counting gathers).
