@@ -24,7 +24,7 @@ from polychip.devices.spec import require_dtypes
 from polychip.errors import ConfigError, ModelLoadError
 from polychip.models.config import ModelConfig
 from polychip.models.decoder import DecoderModel, rope_tables
-from polychip.models.packaged_plan import check_ops, planned_fusions, read_plan
+from polychip.models.op_plan import check_ops, planned_fusions, read_op_plan
 from polychip.models.tokenizer import Tokenizer
 from polychip.ops import passes, tp_shard
 from polychip.ops.native import register_native
@@ -285,7 +285,7 @@ def load_model(model_path: str | None, plugin, dtype: str = "auto", enable_fusio
     shard = None
     if comm is not None and comm.world_size > 1:
         shard = tp_shard.ShardLayout.plan(cfg, comm.rank, comm.world_size)
-    plan = read_plan(model_dir)
+    plan = read_op_plan(model_dir)
     tokenizer = Tokenizer.from_dir(model_dir, cfg.eos_token_ids)
     if tokenizer.vocab_size > cfg.vocab_size:
         raise ModelLoadError(f"tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is "

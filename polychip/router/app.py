@@ -180,7 +180,7 @@ class Router:
         out = []
         for r in sorted(self.dispatcher.replicas.values(), key=lambda r: r.name):
             d = r.describe()
-            route = self.rollout.models.get(r.model_name or "")
+            route = self.rollout.models.get(r.serving_model or "")
             d["incapable"] = capable(r, route)
             d["pid"] = self.supervisor.pid(r.name)
             m = self.supervisor.managed.get(r.name)

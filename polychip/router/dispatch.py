@@ -65,7 +65,7 @@ class Dispatcher:
         return replica
 
     def models(self) -> list[str]:
-        served = {r.model_name for r in self.replicas.values() if r.model_name}
+        served = {r.serving_model for r in self.replicas.values() if r.serving_model}
         return sorted(served | set(self.rollout.models))
 
     # placement
@@ -73,8 +73,8 @@ class Dispatcher:
         """Healthy replicas of (model, version) whose device can serve the model, not excluded."""
         route = self.rollout.models.get(model)
         return [r for r in self.replicas.values()
-                if r.up and not r.draining and r.name not in ticket_exclude and r.model_name == model
-                and (version is None or r.version_label == version) and capable(r, route) is None]
+                if r.up and not r.draining and r.name not in ticket_exclude and r.serving_model == model
+                and (version is None or r.serving_version == version) and capable(r, route) is None]
 
     def eligible(self, ticket: Ticket) -> list[Replica]:
         """Replicas the request may use, room or not: its version's, else (none healthy) another

@@ -54,8 +54,8 @@ class Replica:
     name: str
     url: str
     # what a deployment file declares (None for --replica URLs: learnt from /server_info)
-    model: str | None = None
-    version: str | None = None
+    declared_model: str | None = None
+    declared_version: str | None = None
     device: str | None = None
     launched: bool = False
     info: ReplicaInfo | None = None
@@ -69,14 +69,14 @@ class Replica:
     served: int = 0
     changed_at: float = field(default_factory=time.monotonic)
 
-    # identity, preferring what the replica itself reports
+    # what it serves: what the replica itself reports, else what was declared
     @property
-    def model_name(self) -> str | None:
-        return self.info.model if self.info else self.model
+    def serving_model(self) -> str | None:
+        return self.info.model if self.info else self.declared_model
 
     @property
-    def version_label(self) -> str | None:
-        return self.info.version if self.info else self.version
+    def serving_version(self) -> str | None:
+        return self.info.version if self.info else self.declared_version
 
     @property
     def device_type(self) -> str:
@@ -115,7 +115,7 @@ class Replica:
 
     def describe(self) -> dict:
         return {"name": self.name, "url": self.url, "up": self.up, "draining": self.draining,
-                "down_reason": self.down_reason or None, "model": self.model_name,
-                "version": self.version_label, "device": self.device_name, "device_type": self.device_type,
+                "down_reason": self.down_reason or None, "model": self.serving_model,
+                "version": self.serving_version, "device": self.device_name, "device_type": self.device_type,
                 "launched": self.launched, "inflight": self.inflight, "served": self.served,
                 "info": None if self.info is None else {k: v for k, v in vars(self.info).items()}}

@@ -1,7 +1,7 @@
-"""``plan.json``: what the engine chooses for a model on the target device, recorded at pack time
+"""The op plan (``plan.json``): what the engine chooses for a model on the target device, recorded at pack time
 by loading the model there and running one forward through a recording registry (what
 ``polychip coverage`` shows). The loader applies its fusions and checks its ops
-(``models/packaged_plan.py``)."""
+(``models/op_plan.py``)."""
 from __future__ import annotations
 
 import json
@@ -38,7 +38,7 @@ def kv_defaults(lm: LoadedModel, plugin, weights: int) -> dict:
             "mem_fraction": plugin.default_mem_fraction, "default_tokens": pages * PAGE_SIZE}
 
 
-def build_plan(model_path: str | None, plugin, dtype: str = "auto", quantization: str | None = None,
+def build_op_plan(model_path: str | None, plugin, dtype: str = "auto", quantization: str | None = None,
                enable_fusion: bool = True, cache_dir: str | None = None) -> tuple[dict, LoadedModel]:
     """(plan, the loaded model) for ``model_path`` on the opened ``plugin``."""
     registry = RecordingRegistry(plugin.name)
@@ -66,11 +66,11 @@ def build_plan(model_path: str | None, plugin, dtype: str = "auto", quantization
     return plan, lm
 
 
-def dump_plan(plan: dict) -> bytes:
+def dump_op_plan(plan: dict) -> bytes:
     return (json.dumps(plan, indent=2) + "\n").encode("utf-8")
 
 
-def plan_summary(plan: dict) -> list[str]:
+def op_plan_summary(plan: dict) -> list[str]:
     """A few lines for ``inspect``."""
     ops = plan.get("ops", [])
     native = [r["op"] for r in ops if r.get("implementation") == "native"]

@@ -1,4 +1,4 @@
-"""The execution plan a model folder may carry (``plan.json``, written by ``polychip pack``):
+"""The op plan a model folder may carry (``plan.json``, written by ``polychip pack``):
 the loader applies its fusions and checks that the ops it resolves match the plan's.
 
 Only reads JSON; building a plan is the package layer's job.
@@ -13,7 +13,7 @@ from polychip.errors import ModelLoadError
 PLAN_FILE = "plan.json"
 
 
-def read_plan(model_dir: str) -> dict | None:
+def read_op_plan(model_dir: str) -> dict | None:
     """The folder's plan, or None when it has none."""
     path = os.path.join(model_dir, PLAN_FILE)
     if not os.path.exists(path):
