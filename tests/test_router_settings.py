@@ -103,44 +103,45 @@ def replica():
         yield s
 
 
-def test_reload_applies_the_router_section(tmp_path, replica):
+@pytest.fixture
+def started(tmp_path, replica):
+    """(file, server, router): a router started from a deployment file, its replica up."""
     path = tmp_path / "d.yaml"
     path.write_text(file_text(replica.url, "  health_check: {interval: 0.2}\n"))
     dep = load_deployment(str(path))
     srv, router = start_router(dep.router, [], dep, str(path))
     try:
         wait_for(lambda: router.dispatcher.replicas["a"].up, 10, "a up")
-        path.write_text(file_text(replica.url, "  health_check: {interval: 0.3}\n  policy: round_robin\n"
-                                               "  priority_weights: {high: 7}\n  max_queue: 5\n  api_key: sesame\n"))
-        r = httpx.post(srv.url + "/admin/reload", timeout=30)
-        assert r.status_code == 200, r.text
-        assert r.json()["settings_changed"] == ["policy", "priority_weights", "health.interval", "max_queue",
-                                                "api_key"]
-        assert router.dispatcher.policy.name == "round_robin" and router.health.cfg.interval == 0.3
-        assert router.dispatcher.queue.weights["high"] == 7 and router.dispatcher.queue.max_size == 5
-        body = {"prompt": "x", "max_tokens": 1}
-        assert httpx.post(srv.url + "/v1/completions", json=body).status_code == 401      # the new key, live
-        ok = httpx.post(srv.url + "/v1/completions", json=body, headers={"authorization": "Bearer sesame"})
-        assert ok.status_code == 200
+        yield path, srv, router
     finally:
         srv.stop()
 
 
-def test_reload_refuses_what_cannot_change_live_and_keeps_everything(tmp_path, replica):
-    path = tmp_path / "d.yaml"
-    path.write_text(file_text(replica.url, "  health_check: {interval: 0.2}\n"))
-    dep = load_deployment(str(path))
-    srv, router = start_router(dep.router, [], dep, str(path))
-    try:
-        before = router.cfg
-        path.write_text(file_text(replica.url, "  health_check: {interval: 0.2}\n  connect_timeout: 1\n"
-                                               "  max_retries: 0\n"))
-        r = httpx.post(srv.url + "/admin/reload", timeout=30)
-        assert r.status_code == 400
-        assert r.json()["error"]["message"].startswith("router.connect_timeout cannot change while the router runs")
-        assert router.cfg is before and router.proxy.cfg is before and router.cfg.max_retries == 2
-    finally:
-        srv.stop()
+def test_reload_applies_the_router_section(started, replica):
+    path, srv, router = started
+    path.write_text(file_text(replica.url, "  health_check: {interval: 0.3}\n  policy: round_robin\n"
+                                           "  priority_weights: {high: 7}\n  max_queue: 5\n  api_key: sesame\n"))
+    r = httpx.post(srv.url + "/admin/reload", timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.json()["settings_changed"] == ["policy", "priority_weights", "health.interval", "max_queue",
+                                            "api_key"]
+    assert router.dispatcher.policy.name == "round_robin" and router.health.cfg.interval == 0.3
+    assert router.dispatcher.queue.weights["high"] == 7 and router.dispatcher.queue.max_size == 5
+    body = {"prompt": "x", "max_tokens": 1}
+    assert httpx.post(srv.url + "/v1/completions", json=body).status_code == 401      # the new key, live
+    ok = httpx.post(srv.url + "/v1/completions", json=body, headers={"authorization": "Bearer sesame"})
+    assert ok.status_code == 200
+
+
+def test_reload_refuses_what_cannot_change_live_and_keeps_everything(started, replica):
+    path, srv, router = started
+    before = router.cfg
+    path.write_text(file_text(replica.url, "  health_check: {interval: 0.2}\n  connect_timeout: 1\n"
+                                           "  max_retries: 0\n"))
+    r = httpx.post(srv.url + "/admin/reload", timeout=30)
+    assert r.status_code == 400
+    assert r.json()["error"]["message"].startswith("router.connect_timeout cannot change while the router runs")
+    assert router.cfg is before and router.proxy.cfg is before and router.cfg.max_retries == 2
 
 
 def test_settings_from_args_ignores_flags_not_given():
