@@ -103,8 +103,8 @@ class EngineConfig(_FromKwargs):
                                           group="KV pool and scheduler")
     mem_fraction_static: float | None = option(None, "share of free device memory for the KV pool "
                                                      "(default: the plugin's)", group="KV pool and scheduler")
-    kv_cache_dtype: str = option("auto", "what the KV pool stores: auto (the compute dtype), bfloat16, or fp8 "
-                                         "(fp8_e4m3, fp8_e5m2) with a per-layer scale of 1.0 as vLLM without "
+    kv_cache_dtype: str = option("auto", "what the KV pool stores: auto (the compute dtype), float32, bfloat16, "
+                                         "float16, or fp8 (fp8_e4m3, fp8_e5m2) with a per-layer scale of 1.0 as vLLM without "
                                          "calibration; the device must support it", group="KV pool and scheduler",
                                  choices=tuple(KV_CACHE_DTYPES))
     # scheduler

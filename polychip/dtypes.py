@@ -12,5 +12,8 @@ KNOWN_DTYPES = FLOAT_DTYPES + ("int8", "int4") + FP8_DTYPES   # what a spec may 
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16",
                  "float": "float32", "fp8": "float8_e4m3fn"}
 #: --kv-cache-dtype (vLLM's and SGLang's names) -> the torch dtype name the KV pool is stored in;
-#: "auto" is the model's compute dtype
-KV_CACHE_DTYPES = {"auto": None, "bfloat16": "bfloat16", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+#: "auto" is the model's compute dtype. Every float and fp8 dtype a plugin may declare in
+#: ``kv_cache_dtypes`` has a name here (the torch names are accepted too), so each is selectable.
+KV_CACHE_DTYPES = {"auto": None, "float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
+                   "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2",
+                   "float8_e4m3fn": "float8_e4m3fn", "float8_e5m2": "float8_e5m2"}

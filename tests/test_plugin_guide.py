@@ -36,12 +36,12 @@ def test_every_public_method_of_the_plugin_api_has_a_docstring_and_is_in_the_gui
 
 
 def test_the_worked_example_grows_simxpu_by_linear(tmp_path):
-    from polychip.commands.coverage import coverage_rows
+    from polychip.engine.coverage import coverage_rows
     code = re.search(r"```python\n(# my_simxpu\.py\n.*?)```", guide(), re.S).group(1)
     path = tmp_path / "my_simxpu.py"
     path.write_text(code)
     model = conformance.make_tiny_model(str(tmp_path / "tiny"))
-    rows, lm, plugin = coverage_rows(model, "simxpu", (str(path),))
+    rows, lm, plugin, _ = coverage_rows(model, "simxpu", (str(path),))
     linear = next(r for r in rows if r["op"] == "linear")
     assert type(plugin).__name__ == "SimXpuWithLinear"
     assert linear["implementation"] == "plugin:simxpu" and linear["reason"] == "registered for float32"

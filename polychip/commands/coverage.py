@@ -11,7 +11,7 @@ import sys
 
 from polychip.commands.common import fail
 from polychip.config import QUANTIZATIONS
-from polychip.engine.coverage import coverage_rows
+from polychip.engine.coverage import coverage_rows, unavailable_text
 from polychip.errors import PolychipError
 
 def format_table(rows: list[dict]) -> str:
@@ -34,7 +34,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     try:
-        rows, lm, plugin = coverage_rows(args.model_path, args.device, args.plugins, args.device_config,
+        rows, lm, plugin, registry = coverage_rows(args.model_path, args.device, args.plugins, args.device_config,
                                          args.dtype, not args.disable_fusion, args.quantization)
     except PolychipError as e:
         return fail(e)
@@ -45,6 +45,8 @@ def main(argv: list[str]) -> int:
     print(f"model {lm.config.architecture} ({lm.model_dir}), dtype {str(lm.dtype).removeprefix('torch.')}, "
           f"device {plugin.name}:{plugin.index}, fusions {lm.fusions}")
     print(format_table(rows))
+    if registry.unavailable():
+        print(f"ops {plugin.name} cannot provide here: {unavailable_text(registry)}")
     print(f"{len(rows)} ops used by one forward: {len(rows) - n_fb} from the plugin, {n_fb} native fallback",
           file=sys.stderr)
     return 0

@@ -58,7 +58,15 @@ VERSION_KEYS = ("driver", "runtime", "collective", "firmware")
 
 @dataclass
 class DeviceInfo:
-    """What ``discover()`` reports for one device."""
+    """What ``discover()`` reports for one device.
+
+    ``topology`` is the hardware's view of this device's links, every key optional (a spec's
+    ``topology`` is checked against it by ``check_against_devices`` and ``polychip probe``):
+    ``p2p_enabled`` (bool: direct copies to every peer), ``peers`` ({peer index: bool}, per-peer P2P,
+    overrides ``p2p_enabled``), ``bandwidth_gbps`` (float: per-link bandwidth), ``distance``
+    ({device index: int}: hops or NUMA distance, 0 for itself). Other keys are shown, not checked.
+    A key the plugin leaves out cannot back a spec that declares it: such a spec is refused.
+    """
 
     index: int
     name: str

@@ -199,10 +199,38 @@ def check_against_devices(spec: DeviceSpec, plugin_name: str, infos: list) -> No
         if missing:
             problems.append(f"{src}: supported_dtypes: {missing} not supported by {plugin_name} device {dev}; "
                             f"expected a subset of {list(info.dtypes)}")
+        problems += topology_problems(spec, pos, info, f"{src}: topology", f"{plugin_name} device {dev}")
     if problems:
         uniq = list(dict.fromkeys(problems))
         raise DeviceSpecError(uniq[0] if len(uniq) == 1 else f"{src}: {len(uniq)} problems\n  " +
                               "\n  ".join(uniq))
+
+
+def topology_problems(spec: DeviceSpec, pos: int, info, where: str, device: str) -> list[str]:
+    """What the spec declares about device ``spec.device_ids[pos]``'s links that the hardware's view
+    (``DeviceInfo.topology``, format in ``polychip.devices.plugin.DeviceInfo``) does not show."""
+    topo, hw, problems = spec.topology, info.topology, []
+    peers = [d for d in spec.device_ids if d != spec.device_ids[pos]]
+    if topo.p2p_enabled and peers:
+        reach = hw.get("peers") or {}
+        lacking = [d for d in peers if not reach.get(d, hw.get("p2p_enabled", False))]
+        if lacking:
+            problems.append(f"{where}.p2p_enabled: declared true, but {device} reports no P2P link to "
+                            f"device(s) {lacking}; expected p2p_enabled: false")
+    if topo.bandwidth_gbps is not None:
+        have = hw.get("bandwidth_gbps")
+        if have is None or topo.bandwidth_gbps > have:
+            problems.append(f"{where}.bandwidth_gbps: declared {topo.bandwidth_gbps:g}, but {device} reports "
+                            + ("no link bandwidth" if have is None else f"{have:g} GB/s") + "; expected at most that")
+    if topo.distance is not None:
+        have = hw.get("distance") or {}
+        wrong = {d: (topo.distance[pos][k], have.get(d)) for k, d in enumerate(spec.device_ids)
+                 if have.get(d) != topo.distance[pos][k]}
+        if wrong:
+            problems.append(f"{where}.distance.{pos}: {device} reports " + ", ".join(
+                f"{hw_d} (declared {decl}) to device {d}" for d, (decl, hw_d) in wrong.items()) +
+                "; expected the distances the hardware reports")
+    return problems
 
 
 def supported_dtypes(plugin) -> tuple[str, ...]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from polychip.errors import PolychipError
+
 PROMPT_TOKENS = 8
 
 
@@ -45,11 +47,22 @@ def coverage_rows(model_path, device, plugins=(), device_config=None, dtype="aut
         registry = RecordingRegistry(plugin.name)
         register_native(registry)
         plugin.register_ops(registry)
-        lm = load_model(model_path, plugin, dtype, enable_fusion, registry=registry, quantization=quantization)
+        try:
+            lm = load_model(model_path, plugin, dtype, enable_fusion, registry=registry, quantization=quantization)
+        except PolychipError as e:   # the plugin's own reasons say why the device refuses (e.g. int8)
+            if not registry.unavailable():
+                raise
+            raise type(e)(f"{e.args[0]}; {plugin.name} says it cannot provide here: "
+                          f"{unavailable_text(registry)}", layer=e.layer) from e
         one_forward(lm, plugin)
-        return op_rows(registry), lm, plugin
+        return op_rows(registry), lm, plugin, registry
     finally:
         plugin.destroy()
+
+
+def unavailable_text(registry) -> str:
+    """The plugin's reasons for the ops it said it cannot provide here, in one line."""
+    return "; ".join(f"{name}: {why}" for name, why in registry.unavailable().items())
 
 
 def op_rows(registry) -> list[dict]:

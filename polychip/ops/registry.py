@@ -62,6 +62,10 @@ class OpRegistry:
         self._unavailable[name] = reason
         self._resolved.clear()
 
+    def unavailable(self) -> dict[str, str]:
+        """{op name: the plugin's reason} for every op it said it cannot provide here."""
+        return dict(self._unavailable)
+
     @staticmethod
     def _check(name, version, dtype, fn) -> str:
         if not isinstance(name, str) or not name:

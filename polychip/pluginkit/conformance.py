@@ -25,8 +25,11 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import inspect
 import json
 import os
+import pathlib
+import sys
 import tempfile
 import time
 import unittest
@@ -344,19 +347,25 @@ def check_seeded_sampling(target: Target) -> str:
 
 def check_collective(target: Target) -> str:
     """all_reduce and all_gather over the backend the plugin names, one process per device: the
-    spec's devices when it declares several, else one rank on the target's device (world size 1)."""
+    spec's devices when it declares several, else the first two the plugin discovers; skipped (not
+    passed) on a single device, where a collective proves nothing."""
     from polychip.devices.spec import load_spec
     from polychip.distributed.collective_check import run_collective_check
     p = target.open()
-    name, index = p.name, p.index
-    p.destroy()
+    try:
+        name, found = p.name, [i.index for i in p.discover()]
+    finally:
+        p.destroy()
     spec = load_spec(target.device_config) if target.device_config else None
-    ids = list(spec.device_ids) if spec is not None and len(spec.device_ids) > 1 else [index]
+    ids = list(spec.device_ids) if spec is not None else found[:2]
+    if len(ids) < 2:
+        where = f"the spec {target.device_config} declares" if spec is not None else f"{name} discovers"
+        raise CheckSkipped(f"one device: {where} only {ids}; collectives need two ranks")
     res = run_collective_check(name, ids, target.plugins, target.device_config, nbytes=2**20, iters=2,
                                timeout_s=120)
     _require(res.ok, "collectives failed: " + "; ".join(res.lines))
     bus = ", ".join(f"{b.op} {b.busbw / 1e9:.2f} GB/s" for b in res.bandwidth)
-    return f"all_reduce and all_gather over {res.backend} on {len(ids)} rank(s); bus bandwidth {bus}"
+    return f"all_reduce and all_gather over {res.backend} on {len(ids)} ranks (devices {ids}); bus bandwidth {bus}"
 
 
 # what a plugin may import from polychip: the plugin API, specs and errors
@@ -364,18 +373,24 @@ PUBLIC_MODULES = ("polychip.devices", "polychip.devices.plugin", "polychip.devic
                   "polychip.errors")
 
 
-def source_problems(path: str) -> list[str]:
-    """Private engine internals a plugin file imports, and monkey-patching it does (by reading its AST)."""
+def source_problems(path: str, own_package: str = "") -> list[str]:
+    """Private engine internals a plugin file imports, and monkey-patching it does (by reading its AST).
+    Imports of the plugin's own package (``own_package``, e.g. ``my_chip``) are its own business."""
     tree = ast.parse(open(path, encoding="utf-8").read(), path)
     modules, problems = set(), []
+
+    def private(module: str) -> bool:
+        mine = own_package and (module == own_package or module.startswith(own_package + "."))
+        return module.startswith("polychip.") and module not in PUBLIC_MODULES and not mine
+
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for a in node.names:
                 modules.add(a.asname or a.name.split(".")[0])
-                if a.name.startswith("polychip.") and a.name not in PUBLIC_MODULES:
+                if private(a.name):
                     problems.append(f"line {node.lineno}: imports {a.name}, not part of the plugin API")
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "polychip":
-            if node.module not in PUBLIC_MODULES:
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "polychip":
+            if private(node.module) or node.module == "polychip":
                 problems.append(f"line {node.lineno}: imports from {node.module}, not part of the plugin API")
             problems += [f"line {node.lineno}: imports private name {a.name} from {node.module}"
                          for a in node.names if a.name.startswith("_")]
@@ -383,22 +398,57 @@ def source_problems(path: str) -> list[str]:
         elif isinstance(node, ast.ImportFrom):
             modules.update(a.asname or a.name for a in node.names)
     for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr"):
-            if node.args and isinstance(node.args[0], ast.Name) and node.args[0].id in modules:
-                problems.append(f"line {node.lineno}: {node.func.id} on imported {node.args[0].id}")
-        targets = node.targets if isinstance(node, ast.Assign) else \
-            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
-        for t in targets:
-            base = t
-            while isinstance(base, ast.Attribute):
-                base = base.value
-            if t is not base and isinstance(base, ast.Name) and base.id in modules:
-                problems.append(f"line {node.lineno}: assigns to {ast.unparse(t)}, monkey-patching {base.id}")
+        problems += _patches(node, modules)
     return problems
+
+
+def _patches(node: ast.AST, modules: set[str]) -> list[str]:
+    """``setattr(mod, ...)`` or ``mod.attr = ...`` on an imported module or name: monkey-patching."""
+    found = []
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr"):
+        if node.args and isinstance(node.args[0], ast.Name) and node.args[0].id in modules:
+            found.append(f"line {node.lineno}: {node.func.id} on imported {node.args[0].id}")
+    targets = node.targets if isinstance(node, ast.Assign) else \
+        [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+    for t in targets:
+        base = t
+        while isinstance(base, ast.Attribute):
+            base = base.value
+        if t is not base and isinstance(base, ast.Name) and base.id in modules:
+            found.append(f"line {node.lineno}: assigns to {ast.unparse(t)}, monkey-patching {base.id}")
+    return found
+
+
+def plugin_sources(plugin: DevicePlugin) -> tuple[list[str], str]:
+    """The plugin's source files (its class's module, or every module of the package holding it)
+    and that package's name ("" for a single-file plugin)."""
+    module = sys.modules[type(plugin).__module__]
+    path = inspect.getsourcefile(module)
+    package = module.__package__ or ""
+    if not path:
+        return [], package
+    if not package:
+        return [path], ""
+    root = os.path.dirname(path)
+    return sorted(str(f) for f in pathlib.Path(root).rglob("*.py")), package
+
+
+def check_source(target: Target) -> str:
+    """The plugin's source imports only the public plugin API and monkey-patches nothing."""
+    p = target.open()
+    try:
+        files, package = plugin_sources(p)
+    finally:
+        p.destroy()
+    _require(bool(files), f"no source file found for {type(p).__qualname__}; the kit reads the source")
+    problems = [f"{f}: {msg}" for f in files for msg in source_problems(f, package)]
+    _require(not problems, f"{len(problems)} source problem(s): " + "; ".join(problems))
+    return f"{len(files)} source file(s) import only the plugin API and patch nothing"
 
 
 CHECKS: dict[str, Callable[[Target], str]] = {
     "identity": check_identity,
+    "source": check_source,
     "discover": check_discover,
     "lifecycle": check_lifecycle,
     "allocator": check_allocator,

@@ -60,6 +60,82 @@ def _attention_inputs(r, dtype, dev):
     return (r(t, h, d), r(t, hkv, d), r(t, hkv, d), r(6, page, hkv, d), r(6, page, hkv, d), meta, d ** -0.5)
 
 
+@dataclass(frozen=True)
+class AttentionCase:
+    """A paged batch: decode rows of ``decode_lens`` tokens (the last one new), then prefill chunks of
+    ``q_len`` new tokens over a cached ``prefix``; pages handed out in a shuffled order."""
+
+    label: str
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 16
+    page: int = 4
+    decode_lens: tuple[int, ...] = (6,)
+    prefills: tuple[tuple[int, int], ...] = ()       # (prefix, q_len)
+    static: bool = False                              # the compiled decode path: full width, no mask
+
+
+#: the kit's attention cases beyond the small sample: long contexts (hundreds of pages, so a tiled
+#: kernel's cross-tile combine runs), GQA ratios 1, 3 and 8, head sizes that are not powers of two,
+#: and the static decode path (decode_mask None)
+ATTENTION_CASES = (
+    AttentionCase("long context: 1,500-token decode over 375 pages, 700-token prefix prefill",
+                  decode_lens=(1500, 37), prefills=((700, 9),)),
+    AttentionCase("MHA (GQA ratio 1), head size 80", heads=4, kv_heads=4, head_dim=80, page=16,
+                  decode_lens=(130, 5), prefills=((33, 17), (0, 12))),
+    AttentionCase("GQA ratio 3, head size 112", heads=6, kv_heads=2, head_dim=112, page=8,
+                  decode_lens=(300,), prefills=((100, 31),)),
+    AttentionCase("GQA ratio 8 (one KV head), head size 72", heads=8, kv_heads=1, head_dim=72, page=16,
+                  decode_lens=(520, 64, 3)),
+    AttentionCase("static decode path (decode_mask None, full width), 600 tokens", decode_lens=(600, 250, 1),
+                  page=16, static=True),
+)
+
+
+def _case_inputs(case: AttentionCase, r, dev, g) -> tuple:
+    lens = [n for n in case.decode_lens] + [p + q for p, q in case.prefills]
+    counts = [-(-n // case.page) for n in lens]
+    order = torch.randperm(sum(counts) + 1, generator=g)[1:].tolist()      # page 0 stays padding only
+    tables, at = [], 0
+    for c in counts:
+        tables.append(order[at:at + c])
+        at += c
+    slot = lambda pages, pos: pages[pos // case.page] * case.page + pos % case.page  # noqa: E731
+    slots = [slot(tables[i], n - 1) for i, n in enumerate(case.decode_lens)]
+    prefills, start = [], len(case.decode_lens)
+    for j, (prefix, q_len) in enumerate(case.prefills):
+        pages = tables[len(case.decode_lens) + j]
+        slots += [slot(pages, prefix + t) for t in range(q_len)]
+        prefills.append(PrefillSegment(start, q_len, prefix + q_len, dev(torch.tensor(pages))))
+        start += q_len
+    b = len(case.decode_lens)
+    width = max(counts[:b]) if b else 0
+    decode = {}
+    if b:
+        padded = torch.zeros(b, width, dtype=torch.int64)
+        for i in range(b):
+            padded[i, :counts[i]] = torch.tensor(tables[i])
+        lens_t = torch.tensor(case.decode_lens)
+        mask = None if case.static else dev((torch.arange(width * case.page) < lens_t[:, None]).view(b, 1, 1, -1))
+        decode = dict(decode_pages=dev(padded), decode_lens=dev(lens_t), decode_mask=mask)
+    meta = AttentionMetadata(slot_mapping=dev(torch.tensor(slots)), num_decodes=b, prefills=prefills, **decode)
+    t, n_pages = len(slots), sum(counts) + 1
+    h, hkv, d = case.heads, case.kv_heads, case.head_dim
+    return (r(t, h, d), r(t, hkv, d), r(t, hkv, d), r(n_pages, case.page, hkv, d), r(n_pages, case.page, hkv, d),
+            meta, d ** -0.5)
+
+
+def attention_cases(dtype: str, device_put: Callable = lambda t: t, seed: int = 0) -> list[tuple[str, tuple]]:
+    """(label, attention inputs) for every case of ATTENTION_CASES in ``dtype``."""
+    tdt = getattr(torch, dtype)
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape):
+        return device_put(torch.randn(*shape, generator=g).to(tdt))
+
+    return [(c.label, _case_inputs(c, r, device_put, g)) for c in ATTENTION_CASES]
+
+
 def sample_inputs(name: str, dtype: str, device_put: Callable, seed: int = 0) -> tuple | None:
     """Random inputs for op ``name`` (version 1) in ``dtype``, or None when there is no recipe."""
     if dtype not in FLOAT_DTYPES:
@@ -118,11 +194,15 @@ def kv_attention_inputs(dtype: str, kv_dtype: str, device_put: Callable, seed: i
 
 
 def compare(name: str, version: int, dtype: str, plugin_fn: Callable, native_fn: Callable,
-            device_put: Callable = lambda t: t, seed: int = 0, kv_dtype: str | None = None) -> OpCheck:
+            device_put: Callable = lambda t: t, seed: int = 0, kv_dtype: str | None = None,
+            case: tuple[str, tuple] | None = None) -> OpCheck:
     """The plugin's op against the native one on the same random inputs; for attention with
-    ``kv_dtype``, on caches stored in that dtype."""
+    ``kv_dtype``, on caches stored in that dtype; with ``case`` (label, args), on those inputs."""
     kwargs = {}
-    if kv_dtype is not None:
+    if case is not None:
+        args = case[1]
+        dtype = f"{dtype}, {case[0]}"
+    elif kv_dtype is not None:
         args, kwargs = kv_attention_inputs(dtype, kv_dtype, device_put, seed)
         dtype = f"{dtype}, {kv_dtype} KV"
     else:
@@ -175,6 +255,9 @@ def check_registered_ops(registry: OpRegistry, dtypes: tuple[str, ...],
         native = registry.native(name, version)
         for dt in ([d for d in dtypes if d in FLOAT_DTYPES] if dtype == ANY_DTYPE else [dtype]):
             results.append(compare(name, version, dt, fn, native, device_put))
+            if name == "attention" and version == 1:
+                results += [compare(name, version, dt, fn, native, device_put, case=c)
+                            for c in attention_cases(dt, device_put)]
             if name == "attention" and version == 1 and kv_cache_dtypes is not None:
                 for kv in dict.fromkeys(kv_cache_dtypes(dt)):
                     if kv != dt:

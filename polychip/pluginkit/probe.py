@@ -207,6 +207,7 @@ class _Probe:
         mine = {k[0] for k in registry.plugin_ops()}
         details.append(f"no plugin implementation, native in every dtype: "
                        f"{[n for n, _ in registry.native_ops() if n not in mine]}")
+        details += [f"unavailable on this device: {n}: {why}" for n, why in registry.unavailable().items()]
         return f"{len(checks)} registered op(s) match the native reference", details
 
     def collective(self):

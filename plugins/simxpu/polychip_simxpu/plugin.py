@@ -19,11 +19,20 @@ from polychip_simxpu.allocator import Block, SimAllocator, SimOutOfMemory
 BOARD_CARDS = 4                       # cards on the simulated board
 CARD_MEMORY = 16 * 2**30              # bytes per card
 CARD_DTYPES = ("float32", "bfloat16", "int8")
+BOARD_LINK_GBPS = 64.0                # the board's card-to-card links: a ring, P2P between every pair
 COMPUTE = {"tflops_fp32": 25.0, "tflops_bf16": 100.0, "tops_int8": 200.0}
 DEFAULT_ALIGNMENT, DEFAULT_GRANULARITY = 256, 2 * 2**20
 # the simulated software stack; a spec's custom_attributes.versions overrides any entry
 VERSIONS = {"driver": "simxpu-driver 1.4.0", "runtime": "simxpu-rt 2.1.0", "collective": "gloo",
             "firmware": "simxpu-fw 0.9.3"}
+
+
+def board_topology(card: int) -> dict:
+    """The simulated board's view of one card's links (the format of ``DeviceInfo.topology``): a ring
+    of BOARD_CARDS cards, P2P to every other card at BOARD_LINK_GBPS, distance = hops on the ring."""
+    hops = {j: min((card - j) % BOARD_CARDS, (j - card) % BOARD_CARDS) for j in range(BOARD_CARDS)}
+    return {"p2p_enabled": True, "peers": {j: True for j in hops if j != card},
+            "bandwidth_gbps": BOARD_LINK_GBPS, "distance": hops}
 
 
 class SimStream(Stream):
@@ -97,15 +106,10 @@ class SimXpuPlugin(DevicePlugin):
         spec = self.spec
         ids = spec.device_ids if spec else range(BOARD_CARDS)
         total = spec.memory.total if spec else CARD_MEMORY
-        topo = spec.topology if spec else None
         infos = []
-        for pos, i in enumerate(ids):
+        for i in ids:
             free = self.allocator.free_bytes if self.allocator and i == self.index else total
-            topology = {"p2p_enabled": bool(topo and topo.p2p_enabled)}
-            if topo and topo.bandwidth_gbps:
-                topology["bandwidth_gbps"] = topo.bandwidth_gbps
-            if topo and topo.distance:
-                topology["distance"] = topo.distance[pos]
+            topology = board_topology(i)
             infos.append(DeviceInfo(index=i, name=f"SimXPU-{total // 2**30}G", total_memory=total,
                                     free_memory=free,
                                     dtypes=tuple(spec.supported_dtypes) if spec else CARD_DTYPES,

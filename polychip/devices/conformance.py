@@ -1,0 +1,13 @@
+"""Deprecated (API 1.0 path): the kit's ``conformance`` moved to ``polychip.pluginkit.conformance`` in API 1.1.
+
+This alias keeps 1.0 vendor tests importing for one minor version (removed in API 1.2); it warns
+once on import. It belongs to the kit's layer (tests/test_layers.py), not to the plugin layer.
+"""
+import sys
+import warnings
+
+from polychip.pluginkit import conformance as _moved
+
+warnings.warn("polychip.devices.conformance is deprecated since plugin API 1.1 and goes in 1.2: import "
+              "polychip.pluginkit.conformance", DeprecationWarning, stacklevel=2)
+sys.modules[__name__] = _moved
