@@ -22,6 +22,8 @@ QUANTIZATIONS = ("int8",)      # weight-only, per output channel (polychip/quant
 
 
 DECODE_GROUP = "compiled decode (SGLang's flags)"
+SPEC_GROUP = "speculative decoding (SGLang's flags)"
+SPEC_ALGORITHMS = ("NGRAM",)    # prompt lookup: drafts from the request's own prompt and output
 TP_GROUP = "tensor parallelism (SGLang's flags; --tp-size counts ranks on all nodes)"
 
 
@@ -113,6 +115,13 @@ class EngineConfig(_FromKwargs):
     schedule_policy: str = option("fcfs", "waiting-queue order: fcfs, or lpm (longest cached prefix first)",
                                   group="KV pool and scheduler", choices=SCHEDULE_POLICIES)
     disable_radix_cache: bool = option(False, "no prefix cache", group="KV pool and scheduler")
+    enable_hierarchical_cache: bool = option(False, "keep the radix cache's evicted pages in host memory (pinned "
+                                                    "where the device offers it) and copy them back on a hit "
+                                                    "(SGLang's flag)", group="KV pool and scheduler")
+    hicache_ratio: float = option(2.0, "host tier size as a multiple of the device KV pool",
+                                  group="KV pool and scheduler")
+    hicache_size: float = option(0.0, "host tier size in GiB; overrides --hicache-ratio when > 0",
+                                 group="KV pool and scheduler")
     enable_fusion: bool = option(True, "no fused qkv / gate-up / add+norm ops", group="KV pool and scheduler",
                                  flag="--disable-fusion")
     seed: int = option(0, "seed of the sampler's default generator", group="KV pool and scheduler")
@@ -123,6 +132,20 @@ class EngineConfig(_FromKwargs):
                                                  "eager (default: the plugin's, cpu 16, cuda 32)", group=DECODE_GROUP)
     disable_cuda_graph: bool = option(False, "run every decode step eager (on cpu: no compiled decode step; on "
                                              "cuda: no CUDA graphs)", group=DECODE_GROUP)
+    # speculative decoding (SGLang's flags; engine/spec_decode.py)
+    speculative_algorithm: str | None = option(None, "NGRAM: draft tokens looked up in the request's own prompt "
+                                                     "and output, verified in one forward (default: off)",
+                                               group=SPEC_GROUP, choices=SPEC_ALGORITHMS)
+    speculative_num_draft_tokens: int = option(4, "draft tokens per step and sequence; the forward checks them "
+                                                  "and the token after in one pass", group=SPEC_GROUP)
+    speculative_ngram_min_match_window_size: int = option(1, "shortest end of the sequence looked up for a "
+                                                             "draft", group=SPEC_GROUP)
+    speculative_ngram_max_match_window_size: int = option(12, "longest end of the sequence looked up (the "
+                                                              "longest match wins)", group=SPEC_GROUP)
+    speculative_ngram_min_acceptance: float = option(0.25, "a request whose drafts were accepted less than this "
+                                                           "share over its last 8 verify steps decodes without "
+                                                           "speculation from then on (polychip's flag)",
+                                                     group=SPEC_GROUP)
     # tensor parallelism (SGLang's flags): tp_size counts ranks across all nodes
     tp_size: int = option(1, "ranks, one per device, that each hold 1/N of every layer", group=TP_GROUP)
     nnodes: int = option(1, "hosts; run the same command on each, with its --node-rank", group=TP_GROUP)
@@ -157,6 +180,29 @@ class EngineConfig(_FromKwargs):
         if not isinstance(self.plugins, tuple):
             raise ConfigError("plugins must be a tuple of module paths or files")
         self._check_parallel()
+        self._check_speculative()
+        if self.enable_hierarchical_cache and self.disable_radix_cache:
+            raise ConfigError("enable_hierarchical_cache keeps the radix cache's evicted pages; it cannot be used "
+                              "with disable_radix_cache")
+        _check_min(self, ("hicache_ratio", "hicache_size"), 0)
+        if self.enable_hierarchical_cache and self.tp_size > 1:
+            raise ConfigError("enable_hierarchical_cache copies rank 0's KV pool only; it cannot be used with "
+                              f"tp_size {self.tp_size} yet")
+
+    def _check_speculative(self) -> None:
+        if self.speculative_algorithm is not None:
+            _check_choice("speculative_algorithm", self.speculative_algorithm, SPEC_ALGORITHMS)
+        _check_min(self, ("speculative_num_draft_tokens", "speculative_ngram_min_match_window_size"), 1)
+        if self.speculative_ngram_max_match_window_size < self.speculative_ngram_min_match_window_size:
+            raise ConfigError(f"speculative_ngram_max_match_window_size ({self.speculative_ngram_max_match_window_size})"
+                              f" must be >= speculative_ngram_min_match_window_size "
+                              f"({self.speculative_ngram_min_match_window_size})")
+        if not 0 <= self.speculative_ngram_min_acceptance <= 1:
+            raise ConfigError(f"speculative_ngram_min_acceptance must be in [0, 1], "
+                              f"got {self.speculative_ngram_min_acceptance}")
+        if self.speculative_num_draft_tokens >= self.chunked_prefill_size:
+            raise ConfigError(f"speculative_num_draft_tokens ({self.speculative_num_draft_tokens}) must be below "
+                              f"chunked_prefill_size ({self.chunked_prefill_size}), the step's token budget")
 
     def _check_parallel(self) -> None:
         for name in ("tp_size", "nnodes"):
@@ -184,7 +230,7 @@ class EngineConfig(_FromKwargs):
 @dataclass(frozen=True)
 class ServerConfig(_FromKwargs):
     host: str = option("127.0.0.1", "address to listen on", group="server")
-    port: int = option(30000, "port to listen on", group="server")
+    port: int = option(30000, "port to listen on (0: a free one, named in the ready line)", group="server")
     api_key: str | None = option(None, "require 'Authorization: Bearer <key>' on the API", group="server")
     enable_metrics: bool = option(False, "serve Prometheus metrics at /metrics", group="server")
     reasoning_parser: str | None = option(None, "return <think>...</think> text as reasoning_content",
@@ -226,8 +272,8 @@ class ServerConfig(_FromKwargs):
                                          group="connections")
 
     def __post_init__(self):
-        if not 0 < self.port < 65536:
-            raise ConfigError(f"port must be in 1..65535, got {self.port}")
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"port must be in 0..65535 (0: a free one), got {self.port}")
         if self.reasoning_parser is not None:
             _check_choice("reasoning_parser", self.reasoning_parser, REASONING_PARSERS)
         _check_choice("log_level", self.log_level, LOG_LEVELS)

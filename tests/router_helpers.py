@@ -54,15 +54,17 @@ class ThreadServer:
 
 class FakeReplica:
     """Answers /server_info and the two OpenAI routes, JSON or SSE, after ``delay`` seconds per
-    token; ``mode`` makes it fail: "http500", "error_event" (stream error before any token),
-    "die_mid_stream" (drops the connection after the first token). ``tail`` seconds pass between
+    token; ``mode`` makes it fail: "http500", "http503" (an engine that cannot serve), "full"
+    (503 server_overloaded with Retry-After, as a full polychip serve), "error_event" (stream
+    error before any token), "die_mid_stream" (drops the connection after the first token);
+    ``poison`` (a prompt) gets a 500 whatever the mode. ``tail`` seconds pass between
     a stream's [DONE] and the end of its body (a busy server's late last write)."""
 
     def __init__(self, model="tiny", version="v1", device="cpu:0", dtypes=("float32", "bfloat16"),
-                 max_running=64, delay=0.0, tokens=3, mode=None, cached_rate=0.0, tail=0.0):
+                 max_running=64, delay=0.0, tokens=3, mode=None, cached_rate=0.0, tail=0.0, poison=None):
         self.model, self.version, self.device, self.dtypes = model, version, device, tuple(dtypes)
         self.max_running, self.delay, self.tokens, self.mode = max_running, delay, tokens, mode
-        self.tail = tail
+        self.tail, self.poison = tail, poison
         self.served = 0
         self.hold = False              # while True, requests wait before answering
         self.inflight = 0
@@ -88,8 +90,14 @@ class FakeReplica:
         async def answer(request: Request, chat: bool):
             body = json.loads(await request.body())
             self.bodies.append(body)
-            if self.mode == "http500":
+            if self.mode == "http500" or (self.poison is not None and body.get("prompt") == self.poison):
                 return JSONResponse({"error": {"message": "boom", "type": "internal_error"}}, status_code=500)
+            if self.mode == "http503":
+                return JSONResponse({"error": {"message": "engine dead", "type": "service_unavailable"}},
+                                    status_code=503)
+            if self.mode == "full":
+                return JSONResponse({"error": {"message": "waiting queue full", "type": "server_overloaded"}},
+                                    status_code=503, headers={"Retry-After": "1"})
             n = int(body.get("max_tokens") or self.tokens)
             while self.hold:
                 await asyncio.sleep(0.01)
@@ -134,6 +142,13 @@ class FakeReplica:
         @app.post("/v1/completions")
         async def completions(request: Request):
             return await answer(request, False)
+
+        @app.post("/batch_check")       # the server's own body checks (server/batch_check.py)
+        async def batch_check(request: Request):
+            from polychip.server.batch_check import body_problem
+            data = json.loads(await request.body())
+            problems = [(i, body_problem(data["url"], body)) for i, body in enumerate(data["bodies"])]
+            return {"problems": [{"index": i, "message": why[0], "param": why[1]} for i, why in problems if why]}
 
         @app.post("/v1/chat/completions")
         async def chat(request: Request):

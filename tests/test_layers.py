@@ -35,6 +35,7 @@ LAYER_OF = {
     "polychip.cli": "commands",
     "polychip.serve": "commands",
     "polychip.commands": "commands",
+    "polychip.batch": "commands",           # polychip batch's own parts (engine in-process, progress bar)
     "polychip.server": "server",
     "polychip.router": "router",
     "polychip.http": "edge",

@@ -116,11 +116,11 @@ def test_a_replica_that_comes_back_rejoins_after_the_success_threshold(cluster):
         again.stop()
 
 
-@pytest.mark.parametrize("mode", ["http500", "error_event"])
+@pytest.mark.parametrize("mode", ["http503", "error_event"])
 def test_failure_before_the_first_token_is_retried(cluster, mode):
     bad, good = FakeReplica(mode=mode), FakeReplica()
     url, router, _ = cluster([bad, good], policy="round_robin")
-    kinds = (False, True, False, True) if mode == "http500" else (True, True, True, True)   # error events: SSE only
+    kinds = (False, True, False, True) if mode == "http503" else (True, True, True, True)   # error events: SSE only
     for stream in kinds:
         if stream:
             r, lines = complete(url, stream=True)

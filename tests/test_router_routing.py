@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from polychip.commands import router as router_cmd
-from polychip.router.settings import GuardConfig, HealthConfig, RouterConfig
+from polychip.router.settings import BreakerConfig, GuardConfig, HealthConfig, RouterConfig
 from polychip.router.deployment import from_dict
 from router_helpers import FakeReplica, ThreadServer, start_router, wait_for
 
@@ -114,8 +114,8 @@ def _send(url, n, **body):
 
 def test_canary_split_set_at_run_time_and_sticky_users(stack):
     v1, v2 = FakeReplica(model="m", version="v1"), FakeReplica(model="m", version="v2")
-    # the guard off: on a loaded machine v2's p95 may pass 1.5x v1's by chance, and this test is about the split
-    url, router = stack([v1, v2], guard=GuardConfig(max_error_rate=1.0, max_p95_ratio=1e9))
+    # the guard off: on a loaded machine v2's p95 may pass v1's by chance, and this test is about the split
+    url, router = stack([v1, v2], guard=GuardConfig(max_error_rate=0.99, max_ttft_ratio=1e9, max_tpot_ratio=1e9))
     assert router_cmd.main(["rollout", "set", "m", "v1=90", "v2=10", "--url", url]) == 0
     got = Counter(r.headers["x-polychip-version"] for r in _send(url, 400))
     assert abs(got["v2"] / 400 - 0.10) <= 0.04, got
@@ -136,13 +136,20 @@ def test_canary_split_set_at_run_time_and_sticky_users(stack):
     assert status["v1"]["e2e_p95"] is not None
 
 
-def test_guard_rolls_back_a_failing_canary_and_no_client_sees_the_errors(stack, capsys):
+def test_guard_rolls_back_a_canary_whose_clients_see_errors(stack, capsys):
     v1, v2 = FakeReplica(model="m", version="v1"), FakeReplica(model="m", version="v2", mode="http500")
-    url, router = stack([v1, v2], guard=GuardConfig(max_error_rate=0.001, min_samples=5))
+    # no retries and a breaker that stays closed: v2's clients get its 500s, which the guard counts
+    url, router = stack([v1, v2], guard=GuardConfig(max_error_rate=0.001, min_samples=5), max_retries=0,
+                        breaker=BreakerConfig(failure_threshold=1000, min_requests=1000))
     httpx.post(url + "/admin/rollout", json={"model": "m", "weights": {"v1": 80, "v2": 20}})
     results = _send(url, 100)
-    assert all(r.status_code == 200 and r.headers["x-polychip-version"] == "v1" for r in results)
+    seen = Counter((r.status_code, r.headers.get("x-polychip-version")) for r in results)
+    # v2's first 500 goes to the client (a 500 from a replica that was fine is not retried), the next
+    # are retried-away 500s that end in a 502 (max_retries 0): 5 of 5 failed rolls v2 back (a few
+    # more were in flight to v2, the requests run concurrently)
+    assert seen[(500, "v2")] == 1 and 4 <= seen[(502, None)] <= 9 and seen[(200, "v1")] >= 90, seen
     assert router.rollout.models["m"].weights["v2"] == 0.0
+    assert all(r.status_code == 200 and r.headers["x-polychip-version"] == "v1" for r in _send(url, 20))
     metrics = httpx.get(url + "/metrics").text
     assert 'polychip_router_canary_rollbacks_total{model="m",version="v2"} 1.0' in metrics
     assert 'polychip_router_version_weight{model="m",version="v2"} 0.0' in metrics

@@ -21,17 +21,21 @@ SETTINGS = list(_fields(RouterConfig))
 
 def other_value(path: tuple, field):
     """A valid value that is not the default, as (python value, command-line text)."""
-    if path == ("policy",):
-        return "round_robin", "round_robin"
-    if path == ("priority_weights",):
-        return {"high": 5.0, "normal": 1.0, "low": 1.0}, "high=5"
+    special = {("policy",): ("round_robin", "round_robin"),
+               ("priority_weights",): ({"high": 5.0, "normal": 1.0, "low": 1.0}, "high=5"),
+               ("replica_priorities",): ({"high": -20, "normal": 0, "low": 10}, "high=-20"),
+               ("guard", "confidence"): (0.9, "0.9"), ("total_timeout",): (900.0, "900.0")}
+    if path in special:
+        return special[path]
     default = field.get_default(call_default_factory=True)
     if path[-1] in ("host",):
         return "127.0.0.2", "127.0.0.2"
-    if path[-1] in ("api_key", "replica_api_key"):
-        return "k", "k"
-    if isinstance(default, bool) or default is None and "int" in str(field.annotation):
+    if default is None and "str" in str(field.annotation):
+        return "/tmp/polychip-x", "/tmp/polychip-x"
+    if default is None and "int" in str(field.annotation):
         return 3, "3"
+    if default is None:
+        return 0.5, "0.5"
     if isinstance(default, int):
         return default + 1, str(default + 1)
     value = default / 2 if path[-1] in ("max_error_rate", "match_threshold") else default * 2 + (path[-1] == "balance_rel")

@@ -24,11 +24,11 @@ def test_wfq_shares_follow_the_weights_while_all_classes_are_backlogged():
     for i in range(300):
         for c in WEIGHTS:
             q.push(c, (c, i))
-    served = Counter(q.pop_placeable(lambda item: True)[0][0] for _ in range(500))
+    served = Counter(q.pop_placeable(lambda e: True)[0][0] for _ in range(500))
     # 3 : 1 : 1 of 500, exactly up to tag ties
     assert abs(served["high"] - 300) <= 3 and abs(served["normal"] - 100) <= 3 and abs(served["low"] - 100) <= 3
     # and each class in its own order
-    order = [q.pop_placeable(lambda item: True)[0] for _ in range(50)]
+    order = [q.pop_placeable(lambda e: True)[0] for _ in range(50)]
     lows = [i for c, i in order if c == "low"]
     assert lows == sorted(lows)
 
@@ -37,10 +37,10 @@ def test_wfq_no_class_starves_and_late_high_does_not_jump_far_ahead():
     q = FairQueue(WEIGHTS, 10_000)
     for i in range(50):
         q.push("low", i)
-    got = [q.pop_placeable(lambda x: True)[0] for _ in range(5)]
+    got = [q.pop_placeable(lambda e: True)[0] for _ in range(5)]
     for i in range(1000):          # a flood of high priority arrives after low has been waiting
         q.push("high", 1000 + i)
-    nxt = [q.pop_placeable(lambda x: True)[0] for _ in range(40)]
+    nxt = [q.pop_placeable(lambda e: True)[0] for _ in range(40)]
     assert got == [0, 1, 2, 3, 4]
     assert sum(1 for x in nxt if x < 1000) >= 8        # low keeps about 1/4 of the service
 
@@ -49,13 +49,12 @@ def test_wfq_skips_what_cannot_be_placed_and_is_bounded():
     q = FairQueue(WEIGHTS, 3)
     q.push("high", "needs-gpu")
     q.push("low", "any")
-    item, placed = q.pop_placeable(lambda x: None if x == "needs-gpu" else "r1")
+    item, placed = q.pop_placeable(lambda e: None if e.item == "needs-gpu" else "r1")
     assert (item, placed) == ("any", "r1")
-    q.push("normal", "b")
+    e = q.push("normal", "b")
     q.push("normal", "c")
     with pytest.raises(QueueFullError):
         q.push("normal", "d")
-    e = q.queues["normal"][0]
     q.remove(e)
     assert len(q) == 2 and q.length("normal") == 1
 
@@ -136,26 +135,25 @@ def test_rollout_set_validates_and_the_guard_rolls_back_a_failing_canary():
     ro.set_weights("m", {"v1": 50, "v2": 50})
     assert ro.models["m"].weights == {"v1": 50.0, "v2": 50.0}
     for i in range(9):
-        ro.record("m", "v2", ok=i != 3, ttft=0.01, e2e=0.1)
+        ro.record("m", "v2", ok=i != 3, ttft=0.01, tpot=0.01, e2e=0.1)
     assert ro.models["m"].weights["v2"] == 50.0          # below the minimum sample: no verdict yet
-    ro.record("m", "v2", ok=True, ttft=0.01, e2e=0.1)
+    ro.record("m", "v2", ok=True, ttft=0.01, tpot=0.01, e2e=0.1)    # 1/10: >= 1.8% at 95%, over 0.1%
     assert ro.models["m"].weights["v2"] == 0.0 and rolled and rolled[0][:2] == ("m", "v2")
     assert "error rate" in ro.status()["m"]["versions"]["v2"]["rolled_back"]
     assert Counter(ro.models["m"].pick(None) for _ in range(20)) == {"v1": 20}
 
 
 def test_the_guard_rolls_back_a_slow_canary_against_the_baseline():
-    ro = Rollout(GuardConfig(max_error_rate=0.5, max_p95_ratio=1.5, min_samples=20))
+    ro = Rollout(GuardConfig(max_error_rate=0.5, max_ttft_ratio=1.5, min_samples=20))
     ro.declare(ModelRoute("m", {"v1": 90.0, "v2": 10.0}, "v1", declared=True))
     for _ in range(20):
-        ro.record("m", "v1", True, 0.01, 0.10)
+        ro.record("m", "v1", True, 0.10, 0.01, 1.0)
     for _ in range(19):
-        ro.record("m", "v2", True, 0.01, 0.12)
+        ro.record("m", "v2", True, 0.12, 0.01, 1.0)
     assert ro.models["m"].weights["v2"] == 10.0
-    ro.record("m", "v2", True, 0.01, 0.40)
-    for _ in range(5):
-        ro.record("m", "v2", True, 0.01, 0.40)
-    assert ro.models["m"].weights["v2"] == 0.0 and "p95" in ro.models["m"].rolled_back["v2"]
+    for _ in range(6):
+        ro.record("m", "v2", True, 0.40, 0.01, 1.3)
+    assert ro.models["m"].weights["v2"] == 0.0 and "TTFT p95" in ro.models["m"].rolled_back["v2"]
 
 
 def test_health_thresholds_down_after_n_failures_up_after_m_successes():
@@ -194,3 +192,47 @@ def test_learnt_models_take_the_heaviest_version_as_baseline():
     assert ro.models["m"].baseline == "v1"                 # equal weights: the first by name
     ro.set_weights("m", {"v1": 10, "v2": 90})
     assert ro.models["m"].baseline == "v2"
+
+
+def test_breaker_opens_on_failures_in_a_row_or_a_failure_rate_and_probes_back():
+    from polychip.router.breaker import Breaker
+    from polychip.router.settings import BreakerConfig
+    now = [0.0]
+    b = Breaker(BreakerConfig(failure_threshold=3, open_seconds=10, min_requests=10, failure_rate=0.5),
+                "r", clock=lambda: now[0])
+    for ok in (False, False, True, False, False):
+        b.record(ok)
+    assert b.state == "closed"                   # a success broke the run
+    b.record(False)
+    assert b.state == "open" and not b.allows() and "3 failures in a row" in b.reason
+    now[0] = 10.0
+    assert b.state == "half_open" and b.allows()
+    b.started()
+    assert not b.allows()                        # one probe at a time
+    b.record(True)
+    b.started()
+    b.record(True)
+    assert b.state == "closed"
+    for i in range(10):                          # every other request fails: the rate ejects it
+        b.record(i % 2 == 0)
+    assert b.state == "open" and "failure rate" in b.reason
+    b.came_back(now[0] + 1)                      # the health check saw it restart
+    assert b.state == "half_open"
+    b.started()
+    b.record(False)
+    assert b.state == "open"
+
+
+def test_retry_budget_and_wilson_bounds():
+    from polychip.router.breaker import RetryBudget
+    from polychip.router.guard import wilson
+    now = [0.0]
+    budget = RetryBudget(0.2, 2, 60, clock=lambda: now[0])
+    for _ in range(20):
+        budget.request()
+    assert [budget.try_spend() for _ in range(5)] == [True, True, True, True, False]   # 20% of 20
+    now[0] = 61.0
+    assert budget.try_spend() and budget.try_spend() and not budget.try_spend()      # the floor of 2
+    low, high = wilson(1, 20, 0.95)
+    assert 0.008 < low < 0.01 and 0.23 < high < 0.25
+    assert wilson(5, 50, 0.95)[0] > 0.04 and wilson(0, 0, 0.95) == (0.0, 1.0)

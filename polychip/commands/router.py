@@ -2,6 +2,7 @@
 
   polychip router --replica http://h1:30000 --replica http://h2:30000 [--policy least_load]
   polychip router --deployment deploy.yaml          (launches and supervises the replicas)
+  polychip router --state-dir DIR                   (no replicas yet: `polychip workload submit` adds them)
   polychip router rollout status [--url URL]
   polychip router rollout set MODEL v1=90 v2=10 [--url URL]
   polychip router reload [--url URL]                (re-read the deployment file; SIGHUP does too)
@@ -22,7 +23,7 @@ import sys
 import httpx
 
 from polychip.commands.common import fail, setup_logging
-from polychip.errors import ConfigError, PolychipError
+from polychip.errors import PolychipError
 from polychip.http import server as edge
 from polychip.router.settings import add_settings_args, settings_from_args
 
@@ -51,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)     # one line per health check otherwise
     try:
         if not args.replica and not args.deployment:
-            raise ConfigError("give --replica URL (repeatable) or --deployment FILE.yaml")
+            log.info("no --replica or --deployment: the router starts empty; `polychip workload submit` "
+                     "launches replicas on it")
         deployment = placed = None
         inventory = None
         if args.deployment:
@@ -86,7 +88,7 @@ def run_router(router, sock) -> int:
     cfg = router.cfg
     uv = edge.uvicorn_config(build_app(router), log_level=cfg_log_level(), graceful_timeout=cfg.drain_timeout,
                              **uvicorn_options(cfg.timeout_request_header, cfg.timeout_keep_alive))
-    url = edge.socket_url(sock)
+    url = router.url = edge.socket_url(sock)
 
     async def reload_on_sighup():
         try:

@@ -80,10 +80,13 @@ def _serve(engine_config: EngineConfig, config: ServerConfig, sock: socket.socke
     grace = config.graceful_shutdown_timeout
     with progress(f"loading {engine_config.model_path or 'the default model (SmolLM2-135M-Instruct)'}"):
         engine = Engine(engine_config)
+    engine.startup.update(warmup=None, warmed_at=None)
     if not config.skip_server_warmup:
         from polychip.engine.warmup import warm_up
+        began = time.time()
         with progress("warming up"):
             shapes = warm_up(engine)
+        engine.startup.update(warmup=time.time() - began, warmed_at=time.time())
         log.info("warm-up forwards: %s", ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in shapes.items()))
     app, state = build_app(engine, config)
     # uvicorn's own timeout is only a backstop: EngineServer ends streams cleanly after `grace`

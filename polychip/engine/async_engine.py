@@ -173,6 +173,10 @@ class AsyncEngine:
                 "device_dtypes": list(supported_dtypes(plugin)), "quantization": eng.loaded.quantization,
                 "tp_size": eng.config.tp_size, "max_running_requests": eng.config.max_running_requests}
 
+    def startup_times(self) -> dict[str, Any]:
+        """Seconds of each start-up step (load: weights and KV pool, compile, warmup) and when each ended."""
+        return dict(self.engine.startup)
+
     @property
     def fault(self) -> str | None:
         """Why the engine can never step again (a tensor-parallel rank failed), or None."""

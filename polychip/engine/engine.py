@@ -9,11 +9,13 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import time
 from collections import defaultdict
 
 from polychip.config import EngineConfig
 from polychip.devices.discovery import open_from_config
 from polychip.engine.grammar import GrammarBackend
+from polychip.engine.host_cache import HostTier
 from polychip.engine.kv_pool import KVPool, dtype_name, resolve_kv_dtype
 from polychip.engine.memory_plan import activation_bytes, size_pool
 from polychip.engine.model_runner import ModelRunner, StepLimits
@@ -23,6 +25,7 @@ from polychip.engine.request import CompletionOutput, Request, RequestOutput
 from polychip.engine.sampler import Sampler
 from polychip.engine.sampling_params import SamplingParams
 from polychip.engine.scheduler import Scheduler
+from polychip.engine.spec_decode import NgramProposer, NgramSettings, SpecState, speculable, verify
 from polychip.engine.static_decode import static_decode_limit
 from polychip.engine.stats import STAGES, EngineStats, RankDevice, StageTimer
 from polychip.engine.stop import streamable_len
@@ -35,7 +38,8 @@ log = logging.getLogger("polychip.engine")
 
 #: the counters ``stats()`` reports, all kept in ``Engine.counters``
 COUNTERS = ("requests_added", "requests_aborted", "preemptions", "steps", "prompt_tokens",
-            "generation_tokens", "prompt_tokens_queried", "prompt_tokens_cached")
+            "generation_tokens", "prompt_tokens_queried", "prompt_tokens_cached", "spec_verify_steps",
+            "spec_draft_tokens", "spec_accepted_tokens")
 
 
 class Engine:
@@ -58,6 +62,7 @@ class Engine:
         # discovered, spec-checked, initialised
         self.plugin = tp.plugin if tp is not None else plugin or open_from_config(config)
         self.plugin.set_seed(config.seed)
+        began = time.time()
         self.loaded = load_model(config.model_path, self.plugin, config.dtype, config.enable_fusion,
                                  config.cache_dir, config.max_model_len, quantization=config.quantization,
                                  comm=tp.comm if tp else None)
@@ -73,7 +78,7 @@ class Engine:
         self.runner = (TPModelRunner(self.loaded.model, self.plugin, limits, tp, static_bs) if tp is not None
                        else ModelRunner(self.loaded.model, self.plugin, limits, static_bs))
         self.activation_reserve = self.plugin.reserve_for_activations(
-            activation_bytes(mc, limits.max_tokens, limits.max_seqs, self.loaded.dtype))
+            activation_bytes(mc, limits.max_tokens, limits.max_rows, self.loaded.dtype))
         page = config.page_size
         kv_heads = self.loaded.kv_heads          # this rank's share under tensor parallelism
         self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.plugin, self.loaded.dtype)
@@ -85,11 +90,21 @@ class Engine:
         self.pool = KVPool(self.plugin, mc.num_layers, num_pages, page, kv_heads, mc.head_dim, self.kv_dtype,
                            scratch=static_bs > 0)
         self.runner.attach_pool(self.pool)
+        compiling = time.time()
         self.runner.compile_decode(self.pool.scratch_page)
-        self.pages = PageManager(self.pool.allocator, page, prefix_cache=not config.disable_radix_cache)
+        done = time.time()
+        # wall clock of each start-up step (the server's /server_info "startup" block)
+        self.startup = {"load": compiling - began, "compile": done - compiling, "loaded_at": compiling,
+                        "compiled_at": done}
+        self.host_tier = HostTier(self.plugin, self.pool, HostTier.slots_for(config, self.pool)) \
+            if config.enable_hierarchical_cache else None
+        self.pages = PageManager(self.pool.allocator, page, prefix_cache=not config.disable_radix_cache,
+                                 host_tier=self.host_tier)
         self.eos_ids = self.tokenizer.eos_token_ids
+        self.proposer = NgramProposer(NgramSettings.of(config)) if config.speculative_algorithm else None
         self.scheduler = Scheduler(self.pages, config.chunked_prefill_size, config.max_running_requests,
-                                   config.schedule_policy, eos_ids=self.eos_ids, max_model_len=self.max_model_len)
+                                   config.schedule_policy, eos_ids=self.eos_ids, max_model_len=self.max_model_len,
+                                   proposer=self.proposer)
         self.grammar = GrammarBackend(self.tokenizer, mc.vocab_size, self.eos_ids)
         self.sampler = Sampler(self.plugin, config.seed, self.eos_ids, self.grammar)
         self._ids = itertools.count()
@@ -123,6 +138,8 @@ class Engine:
                                        params.spaces_between_special_tokens)
         req = Request(rid, ids, params, detok, priority, gen, arrival)
         req.matcher = matcher
+        if self.proposer is not None and speculable(req):
+            req.spec = SpecState()
         self.scheduler.add(req)
         self.counters["requests_added"] += 1
         return rid
@@ -180,11 +197,13 @@ class Engine:
             with timer("prepare"):
                 batch = self.runner.prepare(sched.scheduled)
             with timer("forward"):
+                if self.host_tier is not None:    # pages it copied back are read, pages it evicted rewritten
+                    self.host_tier.wait()
                 logits = self.runner.execute(batch)
             with timer("sample"):
                 sampled = batch.sample_reqs
                 if sampled:
-                    tokens, logprobs = self.sampler(logits, sampled)
+                    tokens, logprobs = self._sample(logits, sampled)
         with timer("detokenize"):
             outputs = [self._output(r) for r in self.scheduler.update(sched, sampled, tokens, logprobs)]
         c = self.counters
@@ -192,10 +211,37 @@ class Engine:
         if sched.scheduled:
             c["steps"] += 1
         c["prompt_tokens"] += sched.num_prompt_tokens
-        c["generation_tokens"] += len(tokens)
+        c["generation_tokens"] += sum(len(t) if isinstance(t, list) else 1 for t in tokens)
         c["prompt_tokens_queried"] += sched.prompt_tokens_queried
         c["prompt_tokens_cached"] += sched.prompt_tokens_cached
         return outputs
+
+    def _sample(self, logits, reqs: list[Request]) -> tuple[list, list]:
+        """One token per plain request from the sampler; the kept tokens of each speculating request
+        (its rows: its last token's, then one per draft token) from ``spec_decode.verify``."""
+        if not any(r.draft for r in reqs):
+            return self.sampler(logits, reqs)
+        starts, row = [], 0
+        for r in reqs:
+            starts.append(row)
+            row += 1 + len(r.draft)
+        plain = [i for i, r in enumerate(reqs) if not r.draft]
+        tokens: list = [None] * len(reqs)
+        logprobs: list = [None] * len(reqs)
+        if plain:
+            rows = logits[[starts[i] for i in plain]]
+            for i, tok, lp in zip(plain, *self.sampler(rows, [reqs[i] for i in plain]), strict=True):
+                tokens[i], logprobs[i] = tok, lp
+        c = self.counters
+        for i, r in enumerate(reqs):
+            if r.draft:
+                tokens[i] = kept = verify(logits[starts[i]:starts[i] + 1 + len(r.draft)], r, r.draft,
+                                          self.sampler.generator)
+                self.proposer.record(r, len(r.draft), len(kept) - 1)
+                c["spec_verify_steps"] += 1
+                c["spec_draft_tokens"] += len(r.draft)
+                c["spec_accepted_tokens"] += len(kept) - 1
+        return tokens, logprobs
 
     def _output(self, req: Request) -> RequestOutput:
         upto = streamable_len(req)
@@ -228,7 +274,15 @@ class Engine:
             prefix_cache_hit_rate=c.get("prompt_tokens_cached", 0) / queried if queried else 0.0,
             **{k: c.get(k, 0) for k in COUNTERS},
             stage_seconds=tuple((s, self.stage_seconds.get(s, 0.0)) for s in STAGES),
-            **self._device_memory())
+            **self._host_tier_stats(), **self._device_memory())
+
+    def _host_tier_stats(self) -> dict:
+        t = self.host_tier
+        if t is None:
+            return {}
+        return {"host_tier_pages": t.num_slots, "host_tier_pages_used": t.num_slots - t.num_free,
+                "host_hit_tokens": self.pages.host_hit_tokens, "host_tier_bytes_to_host": t.bytes_to_host,
+                "host_tier_bytes_to_device": t.bytes_to_device}
 
     def _device_memory(self) -> dict:
         try:
@@ -269,6 +323,8 @@ class Engine:
     def shutdown(self) -> None:
         self.runner.release_compiled()     # graphs and recorded steps hold the pool's caches
         self.pool.release()
+        if self.host_tier is not None:
+            self.host_tier.release()
         if self.tp is not None:
             self.tp.stop()       # destroys rank 0's device too
         else:

@@ -34,17 +34,21 @@ class StepLimits:
     max_seqs: int          # sequences in one step
     max_pages: int         # pages one sequence can hold (the context length in pages)
     page_size: int
+    max_rows: int          # sampled rows in one step (more than max_seqs with speculative drafts)
 
     @classmethod
     def of(cls, config, max_model_len: int) -> "StepLimits":
         budget = config.chunked_prefill_size
-        return cls(budget, min(config.max_running_requests, budget), -(-max_model_len // config.page_size),
-                   config.page_size)
+        seqs = min(config.max_running_requests, budget)
+        rows = min(budget, seqs * (1 + config.speculative_num_draft_tokens)) if config.speculative_algorithm \
+            else seqs
+        return cls(budget, seqs, -(-max_model_len // config.page_size), config.page_size, rows)
 
     @property
     def int_capacity(self) -> int:
         """int64 elements: ids, positions, slots; sample rows, decode lengths; two page tables; prefill rows."""
-        return 3 * self.max_tokens + 2 * self.max_seqs + 2 * self.max_seqs * self.max_pages + 3 * self.max_seqs
+        return 3 * self.max_tokens + self.max_rows + self.max_seqs + 2 * self.max_seqs * self.max_pages + \
+            3 * self.max_seqs
 
     @property
     def mask_capacity(self) -> int:
@@ -166,10 +170,10 @@ class ModelRunner:
         prefills, dec_pages, dec_lens = [], [], []
         start = 0
         for req, n in scheduled:
-            c = req.num_computed_tokens
+            c, d = req.num_computed_tokens, len(req.draft)
             p = np.arange(c, c + n, dtype=np.int64)
             pages = np.asarray(req.pages, dtype=np.int64)
-            ids.append(np.asarray(req.tokens(c, c + n), dtype=np.int64))
+            ids.append(np.asarray(req.tokens(c, c + n - d) + req.draft, dtype=np.int64))
             pos.append(p)
             slots.append(pages[p // self.page] * self.page + p % self.page)
             used = pages[:-(-(c + n) // self.page)]
@@ -178,8 +182,8 @@ class ModelRunner:
                 dec_lens.append(c + 1)
             else:
                 prefills.append((start, n, c + n, used))
-            if c + n == req.num_tokens:
-                rows.append(start + n - 1)
+            if c + n == req.num_tokens + d:     # a speculating request samples its last token and each draft
+                rows.extend(range(start + n - 1 - d, start + n))
                 sample_reqs.append(req)
             start += n
         host = HostBatch(np.concatenate(ids), np.concatenate(pos), np.concatenate(slots),

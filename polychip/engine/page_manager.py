@@ -14,9 +14,12 @@ from polychip.engine.request import Request
 
 
 class PageManager:
-    def __init__(self, allocator: PageAllocator, page_size: int, prefix_cache: bool = True):
+    def __init__(self, allocator: PageAllocator, page_size: int, prefix_cache: bool = True, host_tier=None):
+        """``host_tier``: a ``host_cache.HostTier`` the radix cache evicts into (needs the prefix cache)."""
         self.allocator, self.page_size = allocator, page_size
-        self.cache: PrefixCache = RadixCache(allocator, page_size) if prefix_cache else NoPrefixCache()
+        self.cache: PrefixCache = RadixCache(allocator, page_size, host_tier) if prefix_cache else NoPrefixCache()
+        self.host_tier = host_tier
+        self.host_hit_tokens = 0          # prompt tokens served by copying pages back from the host tier
 
     # questions
     @property
@@ -50,11 +53,30 @@ class PageManager:
     def acquire_prefix(self, req: Request) -> int:
         """Give ``req`` the cache's pages for its longest cached prefix and lock them;
         returns the number of cached tokens. Splits a tree edge and touches LRU."""
-        pages, node = self.cache.match_prefix(req.tokens(0, req.num_tokens - 1))
+        tokens = req.tokens(0, req.num_tokens - 1)
+        pages, node = self.cache.match_prefix(tokens)
         self.cache.lock(node)
+        if self.host_tier is not None:
+            pages, node = self._restore(tokens, pages, node)
         self.allocator.incref(pages)
         req.pages, req.cache_node = pages, node
         return len(pages) * self.page_size
+
+    def _restore(self, tokens, pages: list[int], node):
+        """Extend a locked device match with the host nodes after it, copied back into fresh pages
+        when the pool can give them; returns the (pages, locked node) of the whole match."""
+        host = self.cache.match_host(node, tokens, len(pages) * self.page_size)
+        if not host:
+            return pages, node
+        self.cache.lock(host[-1])            # the path being restored is neither evicted nor dropped
+        need = sum(len(n.host) for n in host)
+        if not self.can_allocate(need):
+            self.cache.unlock(host[-1])
+            return pages, node
+        self.cache.restore(host, self.allocate(need))
+        self.cache.unlock(node)
+        self.host_hit_tokens += need * self.page_size
+        return pages + [p for n in host for p in n.pages], host[-1]
 
     def cache_progress(self, req: Request) -> None:
         """Put the request's full computed pages into the prefix cache and share the tree's pages."""
@@ -73,6 +95,14 @@ class PageManager:
         if req.cache_node is not None:
             self.cache.unlock(req.cache_node)
         req.cache_node = node
+
+    def trim(self, req: Request) -> None:
+        """Give back the pages past ``req``'s computed tokens (those only rejected draft tokens used).
+        They are past every page the cache holds, so ``req`` is their only holder."""
+        keep = self.pages_for(req.num_computed_tokens)
+        if len(req.pages) > keep:
+            self.allocator.decref(req.pages[keep:])
+            del req.pages[keep:]
 
     def release(self, req: Request) -> None:
         """Take back every page ``req`` holds; its full computed pages stay in the cache."""

@@ -67,6 +67,8 @@ class Request:
         self.emitted_logprobs = 0
         self.matcher = None                 # xgrammar matcher when the request has a grammar
         self.grammar_failed = False         # the grammar refused a sampled token
+        self.spec = None                    # spec_decode.SpecState when the request may speculate
+        self.draft: list[int] = []          # draft tokens scheduled after its last token this step
         self.timings = Timings(arrival if arrival is not None else time.monotonic())
 
     @property

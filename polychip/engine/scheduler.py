@@ -34,10 +34,12 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, pages: PageManager, token_budget: int, max_running: int, policy: str = "fcfs", *,
-                 eos_ids: frozenset[int] = frozenset(), max_model_len: int):
+                 eos_ids: frozenset[int] = frozenset(), max_model_len: int, proposer=None):
+        """``proposer``: a ``spec_decode.NgramProposer`` when speculative decoding is on."""
         self.pages, self.page = pages, pages.page_size
         self.budget, self.max_running, self.policy = token_budget, max_running, policy
         self.eos_ids, self.max_model_len = eos_ids, max_model_len
+        self.proposer = proposer
         self.waiting: list[Request] = []
         self.running: list[Request] = []
 
@@ -64,6 +66,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
+        req.draft = []
         self.pages.release(req)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -97,7 +100,10 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if self._make_room(req, self.pages.pages_for(req.num_computed_tokens + n) - len(req.pages), out):
+            draft = self._draft(req, n, budget)
+            if self._make_room(req, self.pages.pages_for(req.num_computed_tokens + n + len(draft)) - len(req.pages),
+                               out):
+                req.draft, n = draft, n + len(draft)
                 out.scheduled.append((req, n))
                 budget -= n
                 i += 1
@@ -107,6 +113,12 @@ class Scheduler:
         out.num_prompt_tokens = sum(max(0, min(n, len(r.prompt_ids) - r.num_computed_tokens))
                                     for r, n in out.scheduled)
         return out
+
+    def _draft(self, req: Request, n: int, budget: int) -> list[int]:
+        """Draft tokens for a decoding request, inside the budget and the context; [] when not speculating."""
+        if self.proposer is None or n != 1 or req.num_computed_tokens != req.num_tokens - 1:
+            return []
+        return self.proposer.propose(req, min(budget - 1, self.max_model_len - req.num_tokens))
 
     def _make_room(self, req: Request, need: int, out: SchedulerOutput) -> bool:
         """Give running ``req`` ``need`` more pages, preempting from the back of the queue
@@ -150,11 +162,12 @@ class Scheduler:
             budget -= n
 
     # after the step
-    def update(self, out: SchedulerOutput, sampled: list[Request], tokens: list[int],
+    def update(self, out: SchedulerOutput, sampled: list[Request], tokens: list[int | list[int]],
                logprobs: list[TokenLogprob | None]) -> list[Request]:
         """Book a step's results: advance progress, append each sampled token, check stops,
         finish what ended, cache prefill progress. Returns the requests with news
-        (the unservable ones, finished with 'length', then those that got a token)."""
+        (the unservable ones, finished with 'length', then those that got a token).
+        A speculating request's entry in ``tokens`` is the list of tokens its verify step kept."""
         now = time.monotonic()
         for req in out.unservable:
             log.warning("%s needs more KV pages than the whole pool; finishing with 'length'", req.request_id)
@@ -167,13 +180,26 @@ class Scheduler:
         for req, tok, lp in zip(sampled, tokens, logprobs, strict=True):
             if req.timings.first_token is None:
                 req.timings.first_token = now
+            self._book(req, tok if isinstance(tok, list) else [tok], lp)
+        for req, _ in out.scheduled:
+            if not req.finished and req.num_computed_tokens <= len(req.prompt_ids):
+                self.pages.cache_progress(req)
+        return out.unservable + sampled
+
+    def _book(self, req: Request, kept: list[int], lp: TokenLogprob | None) -> None:
+        """Append a request's new tokens up to the first stop; after a verify step, set its progress
+        to the tokens whose K/V is right and give back the pages of the rejected drafts."""
+        for tok in kept:
             req.output_ids.append(tok)
             if lp is not None:
                 req.logprobs.append(lp)
             check_stop(req, tok, self.eos_ids, self.max_model_len)
             if req.finish_reason is not None:
-                self.finish(req)
-        for req, _ in out.scheduled:
-            if not req.finished and req.num_computed_tokens <= len(req.prompt_ids):
-                self.pages.cache_progress(req)
-        return out.unservable + sampled
+                break
+        if req.draft:
+            req.draft = []
+            req.num_computed_tokens = req.num_tokens - 1     # the last kept token is computed next step
+            if req.finish_reason is None:
+                self.pages.trim(req)
+        if req.finish_reason is not None:
+            self.finish(req)

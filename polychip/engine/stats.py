@@ -70,6 +70,15 @@ class EngineStats:
     generation_tokens: int
     prompt_tokens_queried: int        # prompt tokens of admitted requests, each request once
     prompt_tokens_cached: int         # of those, served from the prefix cache
+    spec_verify_steps: int            # speculative verify forwards (one per request and step with a draft)
+    spec_draft_tokens: int            # draft tokens checked
+    spec_accepted_tokens: int         # of those, kept
     stage_seconds: tuple[tuple[str, float], ...]          # (stage, seconds), in STAGES order
     device_memory: tuple[tuple[str, int, int], ...]       # (device label, free bytes, total bytes)
     ranks: tuple[RankDevice, ...] = ()                    # every tensor-parallel rank's device
+    # the host tier of the radix cache (--enable-hierarchical-cache), zero without it
+    host_tier_pages: int = 0              # host pages it can hold
+    host_tier_pages_used: int = 0
+    host_hit_tokens: int = 0              # prompt tokens served by copying pages back from it
+    host_tier_bytes_to_host: int = 0      # bytes copied device -> host (evictions)
+    host_tier_bytes_to_device: int = 0    # bytes copied host -> device (hits)

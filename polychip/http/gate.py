@@ -65,6 +65,10 @@ class EdgeLimits:
     max_body_bytes: int = 16 * 1024 * 1024
     body_timeout: float = 60.0
     access_log: bool = True
+    # POSTs whose multipart/form-data body streams on to the app unread (file uploads), with a
+    # Content-Length of at most max_upload_bytes; every other body is JSON, read here
+    upload_paths: tuple[str, ...] = ()
+    max_upload_bytes: int = 0
 
 
 class Gate:
@@ -97,7 +101,10 @@ class Gate:
 
     async def _admit(self, scope, receive, send, headers) -> None:
         refusal = self._refuse(scope, headers)
-        if refusal is None and scope["method"] in BODY_METHODS:
+        if refusal is None and scope["method"] == "POST" and scope["path"] in self.limits.upload_paths:
+            refusal = self._upload_refusal(headers)
+            receive = _capped(receive, self.limits.max_upload_bytes)
+        elif refusal is None and scope["method"] in BODY_METHODS:
             body, refusal = await self._read_body_in_time(receive, headers)
             if refusal is None:
                 receive = _replay(body, receive)
@@ -126,6 +133,21 @@ class Gate:
         if refused is None:
             return None
         return refused.status, error_body(refused.message, refused.type, None, refused.code), refused.headers
+
+    def _upload_refusal(self, headers) -> tuple | None:
+        media = headers.get(b"content-type", b"").split(b";", 1)[0].strip().lower()
+        if media != b"multipart/form-data":
+            given = headers.get(b"content-type", b"").decode("latin-1") or "none"
+            return 415, error_body(f"an upload must be sent as 'Content-Type: multipart/form-data' (got "
+                                   f"{printable(given)!r})", "invalid_request_error", None, 415), {}
+        length = headers.get(b"content-length", b"")
+        if not length.isdigit():
+            return 411, error_body("an upload needs a Content-Length header", "invalid_request_error", None, 411), {}
+        if int(length) > self.limits.max_upload_bytes:
+            return 413, error_body(f"the upload is larger than this server accepts ({self.limits.max_upload_bytes} "
+                                   "bytes with the form's headers; --max-file-bytes)", "invalid_request_error",
+                                   None, 413), {}
+        return None
 
     async def _read_body_in_time(self, receive, headers) -> tuple[bytes, tuple | None]:
         limit = self.limits.body_timeout
@@ -163,6 +185,19 @@ class Gate:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks), None
+
+
+def _capped(receive, limit: int):
+    """``receive`` that ends the request as a disconnect once more than ``limit`` body bytes came
+    (a client whose Content-Length understated its body)."""
+    seen = 0
+
+    async def capped():
+        nonlocal seen
+        message = await receive()
+        seen += len(message.get("body", b""))
+        return {"type": "http.disconnect"} if seen > limit else message
+    return capped
 
 
 def _replay(body: bytes, receive):

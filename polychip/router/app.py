@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import socket
+import tempfile
 import time
 
 import httpx
@@ -19,7 +21,7 @@ from fastapi import FastAPI
 from polychip.errors import ConfigError
 from polychip.http.errors import install_error_handlers
 from polychip.http.gate import EdgeLimits, Gate
-from polychip.http.server import free_port, url_host
+from polychip.http.server import url_host
 from polychip.router.deployment import Deployment, load_deployment
 from polychip.router.dispatch import Dispatcher, capable
 from polychip.router.health import HealthChecker
@@ -29,10 +31,13 @@ from polychip.router.placement import Placement, device_configs, effective_dtype
 from polychip.router.policies import make_policy
 from polychip.router.proxy import Proxy
 from polychip.router.replica import Replica
+from polychip.router.replica_logs import ReplicaLogs
 from polychip.router.rollout import ModelRoute, Rollout
-from polychip.router.routes import admin, openai_api, probes
+from polychip.router.routes import admin, batches, openai_api, probes, workloads as workload_api
 from polychip.router.settings import RouterConfig, reload_changes
 from polychip.router.supervisor import Supervisor
+from polychip.router.workload_store import JsonFileKV, MemoryKV
+from polychip.router.workloads import Workloads
 
 log = logging.getLogger("polychip.router")
 
@@ -42,11 +47,15 @@ class Router:
                  deployment_path: str | None = None, placed: Placement | None = None,
                  inventory: Inventory | None = None, settings_from_file=None):
         self.cfg = cfg
-        self.rollout = Rollout(cfg.guard, on_rollback=self._rolled_back)
+        self.rollout = Rollout(cfg.guard, on_rollback=self._rolled_back, on_kept=self._rollback_refused,
+                               serving=self._version_serving)
         self.dispatcher = Dispatcher(cfg, self.rollout, make_policy(cfg.policy, cfg.prefix))
         self.metrics = RouterMetrics(self.dispatcher)
-        self.supervisor = Supervisor()
+        self.supervisor = Supervisor(scope=os.path.abspath(deployment_path) if deployment_path else "",
+                                     logs=_replica_logs(cfg), on_event=self._process_event)
         self.inventory = inventory or Inventory()
+        self.workloads = Workloads(self, _workload_store(cfg), cfg.node_id or socket.gethostname())
+        self.url: str | None = None          # set once the server listens
         self.deployment, self.deployment_path, self.placed = deployment, deployment_path, placed
         # the settings a reloaded file's router section gives (the command line's flags still win)
         self.settings_from_file = settings_from_file or (lambda dep: dep.router)
@@ -58,6 +67,7 @@ class Router:
         self._tasks: list[asyncio.Task] = []
         self._reload_lock = asyncio.Lock()
         self.startup_error: Exception | None = None
+        self.batches = None          # BatchJobs when --files-dir is given (router/batch/jobs.py)
 
     # lifecycle
     async def start(self) -> None:
@@ -74,23 +84,47 @@ class Router:
         if self.deployment is not None:
             placed = self.placed or await self._place(self.deployment)
             await self._apply(self.deployment, placed)
+        await self.workloads.start()
+        if self.deployment is not None and self.deployment.workloads:
+            await self.workloads.inventory_ready()
+            await self.workloads.declare(self.deployment.workloads, self.deployment.source)
         self._tasks.append(asyncio.ensure_future(self.health.run()))
+        if cfg.batch.files_dir is not None:
+            from polychip.router.batch.dispatch import router_jobs
+            self.batches = router_jobs(self, cfg.batch)
+            await self.batches.start()
 
     async def stop(self) -> None:
+        if self.batches is not None:
+            await self.batches.stop()
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.workloads.stop()
         await self.supervisor.stop_all(self.cfg.drain_timeout)
         if self.client is not None:
             await self.client.aclose()
 
     def _replica_changed(self, replica: Replica) -> None:
+        if replica.up and replica.breaker is not None:
+            replica.breaker.came_back(replica.changed_at)
         if replica.info is not None:
             self.rollout.learn(replica.info.model, replica.info.version)
+        self.workloads.replica_changed(replica)
         self.dispatcher.pump()
+
+    def _process_event(self, name: str, kind: str, detail) -> None:
+        self.workloads.process_event(name, kind, detail)
 
     def _rolled_back(self, model: str, version: str, reason: str) -> None:
         self.metrics.rollbacks.labels(model, version).inc()
+
+    def _rollback_refused(self, model: str, version: str, reason: str) -> None:
+        self.metrics.rollbacks_refused.labels(model, version).inc()
+
+    def _version_serving(self, model: str, version: str) -> bool:
+        return any(r.up and not r.draining and r.serving_model == model and r.serving_version == version
+                   for r in self.dispatcher.replicas.values())
 
     # deployment files
     async def _place(self, dep: Deployment) -> Placement:
@@ -109,6 +143,8 @@ class Router:
         wanted = {r.name: r for r in placed.launch + placed.remote}
         old_entries = {r.name: r for r in self.deployment.replicas} if self.deployment is not dep else {}
         for name, replica in dict(self.dispatcher.replicas).items():
+            if name in self.workloads:           # workloads have their own life (workloads.py)
+                continue
             if name not in wanted or (name in old_entries and old_entries[name] != wanted[name]):
                 await self._drain(replica)
         for name, entry in wanted.items():
@@ -120,11 +156,16 @@ class Router:
         """The Replica of a deployment entry; a launched one is started now."""
         if entry.url is not None:
             return Replica(entry.name, entry.url, entry.model, entry.version)
-        port = entry.port or free_port(entry.host)
+        port = entry.port or 0              # 0: the replica binds a free port and reports it
+        base = f"http://{url_host(entry.host)}:"
+        replica = Replica(entry.name, f"{base}{port}" if port else "", entry.model, entry.version, entry.device,
+                          launched=True)
+        if not port:
+            replica.down_reason = "starting: its port is not reported yet"
         model = next(m for m in dep.models if m.name == entry.model)
-        self.supervisor.start(entry, port, effective_dtype(entry, dep), entry.quantization or model.quantization)
-        return Replica(entry.name, f"http://{url_host(entry.host)}:{port}", entry.model, entry.version,
-                       entry.device, launched=True)
+        self.supervisor.start(entry, port, effective_dtype(entry, dep), entry.quantization or model.quantization,
+                              on_port=lambda p: setattr(replica, "url", f"{base}{p}"))
+        return replica
 
     async def _drain(self, replica: Replica) -> None:
         """No new requests; in-flight ones get drain_timeout; then stop it if we launched it."""
@@ -147,9 +188,13 @@ class Router:
             cfg = self.settings_from_file(dep)
             changed = reload_changes(self.cfg, cfg)
             placed = await self._place(dep)
+            if dep.workloads:
+                await self.workloads.inventory_ready()
+            await self.workloads.check_declared(dep.workloads, dep.source)
             before = set(self.dispatcher.replicas)
             self.apply_settings(cfg)
             await self._apply(dep, placed)
+            await self.workloads.declare(dep.workloads, dep.source)
             after = set(self.dispatcher.replicas)
             log.info("deployment reloaded from %s: +%s -%s, settings changed: %s", self.deployment_path,
                      sorted(after - before), sorted(before - after), changed or "none")
@@ -189,6 +234,18 @@ class Router:
         return out + [{"name": n, "excluded": why} for n, why in sorted(self.excluded.items())]
 
 
+def _replica_logs(cfg: RouterConfig) -> ReplicaLogs:
+    """Launched replicas' own log files: under the state dir, else a fresh folder for this router."""
+    where = (os.path.join(cfg.state_dir, "replica-logs") if cfg.state_dir
+             else tempfile.mkdtemp(prefix="polychip-replica-logs-"))
+    log.info("launched replicas log to %s/NAME.log (rotated at %d bytes)", where, cfg.replica_log_max_bytes)
+    return ReplicaLogs(where, cfg.replica_log_max_bytes, cfg.replica_log_backups)
+
+
+def _workload_store(cfg: RouterConfig):
+    return JsonFileKV(os.path.join(cfg.state_dir, "workloads.json")) if cfg.state_dir else MemoryKV()
+
+
 def build_app(router: Router) -> Gate:
     """The router's ASGI app: its routes on FastAPI, behind the edge's gate."""
     @contextlib.asynccontextmanager
@@ -206,10 +263,12 @@ def build_app(router: Router) -> Gate:
     app = FastAPI(title="polychip router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.router = router
     install_error_handlers(app)
-    for routes in (openai_api.openai_routes, probes.probe_routes, admin.admin_routes):
+    for routes in (openai_api.openai_routes, probes.probe_routes, admin.admin_routes, workload_api.workload_routes,
+                   batches.batch_routes):
         app.include_router(routes)
     cfg = router.cfg
     # the API key is checked per route (routes/__init__.py), so that a reload can change it
     limits = EdgeLimits(api_key=None, max_body_bytes=cfg.max_request_body_bytes,
-                        body_timeout=cfg.timeout_request_body, access_log=False)   # the proxy logs each request
+                        body_timeout=cfg.timeout_request_body, access_log=False,   # the proxy logs each request
+                        upload_paths=("/v1/files",), max_upload_bytes=cfg.batch.max_file_bytes + batches.FORM_OVERHEAD)
     return Gate(app, limits)

@@ -15,6 +15,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from polychip.config import QUANTIZATIONS
 from polychip.errors import ConfigError
 from polychip.router.settings import RouterConfig
+from polychip.router.workload_spec import WorkloadSpec
 from polychip.yaml_file import read_yaml_file
 
 
@@ -101,15 +102,32 @@ class ModelEntry(_Strict):
         return self.baseline or next(iter(self.versions))
 
 
+class DeclaredWorkload(WorkloadSpec):
+    """A workload the file declares; ``id`` names it (the router keeps it running, a reload
+    restarts it when its fields change and stops it when the file drops it)."""
+
+    id: Name
+
+    def spec(self) -> WorkloadSpec:
+        return WorkloadSpec(**self.model_dump(exclude={"id"}))
+
+
 class Deployment(_Strict):
-    replicas: list[ReplicaEntry] = Field(min_length=1)
-    models: list[ModelEntry] = Field(min_length=1)
+    replicas: list[ReplicaEntry] = Field(default_factory=list)
+    models: list[ModelEntry] = Field(default_factory=list)
+    workloads: list[DeclaredWorkload] = Field(default_factory=list)   # router/workloads.py
     router: RouterConfig = Field(default_factory=RouterConfig)      # the router's settings (router/settings.py)
     source: str = Field(default="<inline>", exclude=True)
 
     @model_validator(mode="after")
     def _cross_references(self):
         problems = []
+        if not self.replicas and not self.workloads:
+            problems.append("replicas: declare at least one replica or workload")
+        elif self.replicas and not self.models:
+            problems.append("models: declare the models the replicas serve")
+        ids = [w.id for w in self.workloads]
+        problems += [f"workloads: duplicate id {i!r}" for i in sorted({i for i in ids if ids.count(i) > 1})]
         models = {}
         for i, m in enumerate(self.models):
             if m.name in models:

@@ -1,15 +1,19 @@
 """Placement: which replicas may take a request (model, version, health, device capability,
 preferred device types), the per-replica in-flight cap, and the priority queues in front.
 
-A request that finds no eligible replica with room waits in its class's queue; the queues are
-served by weighted fair queueing whenever a slot frees or a replica comes up.
+A request that finds eligible replicas but none with room waits in its class's queue; the
+queues are served by weighted fair queueing whenever a slot frees or a replica comes up. A
+request with no eligible replica at all (none up, all tried, circuits open, none capable) is
+refused at once with the reason, and so is every queued request that loses its last one.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 
+from polychip.router.breaker import Breaker
 from polychip.router.settings import RouterConfig
 from polychip.router.policies import Policy
 from polychip.router.replica import Replica
@@ -22,7 +26,11 @@ __all__ = ["Dispatcher", "Ticket", "NoReplicaError", "QueueFullError", "capable"
 
 
 class NoReplicaError(Exception):
-    """No eligible replica could take the request within the wait allowed."""
+    """No eligible replica is left for the request, or none took it within the wait allowed."""
+
+    def __init__(self, message: str, retry_after: float = 1.0):
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 @dataclass
@@ -33,6 +41,23 @@ class Ticket:
     preferred: tuple[str, ...] = ()          # device types, most preferred first
     prompt: str = ""
     exclude: set[str] = field(default_factory=set)    # replicas already tried
+    cost: float = 1.0                        # tokens: prompt estimate + max_tokens (WFQ charge)
+
+    def lane(self) -> tuple:
+        """Requests with the same lane can go to the same replicas."""
+        return (self.model, self.version, self.preferred, frozenset(self.exclude))
+
+
+CHARS_PER_TOKEN = 4          # the router has no tokenizer: prompt tokens are estimated from its length
+DEFAULT_MAX_TOKENS = 256     # charged when a request names no max_tokens
+
+
+def token_cost(prompt: str, data: dict) -> float:
+    """WFQ charge: an estimate of the prompt's tokens plus the tokens asked for."""
+    asked = data.get("max_completion_tokens", data.get("max_tokens"))
+    asked = asked if isinstance(asked, int) and not isinstance(asked, bool) and asked > 0 else DEFAULT_MAX_TOKENS
+    n = data.get("n") if isinstance(data.get("n"), int) and data.get("n", 1) > 0 else 1
+    return len(prompt) / CHARS_PER_TOKEN + asked * n
 
 
 def capable(replica: Replica, route: ModelRoute | None) -> str | None:
@@ -56,6 +81,7 @@ class Dispatcher:
 
     # the replica set
     def add(self, replica: Replica) -> None:
+        replica.breaker = Breaker(self.cfg.breaker, replica.name)
         self.replicas[replica.name] = replica
 
     def remove(self, name: str) -> Replica | None:
@@ -74,7 +100,8 @@ class Dispatcher:
         route = self.rollout.models.get(model)
         return [r for r in self.replicas.values()
                 if r.up and not r.draining and r.name not in ticket_exclude and r.serving_model == model
-                and (version is None or r.serving_version == version) and capable(r, route) is None]
+                and (version is None or r.serving_version == version) and capable(r, route) is None
+                and r.breaker.allows()]
 
     def eligible(self, ticket: Ticket) -> list[Replica]:
         """Replicas the request may use, room or not: its version's, else (none healthy) another
@@ -104,33 +131,66 @@ class Dispatcher:
 
     def _commit(self, ticket: Ticket, replica: Replica) -> Replica:
         replica.inflight += 1
+        replica.breaker.started()
         self.policy.placed(replica, ticket.prompt)
         return replica
 
-    async def acquire(self, ticket: Ticket) -> Replica:
-        """A replica for the request, counted in flight; waits in the priority queue when every
-        eligible replica is full (or none is up yet). Raises QueueFullError or NoReplicaError."""
+    def why_none(self, ticket: Ticket) -> tuple[str, float]:
+        """Why no replica is eligible for ``ticket``, and when to retry (seconds)."""
+        mine = [r for r in self.replicas.values() if r.serving_model == ticket.model]
+        if not mine:
+            return f"no replica serves model {ticket.model!r}", 1.0
+        route = self.rollout.models.get(ticket.model)
+        parts, retry = [], 1.0
+        for r in sorted(mine, key=lambda r: r.name):
+            if r.name in ticket.exclude:
+                parts.append(f"{r.name}: already tried for this request")
+            elif r.draining:
+                parts.append(f"{r.name}: draining")
+            elif not r.up:
+                parts.append(f"{r.name}: down ({r.down_reason})")
+            elif (why := capable(r, route)) is not None:
+                parts.append(f"{r.name}: {why}")
+            elif not r.breaker.allows():
+                left = max(0.0, r.breaker.cfg.open_seconds - (time.monotonic() - r.breaker.opened_at))
+                retry = max(retry, left) if r.breaker.state == "open" else retry
+                parts.append(f"{r.name}: circuit {r.breaker.state} ({r.breaker.reason})")
+            else:
+                parts.append(f"{r.name}: serves version {r.serving_version!r}, not a live one")
+        return f"no eligible replica for model {ticket.model!r}: " + "; ".join(parts), retry
+
+    def _no_replica(self, ticket: Ticket) -> NoReplicaError:
+        why, retry = self.why_none(ticket)
+        return NoReplicaError(why, retry)
+
+    async def acquire(self, ticket: Ticket, wait: float | None = None) -> Replica:
+        """A replica for the request, counted in flight; waits in the priority queue (at most
+        ``wait`` seconds, else queue_timeout) while every eligible replica is full. Raises
+        QueueFullError, or NoReplicaError at once when no eligible replica is left."""
+        if not self.eligible(ticket):
+            raise self._no_replica(ticket)
         if not len(self.queue):
             replica = self._place(ticket)
             if replica is not None:
                 return self._commit(ticket, replica)
         fut = asyncio.get_running_loop().create_future()
-        entry = self.queue.push(ticket.priority, (ticket, fut))
+        entry = self.queue.push(ticket.priority, (ticket, fut), ticket.cost, ticket.lane())
         self.pump()
+        limit = self.cfg.queue_timeout if wait is None else min(wait, self.cfg.queue_timeout)
         try:
-            done, _ = await asyncio.wait({fut}, timeout=self.cfg.queue_timeout)
+            done, _ = await asyncio.wait({fut}, timeout=limit)
         except asyncio.CancelledError:
             self._abandon(entry, fut)
             raise
         if not done:
             self._abandon(entry, fut)
-            why = "no replica serving it is up" if not self.eligible(ticket) else "every replica stayed busy"
-            raise NoReplicaError(f"no replica took the request within {self.cfg.queue_timeout:g}s: {why}")
+            raise NoReplicaError(f"no replica took the request within {limit:g}s: every eligible replica "
+                                 "stayed busy")
         return fut.result()
 
     def _abandon(self, entry, fut: asyncio.Future) -> None:
         self.queue.remove(entry)
-        if fut.done() and not fut.cancelled():
+        if fut.done() and not fut.cancelled() and fut.exception() is None:
             self.release(fut.result())        # placed just as we gave up: hand the slot on
         else:
             fut.cancel()
@@ -139,14 +199,35 @@ class Dispatcher:
         replica.inflight -= 1
         self.pump()
 
+    def outcome(self, replica: Replica, ok: bool, what: str = "") -> None:
+        """What a request did on ``replica``, for its circuit breaker."""
+        replica.breaker.record(ok, what)
+        if not ok:
+            self.pump()         # queued requests that just lost their last replica fail now
+
+    def _try_place(self, entry) -> Replica | None:
+        ticket, fut = entry.item
+        if fut.done():
+            self.queue.remove(entry)
+            return None
+        if not self.eligible(ticket):
+            err = self._no_replica(ticket)
+            for e in self.queue.lane_entries(entry):      # the lane shares the verdict
+                self.queue.remove(e)
+                if not e.item[1].done():
+                    e.item[1].set_exception(err)
+            return None
+        return self._place(ticket)
+
     def pump(self) -> None:
-        """Place queued requests while some can be placed (WFQ order)."""
+        """Place queued requests while some can be placed (WFQ order); fail those that have no
+        eligible replica left."""
         while len(self.queue):
-            got = self.queue.pop_placeable(lambda item: None if item[1].done() else self._place(item[0]))
+            got = self.queue.pop_placeable(self._try_place)
             if got is None:
                 return
             (ticket, fut), replica = got
             fut.set_result(self._commit(ticket, replica))
 
     def queue_lengths(self) -> dict[str, int]:
-        return {c: self.queue.length(c) for c in self.queue.queues}
+        return {c: self.queue.length(c) for c in self.queue.weights}

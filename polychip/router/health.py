@@ -31,7 +31,8 @@ class HealthChecker:
             await asyncio.sleep(self.cfg.interval)
 
     async def check_all(self) -> None:
-        await asyncio.gather(*(self.check(r) for r in self.replicas()))
+        # a launched replica that has not reported its port yet has no URL to check
+        await asyncio.gather(*(self.check(r) for r in self.replicas() if r.url))
 
     async def check(self, replica: Replica) -> None:
         was_up = replica.up

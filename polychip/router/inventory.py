@@ -24,6 +24,7 @@ class Device:
     total_memory: int | None
     free_memory: int | None
     problem: str = ""            # why it cannot be used ("" when Ready)
+    name: str = ""               # the device's own name (e.g. "SimXPU-16G")
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,8 @@ class PluginDevices:
     priority: int
     problem: str                 # "" when the plugin is ready
     devices: dict[int, Device] = field(default_factory=dict)
+    version: str | None = None   # plugin_version
+    api_version: str | None = None
 
 
 def parse_devices_json(entries: list[dict]) -> dict[str, PluginDevices]:
@@ -41,9 +44,12 @@ def parse_devices_json(entries: list[dict]) -> dict[str, PluginDevices]:
         problem = "" if e["status"] == "Ready" else (f"plugin {e['name']!r} ({e['source']}) failed at "
                                                      f"{e['failed_step']}: {e['reason']}")
         devices = {d["index"]: Device(d["index"], tuple(d.get("dtypes") or ()), d.get("total_memory"),
-                                      d.get("free_memory"), "" if d["status"] == "Ready" else d["reason"])
+                                      d.get("free_memory"), "" if d["status"] == "Ready" else d["reason"],
+                                      d.get("name") or "")
                    for d in e.get("devices", ())}
-        out[e["name"]] = PluginDevices(e["name"], e.get("priority", 0), problem, devices)
+        api = e.get("api_version")
+        out[e["name"]] = PluginDevices(e["name"], e.get("priority", 0), problem, devices, e.get("plugin_version"),
+                                       None if api is None else str(api))
     return out
 
 

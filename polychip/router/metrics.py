@@ -30,6 +30,9 @@ class RouterMetrics:
                                ["model", "replica", "device_type"], registry=r)
         self.rollbacks = Counter("polychip_router_canary_rollbacks", "Canary versions rolled back by the guard",
                                  ["model", "version"], registry=r)
+        self.rollbacks_refused = Counter("polychip_router_canary_rollbacks_refused",
+                                         "Rollbacks the guard refused: no other version would be left serving",
+                                         ["model", "version"], registry=r)
         r.register(_StateCollector(dispatcher))
 
     def render(self) -> bytes:
@@ -53,6 +56,12 @@ class _StateCollector:
             inflight.add_metric(key, r.inflight)
             load.add_metric(key, r.load())
         yield up
+        circuit = GaugeMetricFamily("polychip_router_replica_circuit_open",
+                                    "1 while the replica's circuit is open or half-open", labels=labels)
+        for r in sorted(self.d.replicas.values(), key=lambda r: r.name):
+            circuit.add_metric([r.name, r.device_type, r.serving_model or "", r.serving_version or ""],
+                               0.0 if r.breaker is None or r.breaker.state == "closed" else 1.0)
+        yield circuit
         yield inflight
         yield load
         queue = GaugeMetricFamily("polychip_router_queue_length", "Requests waiting in the router",

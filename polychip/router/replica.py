@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 log = logging.getLogger("polychip.router")
 
@@ -67,7 +68,10 @@ class Replica:
     successes: int = 0
     inflight: int = 0
     served: int = 0
+    first_ttft: float | None = None          # time to first token of its first answered request
+    first_token_at: float | None = None      # wall clock of that first token
     changed_at: float = field(default_factory=time.monotonic)
+    breaker: Any = None                  # its circuit breaker (router.breaker.Breaker), set by the dispatcher
 
     # what it serves: what the replica itself reports, else what was declared
     @property
@@ -118,4 +122,10 @@ class Replica:
                 "down_reason": self.down_reason or None, "model": self.serving_model,
                 "version": self.serving_version, "device": self.device_name, "device_type": self.device_type,
                 "launched": self.launched, "inflight": self.inflight, "served": self.served,
+                "circuit": self.breaker.state if self.breaker else "closed",
+                "breaker": self.breaker.describe() if self.breaker else None,
+                "kv_cache_usage": self.info.kv_usage if self.info else None,
+                "running": self.info.num_running if self.info else None,
+                "waiting": self.info.num_waiting if self.info else None,
+                "prefix_hit_rate": self.info.prefix_cache_hit_rate if self.info else None,
                 "info": None if self.info is None else {k: v for k, v in vars(self.info).items()}}

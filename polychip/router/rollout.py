@@ -2,19 +2,20 @@
 
 A split is smooth weighted round robin (exact shares over any window) unless the request names
 a ``user``: then a hash of (model, user) picks the version, so one user stays on one version
-while the weights stand. The guard sets a canary's weight to 0 when its error rate or its
-end-to-end p95 against the baseline's passes the limits, over a minimum sample.
+while the weights stand. The guard (figures and verdicts in ``guard``) sets a canary's weight
+to 0 when what its clients saw fails the limits; it never sets the last version that has a
+serving replica to 0: it keeps it, and says so in the log, the metrics and /admin/rollout.
 """
 from __future__ import annotations
 
 import hashlib
 import logging
-import statistics
-from collections import deque
+import time
 from dataclasses import dataclass, field
 
 from polychip.errors import ConfigError
 from polychip.router.settings import GuardConfig
+from polychip.router.guard import VersionWindow, verdict
 
 log = logging.getLogger("polychip.router")
 
@@ -22,42 +23,6 @@ log = logging.getLogger("polychip.router")
 def _heaviest(weights: dict[str, float]) -> str:
     """The version with the most weight (ties: the first by name)."""
     return max(sorted(weights), key=lambda v: weights[v])
-
-
-def percentile(values, q: float) -> float | None:
-    if not values:
-        return None
-    if len(values) == 1:
-        return float(values[0])
-    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
-
-
-class VersionStats:
-    """Totals since start plus a window of recent (ok, ttft, e2e) for the guard and percentiles."""
-
-    def __init__(self, window: int):
-        self.requests = self.errors = 0
-        self.recent: deque[tuple[bool, float | None, float]] = deque(maxlen=window)
-
-    def record(self, ok: bool, ttft: float | None, e2e: float) -> None:
-        self.requests += 1
-        self.errors += 0 if ok else 1
-        self.recent.append((ok, ttft, e2e))
-
-    def window_error_rate(self) -> float:
-        return sum(1 for ok, _, _ in self.recent if not ok) / len(self.recent) if self.recent else 0.0
-
-    def p95_e2e(self) -> float | None:
-        return percentile([e for ok, _, e in self.recent if ok], 95)
-
-    def summary(self) -> dict:
-        ttfts = [t for ok, t, _ in self.recent if ok and t is not None]
-        e2es = [e for ok, _, e in self.recent if ok]
-        return {"requests": self.requests, "errors": self.errors,
-                "error_rate": self.errors / self.requests if self.requests else 0.0,
-                "window": len(self.recent), "window_error_rate": self.window_error_rate(),
-                "ttft_p50": percentile(ttfts, 50), "ttft_p95": percentile(ttfts, 95),
-                "e2e_p50": percentile(e2es, 50), "e2e_p95": percentile(e2es, 95)}
 
 
 @dataclass
@@ -93,11 +58,14 @@ class ModelRoute:
 
 
 class Rollout:
-    def __init__(self, guard: GuardConfig, on_rollback=None):
+    def __init__(self, guard: GuardConfig, on_rollback=None, serving=None, on_kept=None):
         self.guard = guard
         self.models: dict[str, ModelRoute] = {}
-        self.stats: dict[tuple[str, str], VersionStats] = {}
+        self.stats: dict[tuple[str, str], VersionWindow] = {}
         self.on_rollback = on_rollback          # (model, version, reason) -> None
+        self.on_kept = on_kept                  # (model, version, reason) -> None: a rollback refused
+        self.serving = serving or (lambda model, version: True)   # has (model, version) a serving replica?
+        self.decisions: dict[str, dict] = {}    # model -> the guard's last decision
 
     # the set of models and versions
     def declare(self, route: ModelRoute) -> None:
@@ -114,6 +82,18 @@ class Rollout:
             self.models[model] = ModelRoute(model, {version: 1.0}, version)
         elif version not in route.weights and not route.declared:
             route.weights[version] = 1.0
+            route.baseline = _heaviest(route.weights)
+
+    def forget(self, model: str, version: str) -> None:
+        """A learnt version whose last replica left stops drawing traffic (the model goes with its
+        last version); a declared model keeps its weights."""
+        route = self.models.get(model)
+        if route is None or route.declared:
+            return
+        route.weights.pop(version, None)
+        if not route.weights:
+            del self.models[model]
+        else:
             route.baseline = _heaviest(route.weights)
 
     def forget_undeclared(self, keep: set[str]) -> None:
@@ -143,41 +123,51 @@ class Rollout:
         log.info("rollout: %s weights now %s", model, merged)
         return route
 
-    # per request
-    def record(self, model: str, version: str, ok: bool, ttft: float | None, e2e: float) -> None:
+    # per request: what the client saw, once per request
+    def record(self, model: str, version: str, ok: bool, ttft: float | None, tpot: float | None,
+               e2e: float) -> None:
         stats = self.stats.get((model, version))
         if stats is None:
-            stats = self.stats[(model, version)] = VersionStats(self.guard.window)
-        stats.record(ok, ttft, e2e)
+            stats = self.stats[(model, version)] = VersionWindow(self.guard.window)
+        stats.record(ok, ttft, tpot, e2e)
         route = self.models.get(model)
         if route is not None and version != route.baseline and route.weights.get(version, 0) > 0:
-            reason = self._verdict(route, stats)
+            reason = verdict(self.guard, stats, self.stats.get((model, route.baseline)), route.baseline)
             if reason:
                 self._roll_back(route, version, reason)
 
-    def _verdict(self, route: ModelRoute, canary: VersionStats) -> str | None:
-        g = self.guard
-        if len(canary.recent) < g.min_samples:
-            return None
-        rate = canary.window_error_rate()
-        if rate > g.max_error_rate:
-            return f"error rate {rate:.2%} over the last {len(canary.recent)} requests exceeds {g.max_error_rate:.2%}"
-        base = self.stats.get((route.name, route.baseline))
-        if base is None or len(base.recent) < g.min_samples:
-            return None
-        cp95, bp95 = canary.p95_e2e(), base.p95_e2e()
-        if cp95 is not None and bp95 and cp95 > bp95 * g.max_p95_ratio:
-            return (f"e2e p95 {cp95 * 1000:.0f} ms exceeds {g.max_p95_ratio:g}x the baseline "
-                    f"{route.baseline}'s {bp95 * 1000:.0f} ms")
-        return None
+    def _others_serving(self, route: ModelRoute, version: str) -> list[str]:
+        return [v for v, w in route.weights.items() if v != version and w > 0 and self.serving(route.name, v)]
 
     def _roll_back(self, route: ModelRoute, version: str, reason: str) -> None:
+        if not self._others_serving(route, version):
+            why = (f"kept {version} despite: {reason}: rolling it back would leave model {route.name!r} "
+                   "with no version that has a serving replica")
+            last = self.decisions.get(route.name)
+            if not (last and last["action"] == "kept" and last["version"] == version):
+                log.warning("canary guard: %s", why)
+                if self.on_kept is not None:
+                    self.on_kept(route.name, version, reason)
+            self._decide(route.name, "kept", version, why)
+            return
         route.weights[version] = 0.0
         route._current.clear()
         route.rolled_back[version] = reason
+        self._decide(route.name, "rolled_back", version, reason)
         log.warning("canary guard: %s version %s rolled back (weight 0): %s", route.name, version, reason)
         if self.on_rollback is not None:
             self.on_rollback(route.name, version, reason)
+
+    def _decide(self, model: str, action: str, version: str, reason: str) -> None:
+        self.decisions[model] = {"action": action, "version": version, "reason": reason, "at": time.time()}
+
+    def guard_state(self, route: ModelRoute) -> str:
+        last = self.decisions.get(route.name)
+        if last and last["action"] == "kept" and route.weights.get(last["version"], 0) > 0:
+            return "kept"
+        if any(v != route.baseline and w > 0 for v, w in route.weights.items()):
+            return "watching"
+        return "rolled_back" if route.rolled_back else "idle"
 
     def status(self) -> dict:
         out = {}
@@ -187,6 +177,8 @@ class Rollout:
                 stats = self.stats.get((name, v))
                 versions[v] = {"weight": w, "baseline": v == route.baseline,
                                "rolled_back": route.rolled_back.get(v),
-                               **(stats.summary() if stats else VersionStats(1).summary())}
-            out[name] = {"versions": versions, "preferred_device_types": list(route.preferred_device_types)}
+                               **(stats or VersionWindow(self.guard.window)).summary()}
+            out[name] = {"versions": versions, "weights": dict(route.weights),
+                         "preferred_device_types": list(route.preferred_device_types),
+                         "guard": {"state": self.guard_state(route), "last_decision": self.decisions.get(name)}}
         return out

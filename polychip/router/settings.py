@@ -18,13 +18,16 @@ from polychip.errors import ConfigError
 
 PRIORITY_CLASSES = ("high", "normal", "low")
 DEFAULT_PRIORITY_WEIGHTS = {"high": 3.0, "normal": 1.0, "low": 1.0}
+# priority_class -> the replica scheduler's integer ``priority`` (lower runs first)
+DEFAULT_REPLICA_PRIORITIES = {"high": -10, "normal": 0, "low": 10}
 POLICY_NAMES = ("round_robin", "least_load", "prefix_aware")
 
 
 def setting(default: Any = None, help: str = "", *, flag: str | None = None, live: bool = True,
-            default_factory=None, alias: str | None = None, **limits):
-    """A settings field: its help, its flag (default: from its name) and whether a reload may change it."""
-    extra = {"flag": flag, "live": live}
+            default_factory=None, alias: str | None = None, flag_type: str | None = None, **limits):
+    """A settings field: its help, its flag (default: from its name), whether a reload may change it,
+    and for a mapping flag how its values parse (``int_map``: CLASS=INT; default CLASS=NUMBER)."""
+    extra = {"flag": flag, "live": live, "flag_type": flag_type}
     if default_factory is not None:
         return Field(default_factory=default_factory, description=help, json_schema_extra=extra, alias=alias,
                      **limits)
@@ -61,18 +64,34 @@ class HealthConfig(_Settings):
 
 
 class GuardConfig(_Settings):
-    """When a canary version is rolled back (its weight set to 0)."""
+    """When a canary version is rolled back (its weight set to 0). Only what clients saw counts (one
+    outcome per request, not per attempt; overload refusals and client disconnects are left out);
+    the error test is a Wilson bound, so one unlucky error in a small sample does not fire."""
 
-    max_error_rate: float = setting(0.001, "errors / requests over the window that roll a canary back", ge=0, le=1)
-    max_p95_ratio: float = setting(1.5, "canary e2e p95 / baseline e2e p95 that rolls it back", gt=1)
-    min_samples: int = setting(20, "requests per version before the guard judges", ge=1)
-    window: int = setting(1000, "recent requests kept per version", ge=1)
+    max_error_rate: float = setting(0.01, "the Wilson lower bound of a canary's error rate must stay under it",
+                                    ge=0, lt=1)
+    confidence: float = setting(0.95, "confidence of that bound", ge=0.5, lt=1)
+    min_samples: int = setting(50, "requests per version (in the window) before the guard judges", ge=1)
+    max_ttft_ratio: float = setting(2.0, "canary TTFT p95 / baseline TTFT p95 that rolls it back", gt=1)
+    max_tpot_ratio: float = setting(1.5, "canary time-per-output-token p95 / baseline's that rolls it back", gt=1)
+    window: float = setting(300.0, "seconds of recent outcomes the guard judges", gt=0)
 
-    @model_validator(mode="after")
-    def _window_holds_the_samples(self):
-        if self.window < self.min_samples:
-            raise ValueError(f"window {self.window} must be >= min_samples {self.min_samples}")
-        return self
+
+class BreakerConfig(_Settings):
+    """Per-replica circuit breaker from request outcomes (sgl-router's defaults where it has the
+    setting: failure_threshold 5, success_threshold 2, open 30 s, window 60 s), outlier ejection by
+    failure rate, and the retry budget."""
+
+    failure_threshold: int = setting(5, "failures in a row that open a replica's circuit", ge=1)
+    success_threshold: int = setting(2, "half-open probe successes that close it", ge=1)
+    open_seconds: float = setting(30.0, "seconds open before half-open probes", gt=0)
+    window: float = setting(60.0, "seconds over which failure rates and the retry budget count", gt=0)
+    failure_rate: float = setting(0.5, "outlier ejection: this failure rate over the window opens the circuit ...",
+                                  gt=0, le=1)
+    min_requests: int = setting(20, "... once the window holds this many outcomes", ge=1)
+    half_open_probes: int = setting(1, "requests let through at once while half-open", ge=1)
+    retry_budget_ratio: float = setting(0.2, "retries may add this fraction of the window's requests ...", ge=0)
+    retry_budget_min: int = setting(10, "... or this many retries, whichever is more", ge=0)
 
 
 class PrefixConfig(_Settings):
@@ -86,6 +105,19 @@ class PrefixConfig(_Settings):
 
 
 Seconds = Annotated[float, Field(gt=0)]
+
+
+class BatchConfig(_Settings):
+    """OpenAI files and batch jobs (/v1/files, /v1/batches); fixed while the router runs."""
+
+    files_dir: str | None = setting(None, "uploads, batch outputs and batch progress live here; the files and "
+                                    "batches API is off without it", flag="--files-dir", live=False)
+    max_file_bytes: int = setting(200 * 1024 * 1024, "an upload's size limit in bytes (OpenAI's: 200 MB)",
+                                  flag="--max-file-bytes", live=False, ge=1)
+    concurrency: int = setting(4, "batch requests in flight at once, all batches together, in the low "
+                               "priority class", live=False, ge=1)
+    retry_for: Seconds = setting(300.0, "seconds a batch request the router cannot place yet (503) is retried",
+                                 live=False)
 
 
 class RouterConfig(_Settings):
@@ -106,6 +138,8 @@ class RouterConfig(_Settings):
     health: HealthConfig = setting(default_factory=HealthConfig, alias="health_check")
     guard: GuardConfig = setting(default_factory=GuardConfig, alias="canary_guard")
     prefix: PrefixConfig = setting(default_factory=PrefixConfig)
+    breaker: BreakerConfig = setting(default_factory=BreakerConfig, alias="circuit_breaker")
+    batch: BatchConfig = setting(default_factory=BatchConfig)
     max_retries: int = setting(2, "other replicas tried when one fails before the first token", ge=0)
     max_inflight_per_replica: int | None = setting(
         None, "requests in flight per replica before the router queues (default: its max running)", ge=1)
@@ -113,9 +147,22 @@ class RouterConfig(_Settings):
     queue_timeout: Seconds = setting(60.0, "longest wait in the router's queue before a 503")
     connect_timeout: Seconds = setting(5.0, "seconds to connect to a replica", live=False)
     request_timeout: Seconds = setting(600.0, "longest silence from a replica while answering", live=False)
+    first_token_timeout: Seconds = setting(300.0, "arrival to a stream's first token, queueing and retries "
+                                                  "included; then 504")
+    total_timeout: Seconds | None = setting(None, "arrival to the last byte of an answer (default: no limit)")
+    replica_priorities: dict[str, int] = setting(
+        help="the replica scheduler's priority per class (lower runs first), e.g. high=-10,normal=0,low=10",
+        default_factory=lambda: dict(DEFAULT_REPLICA_PRIORITIES), flag_type="int_map")
     drain_timeout: Seconds = setting(30.0, "in-flight requests get this long on SIGTERM or removal")
     api_key: str | None = setting(None, "clients must send it (not /health, /metrics)")
     replica_api_key: str | None = setting(None, "sent to the replicas", live=False)
+    # workloads (the records and the launched replicas' logs)
+    state_dir: str | None = setting(None, "keeps workload records (relaunched after a restart) and the launched "
+                                    "replicas' logs; unset: records in memory, logs in a temporary folder", live=False)
+    node_id: str | None = setting(None, "this host's name in workload placement (default: the hostname)", live=False)
+    replica_log_max_bytes: int = setting(10 * 2**20, "each launched replica's log file rotates at this size",
+                                         live=False, ge=1024)
+    replica_log_backups: int = setting(3, "rotated log files kept per launched replica", live=False, ge=1)
 
     @field_validator("policy")
     @classmethod
@@ -131,6 +178,21 @@ class RouterConfig(_Settings):
         if unknown:
             raise ValueError(f"unknown priority class(es) {unknown}; expected {list(PRIORITY_CLASSES)}")
         return {**DEFAULT_PRIORITY_WEIGHTS, **v}
+
+    @field_validator("replica_priorities")
+    @classmethod
+    def _replica_classes(cls, v):
+        unknown = sorted(set(v) - set(PRIORITY_CLASSES))
+        if unknown:
+            raise ValueError(f"unknown priority class(es) {unknown}; expected {list(PRIORITY_CLASSES)}")
+        return {**DEFAULT_REPLICA_PRIORITIES, **v}
+
+    @model_validator(mode="after")
+    def _deadlines(self):
+        if self.total_timeout is not None and self.total_timeout < self.first_token_timeout:
+            raise ValueError(f"total_timeout ({self.total_timeout:g}s) must be >= first_token_timeout "
+                             f"({self.first_token_timeout:g}s)")
+        return self
 
 
 # reload
@@ -158,7 +220,7 @@ def _diff(old: _Settings, new: _Settings, prefix: str) -> tuple[list[str], list[
 
 
 # the command line
-FLAG_PREFIX = {"health": "health", "guard": "canary", "prefix": "prefix"}
+FLAG_PREFIX = {"health": "health", "guard": "canary", "prefix": "prefix", "breaker": "cb", "batch": "batch"}
 METAVARS = {int: "N", float: "X", str: "TEXT"}
 
 
@@ -181,18 +243,23 @@ def _plain(hint):
     return hint
 
 
-def parse_priority_weights(text: str) -> dict:
+def parse_priority_weights(text: str, kind=float) -> dict:
     """'high=3,normal=1,low=1' -> {'high': 3.0, ...}."""
     weights = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         name, sep, value = part.partition("=")
         try:
-            weights[name.strip()] = float(value)
+            weights[name.strip()] = kind(value)
         except ValueError:
             sep = ""
         if not sep:
-            raise argparse.ArgumentTypeError(f"priority weight {part!r}: expected CLASS=NUMBER")
+            raise argparse.ArgumentTypeError(f"priority {part!r}: expected CLASS={kind.__name__.upper()}")
     return weights
+
+
+def parse_int_map(text: str) -> dict:
+    """'high=-10,normal=0,low=10' -> {'high': -10, ...}."""
+    return parse_priority_weights(text, int)
 
 
 def add_settings_args(parser: argparse.ArgumentParser) -> None:
@@ -200,7 +267,8 @@ def add_settings_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("router settings (flags override the deployment file's router section)")
     for path, flag, f in _fields(RouterConfig):
         hint = _plain(f.annotation)
-        kind = parse_priority_weights if typing.get_origin(hint) is dict else hint
+        map_parser = parse_int_map if (f.json_schema_extra or {}).get("flag_type") == "int_map" else parse_priority_weights
+        kind = map_parser if typing.get_origin(hint) is dict else hint
         default = "" if f.default is None or f.default_factory else f" (default: {f.default})"
         choices = POLICY_NAMES if path == ("policy",) else None
         metavar = None if choices else METAVARS.get(hint, "CLASS=WEIGHT,...")

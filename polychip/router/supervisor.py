@@ -1,16 +1,30 @@
 """Launches ``polychip serve`` replicas from a deployment and keeps them running: one that exits
-is restarted with exponential backoff (reset after it ran a while), its output goes to the
-router's log under its name, and ``stop`` sends SIGTERM (the replica drains) then kills it
-after a grace period.
+is restarted with exponential backoff (reset after it ran a while), its output goes to its own
+rotated file (``ReplicaLogs``; the router's log when there is none), ``on_event(name, kind,
+detail)`` hears each start ("started", pid) and exit ("exited", the exit status), and ``stop``
+sends SIGTERM (the replica drains) then kills it after a grace period.
+
+A launched replica dies with the router: the kernel sends it SIGTERM when the router's process
+goes, however it goes (``PR_SET_PDEATHSIG``, Linux). A replica without a fixed port binds port 0
+itself and reports the port in its ready line, so no other process can take the port between
+the router choosing it and the replica binding it. Each running replica is recorded (pid and
+command) under ``run_dir``; a new router that finds a record whose process still runs the same
+command stops it before launching its own (a clean replacement, not a second set).
 """
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import hashlib
+import json
 import logging
 import os
+import re
 import signal
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
 
 from polychip.http.launcher import VERSION_ENV, serve_command as serve_argv
 from polychip.router.deployment import ReplicaEntry
@@ -18,6 +32,33 @@ from polychip.router.deployment import ReplicaEntry
 log = logging.getLogger("polychip.router.supervisor")
 
 BACKOFF_START, BACKOFF_MAX, STABLE_AFTER = 1.0, 30.0, 60.0
+PR_SET_PDEATHSIG = 1
+READY_LINE = re.compile(r"polychip ready: https?://\S+:(\d+)\b")
+
+
+def default_run_dir() -> Path:
+    base = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/polychip-{os.getuid()}"
+    return Path(base) / "polychip-router"
+
+
+def _die_with_parent(parent: int) -> Callable[[], None]:
+    """preexec_fn: SIGTERM when the router dies (and exit now if it already has)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def arm():
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+            os._exit(121)
+        if os.getppid() != parent:          # the router died before prctl took effect
+            os._exit(122)
+    return arm
+
+
+def _running_cmd(pid: int) -> list[str] | None:
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return None
+    return [a.decode(errors="replace") for a in raw.split(b"\0") if a] or None
 
 
 def serve_command(entry: ReplicaEntry, port: int, dtype: str, quantization: str | None) -> list[str]:
@@ -47,18 +88,64 @@ class Managed:
     task: asyncio.Task | None = None
     started_at: float = 0.0
     exits: list[int] = field(default_factory=list)
+    on_port: Callable[[int], None] | None = None     # told the port a replica bound (port 0)
+
+
+def exit_reason(code: int) -> str:
+    """'exit status 1' or 'killed by SIGKILL' for a subprocess return code."""
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit status {code}"
 
 
 class Supervisor:
-    def __init__(self):
+    def __init__(self, run_dir: Path | str | None = None, scope: str = "", logs=None, on_event=None):
         self.managed: dict[str, Managed] = {}
+        key = hashlib.sha256(scope.encode()).hexdigest()[:16]      # one deployment's replicas
+        self.run_dir = Path(run_dir or default_run_dir()) / key
+        self.logs = logs              # ReplicaLogs, or None: output into the router's log
+        self.on_event = on_event or (lambda name, kind, detail: None)
 
-    def start(self, entry: ReplicaEntry, port: int, dtype: str, quantization: str | None) -> Managed:
+    def start(self, entry: ReplicaEntry, port: int, dtype: str, quantization: str | None,
+              on_port: Callable[[int], None] | None = None) -> Managed:
+        """Launch (port 0: the replica binds a free port and ``on_port`` hears which)."""
         env = {**os.environ, **entry.env, VERSION_ENV: entry.version}
-        m = Managed(entry, port, serve_command(entry, port, dtype, quantization), env)
+        m = Managed(entry, port, serve_command(entry, port, dtype, quantization), env, on_port=on_port)
+        self.replace_leftover(entry.name, m.cmd)
         self.managed[entry.name] = m
         m.task = asyncio.ensure_future(self._keep_running(m))
         return m
+
+    # records of running replicas, for the next router
+    def _record_path(self, name: str) -> Path:
+        return self.run_dir / f"{name}.json"
+
+    def _record(self, m: Managed) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._record_path(m.entry.name).write_text(json.dumps({"pid": m.proc.pid, "cmd": m.cmd}))
+
+    def _unrecord(self, name: str) -> None:
+        self._record_path(name).unlink(missing_ok=True)
+
+    def replace_leftover(self, name: str, cmd: list[str], grace: float = 10.0) -> int | None:
+        """Stop what a previous router left running for replica ``name`` (its recorded pid, if
+        that process still runs the recorded command); returns the pid stopped."""
+        path = self._record_path(name)
+        try:
+            rec = json.loads(path.read_text())
+            pid, old_cmd = int(rec["pid"]), list(rec["cmd"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        path.unlink(missing_ok=True)
+        if _running_cmd(pid) != old_cmd:
+            return None             # gone, or the pid now belongs to something else
+        log.warning("replica %s: a previous router left it running (pid %d); stopping it before launching "
+                    "a new one", name, pid)
+        _stop_pid(pid, grace)
+        return pid
 
     async def _keep_running(self, m: Managed) -> None:
         backoff = BACKOFF_START
@@ -67,17 +154,22 @@ class Supervisor:
             try:
                 m.proc = await asyncio.create_subprocess_exec(*m.cmd, env=m.env, stdout=asyncio.subprocess.PIPE,
                                                               stderr=asyncio.subprocess.STDOUT,
-                                                              start_new_session=True)
+                                                              start_new_session=True,
+                                                              preexec_fn=_die_with_parent(os.getpid()))
             except OSError as e:
                 log.error("replica %s: cannot start: %s", m.entry.name, e)
                 code = -1
             else:
-                log.info("replica %s: started (pid %d, port %d)", m.entry.name, m.proc.pid, m.port)
+                log.info("replica %s: started (pid %d, %s)", m.entry.name, m.proc.pid,
+                         f"port {m.port}" if m.port else "binding a free port")
+                self._record(m)
+                self.on_event(m.entry.name, "started", m.proc.pid)
                 await self._pipe_output(m)
                 code = await m.proc.wait()
             m.exits.append(code)
             if m.stopping:
                 break
+            self.on_event(m.entry.name, "exited", code)
             if time.monotonic() - m.started_at > STABLE_AFTER:
                 backoff = BACKOFF_START
             m.restarts += 1
@@ -86,9 +178,13 @@ class Supervisor:
             backoff = min(backoff * 2, BACKOFF_MAX)
 
     async def _pipe_output(self, m: Managed) -> None:
-        out = logging.getLogger(f"polychip.replica.{m.entry.name}")
+        out = self.logs.writer(m.entry.name) if self.logs else logging.getLogger(f"polychip.replica.{m.entry.name}")
         async for raw in m.proc.stdout:
-            out.info("%s", raw.decode(errors="replace").rstrip())
+            line = raw.decode(errors="replace").rstrip()
+            out.info("%s", line)
+            ready = READY_LINE.search(line)
+            if ready and m.on_port is not None:
+                m.on_port(int(ready.group(1)))
 
     async def stop(self, name: str, grace: float) -> None:
         """SIGTERM (the replica finishes what it has for its own grace period), then SIGKILL."""
@@ -110,6 +206,7 @@ class Supervisor:
         if m.task is not None:
             m.task.cancel()
             await asyncio.gather(m.task, return_exceptions=True)
+        self._unrecord(name)
         log.info("replica %s stopped", name)
 
     async def stop_all(self, grace: float) -> None:
@@ -118,3 +215,24 @@ class Supervisor:
     def pid(self, name: str) -> int | None:
         m = self.managed.get(name)
         return m.proc.pid if m and m.proc and m.proc.returncode is None else None
+
+
+def _stop_pid(pid: int, grace: float) -> None:
+    """SIGTERM, then SIGKILL after ``grace`` seconds (its process group: a replica leads one)."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            if _running_cmd(pid) is None or _is_zombie(pid):
+                return
+            time.sleep(0.05)
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True

@@ -1,5 +1,6 @@
 """``GET /server_info`` (and SGLang's older ``/get_server_info``): what a router needs to know
-about this replica — model id and version label, plugin and device, dtypes, tp size, and the
+about this replica — model id and version label, plugin and device, dtypes, tp size, its
+``startup`` times (``load``, ``compile``, ``warmup`` seconds, with ``*_at`` wall clocks), and the
 live figures of ``Engine.stats()`` (queue lengths, KV usage, prefix-cache hit rate, pool pages),
 with the pool's integrity check.
 
@@ -30,7 +31,8 @@ def identity(state: ServerState, version: str) -> dict[str, Any]:
     """The fixed part: what this replica serves and on which device."""
     return {"model": state.model_name, "model_id": state.model_name, "version": version,
             "model_path": state.engine.model_dir, "max_model_len": state.max_model_len,
-            **state.engine.device_identity(), "max_waiting_requests": state.config.max_waiting_requests}
+            **state.engine.device_identity(), "max_waiting_requests": state.config.max_waiting_requests,
+            "startup": state.engine.startup_times()}
 
 
 def build_server_info(ident: dict[str, Any], s: EngineStats, integrity_check: str) -> dict[str, Any]:

@@ -5,6 +5,7 @@ the bytes unchanged."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from typing import Any, Literal
 
@@ -13,6 +14,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict
 
 from polychip.http.errors import APIError, parse_body
+from polychip.router.dispatch import token_cost
 from polychip.router.proxy import Call
 from polychip.router.routes import requires_key, router_of
 from polychip.router.settings import PRIORITY_CLASSES
@@ -81,8 +83,13 @@ def call_from(request: Request, raw: bytes, path: str) -> Call:
                        "invalid_request_error")
     user = body.user if isinstance(body.user, str) else None
     rid = request.state.client_request_id or request.state.request_id
+    extra = body.model_extra or {}
+    if "priority" not in extra:     # the class reaches the replica's scheduler (lower runs first)
+        raw = json.dumps({**json.loads(raw), "priority": router.cfg.replica_priorities[priority]},
+                         separators=(",", ":")).encode()
+    prompt = prompt_text(path, body)
     return Call(rid, path, raw, model, router.version_for(model, user), priority,
-                tuple(body.preferred_device_types or ()), prompt_text(path, body), bool(body.stream))
+                tuple(body.preferred_device_types or ()), prompt, bool(body.stream), cost=token_cost(prompt, extra))
 
 
 async def unless_client_leaves(request: Request, work):
