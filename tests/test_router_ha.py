@@ -1,7 +1,7 @@
 """The HA run, short: three routers over a three-member etcd, two fake replicas, a client spreading
 over the three URLs that resends a refused or cut request to the next one, at concurrency 16 for
 20 s; the leader router is SIGKILLed, then the etcd leader, then a rollout is set on one survivor
-(bench/router_ha.py runs the same for 2 minutes and prints the table)."""
+(benchmarks/router_ha.py runs the same for 2 minutes and prints the table)."""
 import os
 import sys
 

@@ -163,7 +163,7 @@ class Router:
         self.metrics.rollbacks_refused.labels(model, version).inc()
 
     def _version_serving(self, model: str, version: str) -> bool:
-        return any(r.up and not r.draining and r.model_name == model and r.version_label == version
+        return any(r.up and not r.draining and r.serving_model == model and r.serving_version == version
                    for r in self.dispatcher.replicas.values())
 
     # deployment files
@@ -267,7 +267,7 @@ class Router:
         out = []
         for r in sorted(self.dispatcher.replicas.values(), key=lambda r: r.name):
             d = r.describe()
-            route = self.rollout.models.get(r.model_name or "")
+            route = self.rollout.models.get(r.serving_model or "")
             d["incapable"] = capable(r, route)
             d["pid"] = self.supervisor.pid(r.name)
             m = self.supervisor.managed.get(r.name)

@@ -55,7 +55,7 @@ class _StateCollector:
         load = GaugeMetricFamily("polychip_router_replica_load", "least_load's figure for the replica",
                                  labels=labels)
         for r in sorted(self.d.replicas.values(), key=lambda r: r.name):
-            key = [r.name, r.device_type, r.model_name or "", r.version_label or ""]
+            key = [r.name, r.device_type, r.serving_model or "", r.serving_version or ""]
             up.add_metric(key, 1.0 if r.up else 0.0)
             inflight.add_metric(key, r.inflight)
             load.add_metric(key, r.load())
@@ -63,7 +63,7 @@ class _StateCollector:
         circuit = GaugeMetricFamily("polychip_router_replica_circuit_open",
                                     "1 while the replica's circuit is open or half-open", labels=labels)
         for r in sorted(self.d.replicas.values(), key=lambda r: r.name):
-            circuit.add_metric([r.name, r.device_type, r.model_name or "", r.version_label or ""],
+            circuit.add_metric([r.name, r.device_type, r.serving_model or "", r.serving_version or ""],
                                0.0 if r.breaker is None or r.breaker.state == "closed" else 1.0)
         yield circuit
         yield inflight

@@ -148,7 +148,7 @@ class Proxy:
         """The router's own 5xx after failed attempts: the guard counts it against the version of the
         last replica that failed it (none tried, nothing counted: the fleet was full, not faulty)."""
         if last is not None:
-            self.rollout.record(call.model, last.version_label or "", False, None, None,
+            self.rollout.record(call.model, last.serving_version or "", False, None, None,
                                 time.perf_counter() - call.t0)
 
     def _deadline_text(self, call: Call, tried: list[str]) -> str:
@@ -330,12 +330,12 @@ class Proxy:
     def _where(self, replica: Replica, call: Call, e2e) -> dict:
         return {"x-polychip-replica": replica.name, "x-polychip-device": replica.device_name,
                 "x-polychip-plugin": replica.info.plugin if replica.info else replica.device_type,
-                "x-polychip-version": replica.version_label or "", "x-request-id": call.request_id}
+                "x-polychip-version": replica.serving_version or "", "x-request-id": call.request_id}
 
     def _labels(self, call: Call, replica: Replica | None) -> list[str]:
         if replica is None:
             return [call.model, call.version or "", "", "", call.priority]
-        return [call.model, replica.version_label or "", replica.name, replica.device_type, call.priority]
+        return [call.model, replica.serving_version or "", replica.name, replica.device_type, call.priority]
 
     def _finish(self, call: Call, replica: Replica, status: int, ttft: float | None, ok: bool,
                 tokens: int | None = None, kind: str | None = None) -> float:
