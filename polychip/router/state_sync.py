@@ -4,7 +4,8 @@ Keys (under the store's namespace):
   models/NAME         {"weights", "baseline", "rolled_back": {version: why}, "file_intent", "source", "by", "at"}
   replicas/NODE/NAME  the replicas router NODE fronts (under its lease: gone when the router dies)
   stats/NODE          {model: {version: {"requests", "errors"}}} each router's figures (leased)
-  members/NODE, leader   the Session's
+  members/NODE, leader   the Session's (a member's value names its host: the workloads' liveness)
+  workloads/ID        a workload's record (workloads.py), written through ``put``
 Nothing here runs on a request's path: changes are queued to one writer task (a request that rolls
 a canary back only appends to a queue), and reads come from ``self.view``, which one watch keeps current.
 
@@ -37,6 +38,7 @@ class RouterState:
     def __init__(self, cfg, rollout, dispatcher):
         self.cfg, self.rollout, self.dispatcher = cfg, rollout, dispatcher
         self.node_id = cfg.node_id or f"{socket.gethostname()}-{cfg.port}"
+        self.host = cfg.node_id or socket.gethostname()   # the host its workloads are placed on
         self.store: StateStore | None = None
         self.session: Session | None = None
         self.view: dict[str, object] = {}            # key -> value, every key, kept by the watch
@@ -63,7 +65,7 @@ class RouterState:
         self._loop = asyncio.get_running_loop()
         cfg = self.cfg
         self.store = await asyncio.to_thread(open_store, cfg.state, cfg.state_dir, cfg.port)
-        self.session = Session(self.store, self.node_id, cfg.state_lease_ttl, {"started": time.time()},
+        self.session = Session(self.store, self.node_id, cfg.state_lease_ttl, {"started": time.time(), "host": self.host},
                                on_leader=lambda who: log.warning("state: leader is %s", who))
         entries, rev = await asyncio.to_thread(self.store.list, "")
         self.view = {e.key: e.value for e in entries}
@@ -168,6 +170,16 @@ class RouterState:
         if self._registry.get(key) != value:
             self._registry[key] = value
             self._queue(key, value, leased=True)
+
+    def put(self, key: str, value) -> None:
+        """Store ``value`` (not leased) from the writer task; the view has it at once."""
+        self.view[key] = value
+        self._queue(key, value, leased=False)
+
+    def live_hosts(self) -> set[str]:
+        """The hosts that have a live router (its member key, under its lease), this one included."""
+        return {self.host} | {v.get("host") for k, v in self.view.items()
+                              if k.startswith("members/") and isinstance(v, dict)}
 
     def _queue(self, key: str, value, leased: bool) -> None:
         self._pending[key] = (value, leased)

@@ -86,10 +86,11 @@ class Workload:
 
 class Workloads:
     """The registry and the lifecycle. ``router`` gives the supervisor, the dispatcher, the HTTP
-    client, the device inventory and ``_drain``; ``store`` keeps the records."""
+    client, the device inventory and ``_drain``; ``state`` (RouterState) keeps the records in the
+    router's state store and gives the view of every router's records and which hosts are up."""
 
-    def __init__(self, router, store, node_id: str, bind_host: str = "127.0.0.1"):
-        self.router, self.store, self.node, self.bind_host = router, store, node_id, bind_host
+    def __init__(self, router, state, bind_host: str = "127.0.0.1"):
+        self.router, self.state, self.node, self.bind_host = router, state, state.host, bind_host
         self.items: dict[str, Workload] = {}
         self.inventory: HostDevices | None = None
         self.inventory_error: str | None = None
@@ -105,8 +106,7 @@ class Workloads:
         """List the stored workloads at once; read the devices and relaunch ours in the background.
         The devices are read when first needed (a router without workloads never reads them)."""
         ours = []
-        for entry in self.store.list(PREFIX)[0]:
-            w = Workload.from_record(entry.value)
+        for w in self._stored().values():
             self.items[w.id] = w
             if w.host == self.node and w.status != "stopped":
                 self._set(w, "pending", "relaunched", "the router restarted; launching it again on its devices")
@@ -226,8 +226,7 @@ class Workloads:
     async def everything(self) -> dict[str, Workload]:
         """This host's workloads as this router runs them; other hosts' as the store has them now
         (a shared store: what their routers last wrote)."""
-        entries, _ = await asyncio.to_thread(self.store.list, PREFIX)
-        out = {e.value["id"]: Workload.from_record(e.value) for e in entries}
+        out = self._stored()
         out.update({k: w for k, w in self.items.items() if w.host == self.node})
         return out
 
@@ -356,7 +355,11 @@ class Workloads:
         self._save(w)
 
     def _save(self, w: Workload) -> None:
-        self.store.put(PREFIX + w.id, w.record())
+        self.state.put(PREFIX + w.id, w.record())
+
+    def _stored(self) -> dict[str, Workload]:
+        """Every router's records as the state's view has them (a watch keeps it current)."""
+        return {v["id"]: Workload.from_record(v) for k, v in sorted(self.state.view.items()) if k.startswith(PREFIX)}
 
     def _spawn(self, coro) -> None:
         t = asyncio.ensure_future(coro)
