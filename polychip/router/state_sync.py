@@ -211,26 +211,42 @@ class RouterState:
         else:
             self.store.put(key, value)
 
-    # canary figures: each router publishes its own; the guard may read them merged
+    # canary figures: each router publishes its own; the leader's guard judges them merged
     def local_stats(self) -> dict:
+        """{model: {version: {"requests", "errors" (since start), "window", "window_errors"}}}."""
         out: dict = {}
         for (model, version), s in self.rollout.stats.items():
-            out.setdefault(model, {})[version] = {"requests": s.requests, "errors": s.errors}
+            n, bad = s.counts()
+            out.setdefault(model, {})[version] = {"requests": s.requests, "errors": s.errors,
+                                                  "window": n, "window_errors": bad}
         return out
 
     async def _publish_stats(self) -> None:
         while True:
             await asyncio.sleep(STATS_EVERY)
-            stats = self.local_stats()
-            if stats != self._published:
-                self._published = stats
-                self._queue(f"stats/{self.node_id}", stats, leased=True)
+            self.guard_tick()
 
-    def merged_stats(self) -> dict:
-        """{model: {version: {"requests": n, "errors": n}}} summed over every live router."""
+    def guard_tick(self) -> None:
+        """Once a second: publish this router's figures, take the others' into the rollout, and on
+        the leader judge every canary on the merged counts."""
+        stats = self.local_stats()
+        if stats != self._published:
+            self._published = stats
+            self._queue(f"stats/{self.node_id}", stats, leased=True)
+        others = self.merged_stats(include_self=False)
+        self.rollout.others = {(m, v): (f.get("window", 0), f.get("window_errors", 0))
+                               for m, versions in others.items() for v, f in versions.items()}
+        if self.is_leader:
+            self.rollout.judge_all()
+
+    def merged_stats(self, include_self: bool = True) -> dict:
+        """{model: {version: {"requests", "errors", "window", "window_errors"}}} summed over every
+        live router (their published figures; this router's own live ones)."""
         out: dict = {}
-        for key, per_model in self.view.items():
-            if not key.startswith("stats/") or not isinstance(per_model, dict):
+        mine = f"stats/{self.node_id}"
+        published = [(k, v) for k, v in self.view.items() if k.startswith("stats/") and k != mine]
+        for key, per_model in published + ([(mine, self.local_stats())] if include_self else []):
+            if not isinstance(per_model, dict):
                 continue
             for model, versions in per_model.items():
                 for version, figures in versions.items():
