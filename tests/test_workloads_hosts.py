@@ -75,3 +75,34 @@ def test_a_workload_of_a_host_whose_router_is_gone_is_shown_as_host_down(tmp_pat
         for srv, _ in reversed(routers):
             srv.stop()
         cluster.stop()
+
+
+def test_a_second_router_of_one_host_relaunches_nothing_and_says_why(tmp_path, caplog):
+    """Without --node-id two routers on one machine both take the hostname as their workloads' host:
+    the second would launch the first's workloads again, so it launches none and logs why."""
+    cluster = EtcdCluster(1)
+    routers = []
+    try:
+        for port in (18001, 18002):        # only the state's node ids (HOST-PORT); nothing listens on them
+            cfg = RouterConfig(health=HealthConfig(interval=0.5), state=cluster.spec, port=port, state_lease_ttl=TTL)
+            router = Router(cfg, inventory=Inventory(reader=lambda config, plugins: parse_devices_json(CPU_ONLY)))
+            routers.append((ThreadServer(build_app(router)).start(), router))
+            if port == 18001:              # the first router runs a workload of this host
+                model = tmp_path / "not-a-model"
+                model.mkdir()
+                (model / "weights.bin").write_bytes(b"\0" * 1024)
+                r = httpx.post(routers[0][0].url + "/admin/workloads", json={"model": str(model), "device": "cpu"},
+                               timeout=60)
+                assert r.status_code == 202, r.text
+                wait_for(lambda: not router.state._pending, 5, "the record written to etcd")
+        (_, first), (_, second) = routers
+        wid = r.json()["id"]
+        assert list(first.supervisor.managed) == [wid] and not second.supervisor.managed
+        assert second.workloads.items[wid].host == second.state.host      # listed, not launched a second time
+        assert first.state.host == second.state.host and first.state.node_id != second.state.node_id
+        assert f"routers ['{first.state.node_id}'] also place workloads on host {second.state.host}" in caplog.text
+        assert caplog.text.count("also place workloads") == 1        # the first one was alone
+    finally:
+        for srv, _ in reversed(routers):
+            srv.stop()
+        cluster.stop()

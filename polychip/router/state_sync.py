@@ -176,6 +176,11 @@ class RouterState:
         self.view[key] = value
         self._queue(key, value, leased=False)
 
+    def routers_of(self, host: str) -> list[str]:
+        """The live routers (node ids) other than this one that place workloads on ``host``."""
+        return sorted(k[len("members/"):] for k, v in self.view.items() if k.startswith("members/")
+                      and isinstance(v, dict) and v.get("host") == host and k != "members/" + self.node_id)
+
     def live_hosts(self) -> set[str]:
         """The hosts that have a live router (its member key, under its lease), this one included."""
         return {self.host} | {v.get("host") for k, v in self.view.items()

@@ -112,10 +112,13 @@ class Workloads:
     async def start(self) -> None:
         """List the stored workloads at once; read the devices and relaunch ours in the background.
         The devices are read when first needed (a router without workloads never reads them)."""
-        ours = []
+        ours, rivals = [], self.state.routers_of(self.node)
+        if rivals:      # two routers claiming one host would launch its workloads twice
+            log.error("routers %s also place workloads on host %s: this one relaunches none of them; give "
+                      "each router of a host its own --node-id", rivals, self.node)
         for w in self._stored().values():
             self.items[w.id] = w
-            if w.host == self.node and w.status != "stopped":
+            if w.host == self.node and w.status != "stopped" and not rivals:
                 self._set(w, "pending", "relaunched", "the router restarted; launching it again on its devices")
                 ours.append(w)
         if ours:
@@ -147,8 +150,8 @@ class Workloads:
             if t is not None:
                 t.cancel()
         await asyncio.gather(*self._tasks, *filter(None, [self._inventory_read]), return_exceptions=True)
-        for w in self.items.values():
-            if w.host != self.node or w.status in ("pending", "stopped"):
+        for w in self.items.values():     # only those whose replica this router ran
+            if w.status in ("pending", "stopped") or w.id not in self.router.supervisor.managed:
                 continue
             if w.status == "draining":      # deleted: its replica stops with the router
                 self._set(w, "stopped", "stopped", "the router stopped while it drained")
