@@ -3,7 +3,10 @@ FastAPI app behind the shared edge (``polychip/http``: body limits and timeouts,
 cross-origin refusal, request ids, OpenAI error bodies).
 
 Request extension fields: ``preferred_device_types`` (list of device types, most preferred
-first) and ``priority_class`` (high | normal | low; or the header ``x-polychip-priority``).
+first) and ``priority_class`` (high | normal | low; or the header ``x-polychip-priority``); the
+header ``x-polychip-version`` sends the request to that version instead of one picked by the
+weights (another live version only if none of its replicas is up). ``/console`` is the web
+console (polychip/console), ``/admin/live`` its time series (router/live.py).
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import httpx
 from fastapi import FastAPI
 
 from polychip.errors import ConfigError
+from polychip.http.console import mount_console
 from polychip.http.errors import install_error_handlers
 from polychip.http.gate import EdgeLimits, Gate
 from polychip.http.server import url_host
@@ -115,6 +119,7 @@ class Router:
             await self.workloads.inventory_ready()
             await self.workloads.declare(self.deployment.workloads, self.deployment.source)
         self._tasks.append(asyncio.ensure_future(self.health.run()))
+        self._tasks.append(asyncio.ensure_future(self.metrics.live.sample_forever(self.dispatcher)))
         if cfg.batch.files_dir is not None:
             from polychip.router.batch.dispatch import router_jobs
             self.batches = router_jobs(self, cfg.batch)
@@ -157,7 +162,7 @@ class Router:
         self.metrics.rollbacks_refused.labels(model, version).inc()
 
     def _version_serving(self, model: str, version: str) -> bool:
-        return any(r.up and not r.draining and r.model_name == model and r.version_label == version
+        return any(r.up and not r.draining and r.serving_model == model and r.serving_version == version
                    for r in self.dispatcher.replicas.values())
 
     # deployment files
@@ -261,7 +266,7 @@ class Router:
         out = []
         for r in sorted(self.dispatcher.replicas.values(), key=lambda r: r.name):
             d = r.describe()
-            route = self.rollout.models.get(r.model_name or "")
+            route = self.rollout.models.get(r.serving_model or "")
             d["incapable"] = capable(r, route)
             d["pid"] = self.supervisor.pid(r.name)
             m = self.supervisor.managed.get(r.name)
@@ -298,6 +303,7 @@ def build_app(router: Router) -> Gate:
     for routes in (openai_api.openai_routes, probes.probe_routes, admin.admin_routes, workload_api.workload_routes,
                    batches.batch_routes):
         app.include_router(routes)
+    mount_console(app)
     cfg = router.cfg
     # the API key is checked per route (routes/__init__.py), so that a reload can change it
     limits = EdgeLimits(api_key=None, max_body_bytes=cfg.max_request_body_bytes,

@@ -278,7 +278,7 @@ class Workloads:
             await self.router.supervisor.stop(w.id, self.router.cfg.drain_timeout)
         self._note_first_token(w)
         served = (w.spec.served_name, w.spec.version)
-        if not any((r.model_name, r.version_label) == served for r in self.router.dispatcher.replicas.values()):
+        if not any((r.serving_model, r.serving_version) == served for r in self.router.dispatcher.replicas.values()):
             self.router.rollout.forget(*served)
         self._set(w, "stopped", "stopped", f"{', '.join(w.devices)} free again")
         if self.router.supervisor.logs is not None:
