@@ -165,8 +165,8 @@ class RouterState:
     def replica_changed(self, replica, gone: bool = False) -> None:
         """Called on every health check: writes only when what the others see would change."""
         key = f"replicas/{self.node_id}/{replica.name}"
-        value = DELETE if gone else {"url": replica.url, "model": replica.model_name, "launched": replica.launched,
-                                     "version": replica.version_label, "up": replica.up}
+        value = DELETE if gone else {"url": replica.url, "model": replica.serving_model, "launched": replica.launched,
+                                     "version": replica.serving_version, "up": replica.up}
         if self._registry.get(key) != value:
             self._registry[key] = value
             self._queue(key, value, leased=True)
