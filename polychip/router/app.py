@@ -42,7 +42,6 @@ from polychip.router.routes import admin, batches, openai_api, probes, workloads
 from polychip.router.settings import RouterConfig, reload_changes
 from polychip.router.state_sync import RouterState
 from polychip.router.supervisor import Supervisor
-from polychip.router.workload_store import JsonFileKV, MemoryKV
 from polychip.router.workloads import Workloads
 from polychip.trust.options import TrustOptions
 
@@ -80,7 +79,7 @@ class Router:
                                      logs=_replica_logs(cfg), on_event=self._process_event,
                                      trust_flags=trust.replica_flags() if trust is not None else [])
         self.inventory = inventory or Inventory()
-        self.workloads = Workloads(self, _workload_store(cfg), cfg.node_id or socket.gethostname())
+        self.workloads = Workloads(self, self.state)      # its records live in the state store (started first)
         self.url: str | None = None          # set once the server listens
         self.deployment, self.deployment_path, self.placed = deployment, deployment_path, placed
         # the settings a reloaded file's router section gives (the command line's flags still win)
@@ -282,10 +281,6 @@ def _replica_logs(cfg: RouterConfig) -> ReplicaLogs:
              else tempfile.mkdtemp(prefix="polychip-replica-logs-"))
     log.info("launched replicas log to %s/NAME.log (rotated at %d bytes)", where, cfg.replica_log_max_bytes)
     return ReplicaLogs(where, cfg.replica_log_max_bytes, cfg.replica_log_backups)
-
-
-def _workload_store(cfg: RouterConfig):
-    return JsonFileKV(os.path.join(cfg.state_dir, "workloads.json")) if cfg.state_dir else MemoryKV()
 
 
 def build_app(router: Router) -> Gate:
