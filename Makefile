@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | cksum | cut -d' ' -f1)
 
-.PHONY: install serve generate test bench clean
+.PHONY: install serve generate test bench clean chromium console
 
 $(STAMP):
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -20,7 +20,16 @@ $(STAMP):
 		from polychip.devices.cpu import kernels; kernels.load()"
 	rm -f $(VENV)/.installed-*; touch $(STAMP)
 
-install: $(STAMP)
+install: $(STAMP) chromium
+
+# the console's browser tests drive Debian's chromium (Playwright cannot download one here)
+chromium:
+	@command -v chromium >/dev/null || { apt-get update -q && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver; }
+
+# rebuild the web console's bundle (polychip/console/static, committed) from console/
+console:
+	cd console && npm ci --no-audit --no-fund && npm run build
 
 serve: $(STAMP)
 	$(BIN)/polychip serve $(ARGS)
@@ -32,7 +41,7 @@ generate: $(STAMP)
 # (tests marked device_independent name their devices or run none; see tests/conftest.py)
 TEST_DEVICES ?= simxpu
 
-test: $(STAMP)
+test: $(STAMP) chromium
 	$(BIN)/python -m pytest -q $(ARGS)
 	for d in $(TEST_DEVICES); do \
 		POLYCHIP_TEST_DEVICE=$$d $(BIN)/python -m pytest -q -m "not device_independent" $(ARGS) || exit 1; \

@@ -74,7 +74,7 @@ def pytest_configure(config):
                                        "device skips it with -m 'not device_independent'")
     config.addinivalue_line("markers", "device_needs(*caps): skipped, with the device's own reason, where "
                                        "POLYCHIP_TEST_DEVICE does not declare a capability: a dtype (int8) or "
-                                       "'kv:<dtype>' (a KV pool dtype for float32 models)")
+                                       "'kv:<dtype>' (a KV pool dtype for float32 models) or 'fusion:<name>' (a fusion in fusions())")
     config.stash[_TREE_KEY] = _untracked_files()
 
 
@@ -110,13 +110,16 @@ def device_capabilities(test_device) -> dict:
     """What the test device declares: its dtypes, its KV pool dtypes for float32 models, and the
     reasons its plugin gave for ops it cannot provide (``register_unavailable``)."""
     from polychip.devices.discovery import open_device
+    from polychip.ops.native import register_native
     from polychip.ops.registry import OpRegistry
     plugin = open_device(test_device, ())
     try:
         registry = OpRegistry(plugin.name)
+        register_native(registry)           # a plugin's register_ops may take the native frame
         plugin.register_ops(registry)
         info = {i.index: i for i in plugin.discover()}.get(plugin.index)
         return {"dtypes": tuple(info.dtypes) if info else (), "kv": tuple(plugin.kv_cache_dtypes("float32")),
+                "fusion": tuple(plugin.fusions()),
                 "unavailable": registry.unavailable(), "name": f"{plugin.name}:{plugin.index}"}
     finally:
         plugin.destroy()
@@ -137,11 +140,12 @@ def _device_needs(request):
     caps = request.getfixturevalue("device_capabilities")
     for need in marker.args:
         kind, _, dtype = need.rpartition(":")
-        have = caps["kv"] if kind == "kv" else caps["dtypes"]
+        have = caps[kind] if kind else caps["dtypes"]
         if dtype not in have:
             said = "; ".join(f"{op}: {why}" for op, why in caps["unavailable"].items())
-            pytest.skip(f"{caps['name']} declares no {need} ({'KV dtypes' if kind else 'dtypes'} {list(have)})"
-                        + (f"; the plugin says: {said}" if said else ""))
+            what = {"kv": "KV dtypes", "fusion": "fusions"}.get(kind, "dtypes")
+            pytest.skip(f"{caps['name']} declares no {need} ({what} {list(have)})"
+                        + (f"; the plugin says: {said}" if said and kind != "fusion" else ""))
 
 
 @pytest.fixture(scope="session")

@@ -12,6 +12,9 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from polychip.http.launcher import ChildProcess
+from polychip.http.server import free_port
+
 
 class ThreadServer:
     """Serve an ASGI app with uvicorn on 127.0.0.1:<free port> in a thread."""
@@ -175,29 +178,15 @@ def wait_for(pred, timeout: float = 30, what: str = "condition"):
     raise TimeoutError(f"timed out waiting for {what}")
 
 
-class RouterProcess:
+class RouterProcess(ChildProcess):
     """``polychip router ...`` in a subprocess on a free port; ``wait_ready(n)`` waits until n
     replicas are up."""
 
     def __init__(self, args: list[str], env: dict | None = None):
-        import os
-        import subprocess
         import sys
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "polychip.cli", "router", "--port", str(self.port), *args]
-        self.lines: list[str] = []
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env={**os.environ, **(env or {})})
-        self._reader = threading.Thread(target=lambda: [self.lines.append(l.rstrip("\n")) for l in self.proc.stdout],
-                                        daemon=True)
-        self._reader.start()
-
-    @property
-    def log(self) -> str:
-        return "\n".join(self.lines)
+        super().__init__([sys.executable, "-m", "polychip.cli", "router", "--port", str(self.port), *args], env)
 
     def replicas(self) -> list[dict]:
         import httpx
@@ -205,29 +194,12 @@ class RouterProcess:
 
     def wait_ready(self, n: int, timeout: float = 180) -> "RouterProcess":
         import httpx
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"router exited with {self.proc.returncode}:\n{self.log[-5000:]}")
-            try:
-                h = httpx.get(self.url + "/health", timeout=2)
-                if h.status_code == 200 and h.json()["replicas_up"] >= n:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        self.stop()
-        raise TimeoutError(f"{n} replicas not up after {timeout}s:\n{self.log[-5000:]}")
+
+        def up() -> bool:
+            h = httpx.get(self.url + "/health", timeout=2)
+            return h.status_code == 200 and h.json()["replicas_up"] >= n
+        self.wait_until(up, timeout, f"router ({n} replicas)")
+        return self
 
     def stop(self, timeout: float = 60) -> int:
-        import signal
-        import subprocess
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._reader.join(5)
-        return self.proc.returncode
+        return super().stop(timeout=timeout)

@@ -159,6 +159,65 @@ def test_completions_refuse_chat_fields_and_continuous_usage(server):
         assert r.status_code == 400 and r.json()["error"]["message"].startswith(field), r.text
 
 
+# a value of each JSON type, to find one a field's declared type does not take
+WRONG = (("object", {"wrong": 1}), ("string", "wrong"), ("integer", 7), ("boolean", True), ("array", [{"w": 1}]))
+
+
+def json_types(schema: dict, defs: dict) -> set[str]:
+    """The JSON types a field's schema accepts at its top level (empty: any value)."""
+    if "$ref" in schema:
+        return json_types(defs[schema["$ref"].rsplit("/", 1)[1]], defs)
+    if "anyOf" in schema:
+        return set().union(*(json_types(s, defs) for s in schema["anyOf"]))
+    kind = schema.get("type")
+    if kind is None:
+        return set()
+    return {"number", "integer"} if kind == "number" else {kind}
+
+
+def wrongly_typed_bodies():
+    """(endpoint, field, body) for every field of the table on each endpoint it lists, with a value its
+    declared type refuses (the base body is otherwise valid)."""
+    from polychip.server.protocol import ChatCompletionRequest, CompletionRequest
+    out = []
+    for path, endpoint, model, base in (
+            ("/v1/chat/completions", "chat", ChatCompletionRequest, {"messages": QUESTION, **OFF}),
+            ("/v1/completions", "completions", CompletionRequest, {"prompt": "x"})):
+        schema = model.model_json_schema()
+        for f in FIELDS:
+            if endpoint not in f.endpoints:
+                continue
+            top, _, sub = f.name.partition(".")
+            field = schema["properties"][top] if not sub else \
+                schema["$defs"]["StreamOptions"]["properties"][sub]
+            allowed = json_types(field, schema.get("$defs", {}))
+            value = next((v for kind, v in WRONG if allowed and kind not in allowed), None)
+            assert value is not None, f"{f.name} on {endpoint} takes any value: give it a type in the request model"
+            body = {"model": "qwen3-tiny", "max_tokens": 2, **base,
+                    **({top: {sub: value}} if sub else {top: value})}
+            out.append((path, f.name, body))
+    return out
+
+
+BODIES = wrongly_typed_bodies()
+
+
+@pytest.mark.parametrize("path,field,body", BODIES, ids=[f"{p.rsplit('/', 1)[1]}-{f}" for p, f, _ in BODIES])
+def test_a_wrongly_typed_field_is_a_400_naming_it(server, path, field, body):
+    """Every field of the table is type-checked by the request model before any rule reads it
+    (``"modalities": 0`` was a 500: list(0) in the modalities rule)."""
+    r = httpx.post(server.url + path, json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["message"].startswith(field) and err["param"] == field.partition(".")[0], err
+
+
+def test_modalities_zero_is_a_400_on_both_routes(server):
+    for path, base in (("/v1/chat/completions", {"messages": QUESTION}), ("/v1/completions", {"prompt": "x"})):
+        r = httpx.post(server.url + path, json={"model": "qwen3-tiny", **base, "modalities": 0}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "modalities", r.text
+
+
 def test_docs_table_is_in_step_with_the_code():
     path = os.path.join(os.path.dirname(__file__), "..", "docs", "api-fields.md")
     with open(path, encoding="utf-8") as f:

@@ -115,7 +115,7 @@ def test_the_top_half_rules_are_reported(tmp_path):
         "polychip/http/__init__.py": "",
         "polychip/http/gate.py": "from polychip.engine import engine\nfrom polychip.errors import ConfigError\n",
         "polychip/package/__init__.py": "",
-        "polychip/package/plan.py": "from polychip.commands.coverage import op_rows\n",
+        "polychip/package/op_plan.py": "from polychip.commands.coverage import op_rows\n",
     }
     for rel, text in planted.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -126,5 +126,5 @@ def test_the_top_half_rules_are_reported(tmp_path):
         "polychip.router.app imports polychip.devices.spec (router -> devices)",
         "polychip.server.serving imports polychip.router.app (server -> router)",
         "polychip.http.gate imports polychip.engine (edge -> engine)",
-        "polychip.package.plan imports polychip.commands.coverage (library -> commands)",
+        "polychip.package.op_plan imports polychip.commands.coverage (library -> commands)",
     ])

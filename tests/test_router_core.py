@@ -78,16 +78,21 @@ def test_round_robin_spreads_evenly(cluster):
 
 
 def test_least_load_avoids_the_busy_replica(cluster):
-    slow, fast = FakeReplica(delay=0.5), FakeReplica(delay=0.0)
+    slow, fast = FakeReplica(delay=3.0), FakeReplica(delay=0.0)
     url, router, _ = cluster([slow, fast], policy="least_load")
     with cf.ThreadPoolExecutor(4) as pool:
         hog = [pool.submit(complete, url, max_tokens=4) for _ in range(2)]   # one lands on each; slow holds its
         wait_for(lambda: slow.inflight >= 1, 5, "slow busy")
-        quick = [complete(url, max_tokens=1) for _ in range(10)]
+        quick = []
+        while len(quick) < 10:
+            r = complete(url, max_tokens=1)
+            if slow.inflight < 1:      # the slow one finished meanwhile (a loaded machine): not this test's case
+                break
+            quick.append(r)
         assert all(f.result().status_code == 200 for f in hog)
-    assert all(r.status_code == 200 for r in quick)
+    assert len(quick) >= 3 and all(r.status_code == 200 for r in quick)
     # while the slow replica held a request, everything else went to the idle one
-    assert sum(r.headers["x-polychip-replica"] == "r1" for r in quick) == 10
+    assert all(r.headers["x-polychip-replica"] == "r1" for r in quick), [r.headers["x-polychip-replica"] for r in quick]
 
 
 def test_connection_refused_retries_on_another_and_marks_down(cluster):

@@ -147,3 +147,41 @@ def test_the_example_deployments_are_valid(name, host):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     placed = place(load_deployment(os.path.join(root, "examples", "deploy", name)), host)
     assert placed.launch and not placed.excluded
+
+
+def fake_host(entries):
+    from polychip.router.inventory import parse_devices_json
+    return Inventory(reader=lambda device_config, plugins: parse_devices_json(entries))
+
+
+def ready(name, ids, dtypes=("float32",), priority=0, broken=()):
+    return {"name": name, "source": "builtin", "status": "Ready", "priority": priority, "failed_step": None,
+            "reason": "", "devices": [{"index": i, "status": "Error" if i in broken else "Ready",
+                                       "reason": "init failed: no firmware" if i in broken else "",
+                                       "dtypes": list(dtypes), "total_memory": 2 ** 30, "free_memory": 2 ** 29}
+                                      for i in ids]}
+
+
+def test_placement_reads_what_polychip_devices_reports(tmp_path):
+    """The router places on the devices `polychip devices --json` lists (run in a child process):
+    a device that failed its init there cannot be given a replica, and memory is kept per replica."""
+    from polychip.router.inventory import auto_device_type
+    entries = [ready("cpu", [0], ("float32", "bfloat16")), ready("simxpu", [0, 1], broken=(1,), priority=5),
+               {"name": "cuda", "source": "builtin", "status": "Error", "priority": 10, "failed_step": "is_available",
+                "reason": "no GPU", "devices": []}]
+    host = fake_host(entries)
+    assert auto_device_type(host.get()) == "simxpu"          # the ready plugin of the highest priority
+    with pytest.raises(DeploymentError, match="simxpu:1 cannot be used: simxpu:1: init failed: no firmware"):
+        place(load_deployment(write(tmp_path, GOOD)), host)
+    placed = place(load_deployment(write(tmp_path, GOOD.replace('"simxpu:1"', '"simxpu:0"'))), host)
+    assert placed.devices["b"].total_memory == 2 ** 30 and placed.dtypes["a"] == ("float32", "bfloat16")
+    text = GOOD.replace('"simxpu:1"', '"cuda:0"')
+    with pytest.raises(DeploymentError, match="cuda:0 cannot be used: plugin 'cuda' .* failed at is_available"):
+        place(load_deployment(write(tmp_path, text)), host)
+
+
+def test_a_devices_command_that_fails_names_its_error():
+    from polychip.errors import PluginError
+    from polychip.router.inventory import read_devices
+    with pytest.raises(PluginError, match="no-such-spec.yaml"):
+        read_devices("/nonexistent/no-such-spec.yaml")

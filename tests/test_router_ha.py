@@ -1,13 +1,13 @@
 """The HA run, short: three routers over a three-member etcd, two fake replicas, a client spreading
 over the three URLs that resends a refused or cut request to the next one, at concurrency 16 for
 20 s; the leader router is SIGKILLed, then the etcd leader, then a rollout is set on one survivor
-(bench/router_ha.py runs the same for 2 minutes and prints the table)."""
+(benchmarks/router_ha.py runs the same for 2 minutes and prints the table)."""
 import os
 import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 from router_ha import run_ha  # noqa: E402
 
 pytestmark = pytest.mark.device_independent

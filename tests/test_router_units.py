@@ -180,7 +180,7 @@ def test_health_thresholds_down_after_n_failures_up_after_m_successes():
     hc.failed(r, "connection refused", at_once=True)
     assert not r.up                               # a refused connection: down at once
     # a replica that reports another model than the deployment declares is kept down
-    d = Replica("b", "http://b", model="other")
+    d = Replica("b", "http://b", declared_model="other")
     hc.succeeded(d, info)
     assert not d.up and "declares 'other'" in d.down_reason
 

@@ -66,7 +66,7 @@ def test_probe_prints_the_bus_bandwidth_of_all_reduce_and_all_gather(capsys):
 
 def test_conformance_collective_check_on_two_simxpu_cards():
     msg = conformance.run_check(Target("simxpu", device_config=SIMXPU2), "collective")
-    assert msg.startswith("all_reduce and all_gather over gloo on 2 rank(s); bus bandwidth all_reduce")
+    assert msg.startswith("all_reduce and all_gather over gloo on 2 ranks (devices [0, 1]); bus bandwidth all_reduce")
 
 
 def test_a_node_that_cannot_reach_node_0_exits_with_the_address(tiny_model):

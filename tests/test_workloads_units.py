@@ -4,7 +4,6 @@ section, and telemetry's label filter."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 
 import pytest
@@ -16,7 +15,7 @@ from polychip.router.inventory import parse_devices_json
 from polychip.router.replica_logs import ReplicaLogs
 from polychip.router.workload_placement import HostDevices, Needs, Refused, place
 from polychip.router.workload_spec import WorkloadSpec
-from polychip.router.workload_store import JsonFileKV
+from polychip.router.state import SqliteStore
 from polychip.router.workloads import Workload
 
 pytestmark = pytest.mark.device_independent
@@ -149,14 +148,20 @@ def test_follow_yields_new_lines_across_a_rotation(tmp_path):
 
 
 def test_workload_records_survive_a_new_store_on_the_same_file(tmp_path):
-    path = str(tmp_path / "workloads.json")
+    path = str(tmp_path / "state.sqlite3")
     w = Workload("wl-9", spec(device="simxpu:1", version="v2"), "host-a", ["simxpu:1"])
     w.event("placed", "on simxpu:1")
-    JsonFileKV(path).put("workloads/wl-9", w.record())
-    entries, _ = JsonFileKV(path).list("workloads/")
+    store = SqliteStore(path)
+    store.put("workloads/wl-9", w.record())
+    store.close()
+    store = SqliteStore(path)                 # the router's state store, opened again after a restart
+    try:
+        entries, _ = store.list("workloads/")
+    finally:
+        store.close()
     again = Workload.from_record(entries[0].value)
     assert again.spec == w.spec and again.events == w.events and again.devices == ["simxpu:1"]
-    assert json.loads(open(path).read())["workloads/wl-9"]["status"] == "pending"
+    assert entries[0].value["status"] == "pending"
 
 
 def test_a_deployment_may_declare_only_workloads_with_unique_ids():

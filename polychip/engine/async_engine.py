@@ -1,8 +1,8 @@
 """AsyncEngine: the Engine driven by one background thread, fed from asyncio.
 
 The thread owns the Engine. It drains an inbox of typed commands (AddGroup, Abort, AbortAll,
-Call), runs ``step()`` while work is left, and hands outputs to each request's asyncio queue with
-``loop.call_soon_threadsafe``. When idle it sleeps on a condition.
+RunOnEngine), runs ``step()`` while work is left, and hands outputs to each request's asyncio
+queue with ``loop.call_soon_threadsafe``. When idle it sleeps on a condition.
 
 This is the server's whole view of the engine: the tokenizer and the model's limits, tokenisation
 off the event loop, admission, abort, the published figures (``Engine.stats()``), and the prefix
@@ -68,12 +68,12 @@ class AbortAll:
 
 
 @dataclass(frozen=True)
-class Call:
+class RunOnEngine:
     fn: Callable[[Engine], Any]
     done: asyncio.Future
 
 
-Command = AddGroup | Abort | AbortAll | Call
+Command = AddGroup | Abort | AbortAll | RunOnEngine
 
 
 class RequestStream:
@@ -261,7 +261,7 @@ class AsyncEngine:
         if not self.alive:
             raise EngineDeadError("the engine is not running")
         done = self._loop.create_future()
-        self._send(Call(fn, done))
+        self._send(RunOnEngine(fn, done))
         return await done
 
     async def current_stats(self) -> EngineStats:
@@ -321,7 +321,7 @@ class AsyncEngine:
                 self.engine.abort(rid)
         elif isinstance(cmd, AbortAll):
             self._abort_streams(EngineDeadError(cmd.reason))
-        elif isinstance(cmd, Call):
+        elif isinstance(cmd, RunOnEngine):
             try:
                 result = cmd.fn(self.engine)
             except Exception as e:
@@ -388,7 +388,7 @@ class AsyncEngine:
             self._stopping = True
             cmds, self._inbox = self._inbox, []
         for cmd in cmds:
-            if isinstance(cmd, (AddGroup, Call)):
+            if isinstance(cmd, (AddGroup, RunOnEngine)):
                 self._resolve(cmd.done, err)
         self._abort_streams(err)
 

@@ -1,4 +1,5 @@
-"""Structured outputs through xgrammar: what a request asks for (``GrammarSpec``), compilation
+"""Structured outputs through xgrammar: what a request asks for (``GrammarSpec``, in
+``grammar_spec.py``, which needs no torch), compilation
 (cached per spec, thread-safe, so the server compiles off the engine thread), and the batched
 token mask the sampler applies.
 
@@ -11,13 +12,12 @@ import dataclasses
 import json
 import logging
 import os
-import re
 import threading
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
+from polychip.engine.grammar_spec import GrammarSpec, clean_message
 from polychip.errors import InvalidRequestError
 
 if TYPE_CHECKING:
@@ -26,50 +26,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("polychip.grammar")
 
-KINDS = ("json_schema", "json_object", "regex", "ebnf", "choice", "structural_tag")
 COMPILE_CACHE_BYTES = 512 * 2**20
-_XGR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+?:\d+: ")     # "[15:38:02] /project/cpp/x.cc:94: "
-
-
-@dataclass(frozen=True)
-class GrammarSpec:
-    """A constraint on the output. ``source`` is the canonical text the cache is keyed by: the
-    schema as JSON, the regex, the EBNF, the choices as a JSON list, or a structural tag as JSON.
-    ``param`` names the request field it came from, for error messages. JSON schemas compile in
-    xgrammar's strict mode: no properties or items beyond those the schema lists."""
-
-    kind: str
-    source: str = ""
-    param: str = field(default="", compare=False)
-    compiled: object = field(default=None, compare=False, repr=False)   # set by compiled(): no engine-thread work
-
-    def __post_init__(self):
-        if self.kind not in KINDS:
-            raise InvalidRequestError(f"grammar kind must be one of {list(KINDS)}, got {self.kind!r}")
-
-    @classmethod
-    def json_schema(cls, schema: dict | bool, param: str = "json_schema") -> "GrammarSpec":
-        if not isinstance(schema, (dict, bool)):
-            raise InvalidRequestError(f"{param} must be a JSON object (a JSON schema), got {type(schema).__name__}")
-        return cls("json_schema", json.dumps(schema), param)   # key order is output order
-
-    @classmethod
-    def tool_calls(cls, fmt: str, tools: list[dict], tool_choice, parallel: bool, reasoning: str) -> "GrammarSpec":
-        """Calls in ``fmt`` (an xgrammar structural-tag model, e.g. "qwen_3") that must happen:
-        ``tool_choice`` "required" or a named function. Imports xgrammar: call it off the loop."""
-        import xgrammar
-        try:
-            tag = xgrammar.get_model_structural_tag(fmt, tools=tools, tool_choice=tool_choice, reasoning=reasoning,
-                                                    parallel_tool_calls=parallel, max_whitespace_cnt=1)
-        except (ValueError, TypeError) as e:
-            raise InvalidRequestError(f"tool_choice: {_clean(e)}") from None
-        return cls("structural_tag", tag.model_dump_json(), "tool_choice")
-
-    @classmethod
-    def choice(cls, choices: list[str], param: str = "choice") -> "GrammarSpec":
-        if not choices or not all(isinstance(c, str) for c in choices):
-            raise InvalidRequestError(f"{param} must be a non-empty list of strings")
-        return cls("choice", json.dumps(list(choices)), param)
 
 
 def fill_threads() -> int:
@@ -77,10 +34,6 @@ def fill_threads() -> int:
     model's own threads hold the cores, and a second fill thread cost more than it saved (2.1 ms
     against 0.3 ms for 16 rows on 2 shared cores)."""
     return max(1, min(8, (os.cpu_count() or 1) // 4))
-
-
-def _clean(err: Exception) -> str:
-    return _XGR_PREFIX.sub("", str(err)).strip().splitlines()[0] if str(err).strip() else type(err).__name__
 
 
 class GrammarBackend:
@@ -135,7 +88,7 @@ class GrammarBackend:
             return comp.compile_structural_tag(spec.source)
         except (RuntimeError, ValueError, TypeError) as e:
             raise InvalidRequestError(f"{spec.param or spec.kind}: invalid {spec.kind.replace('_', ' ')}: "
-                                      f"{_clean(e)}") from None
+                                      f"{clean_message(e)}") from None
 
     def compiled(self, spec: GrammarSpec) -> GrammarSpec:
         """``spec`` carrying its compiled grammar, so the engine thread only makes a matcher."""

@@ -5,7 +5,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from polychip.engine.grammar import GrammarSpec
+from polychip.engine.grammar_spec import GrammarSpec
 from polychip.errors import InvalidRequestError
 
 MAX_N = 64

@@ -17,13 +17,15 @@ from typing import Callable
 from urllib.parse import urlsplit
 
 from polychip.http.auth import bearer_token, key_refusal
+from polychip.http.console import is_console_path
 from polychip.http.errors import error_body
 from polychip.http.logs import printable
 
 log = logging.getLogger("polychip.access")
 
 _SAFE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
-OPEN_PATHS = ("/health", "/metrics")     # no API key needed (probes and scrapers)
+OPEN_PATHS = ("/health", "/metrics")     # no API key needed (probes and scrapers); nor the console's
+                                         # page and assets (static; its data comes from keyed routes)
 BODY_METHODS = ("POST", "PUT", "PATCH")
 SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
 SAME_ORIGIN_FETCH = ("same-origin", "none")   # Sec-Fetch-Site values of a page on this origin, or a typed URL
@@ -125,7 +127,7 @@ class Gate:
         if scope["method"] not in SAFE_METHODS and (why := cross_origin(headers)) is not None:
             return 403, error_body(f"cross-origin request refused ({why}): a web page on another site may not "
                                    "call this API", "permission_error", None, "cross_origin"), {}
-        if self.limits.api_key is None or scope["path"] in OPEN_PATHS:
+        if self.limits.api_key is None or scope["path"] in OPEN_PATHS or is_console_path(scope["path"]):
             return None
         token = bearer_token(headers.get(b"authorization", b"").decode("latin-1"),
                              headers.get(b"x-api-key", b"").decode("latin-1"))

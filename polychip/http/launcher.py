@@ -26,12 +26,10 @@ def serve_command(host: str, port: int, args: list[str] = ()) -> list[str]:
     return [sys.executable, "-m", "polychip.serve", "--host", host, "--port", str(port), *args]
 
 
-class ServerProcess:
-    def __init__(self, args: list[str], host: str = "127.0.0.1", port: int | None = None,
-                 env: dict | None = None):
-        self.host, self.port = host, port or free_port(host)
-        self.url = f"http://{host}:{self.port}"
-        cmd = serve_command(host, self.port, args)
+class ChildProcess:
+    """A command whose output lines are collected as it runs (``lines``, ``log``), stopped by a signal."""
+
+    def __init__(self, cmd: list[str], env: dict | None = None):
         self.lines: list[str] = []
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env={**os.environ, **(env or {})})
@@ -46,20 +44,21 @@ class ServerProcess:
     def log(self) -> str:
         return "\n".join(self.lines)
 
-    def wait_ready(self, timeout: float = 120.0) -> "ServerProcess":
+    def wait_until(self, ready, timeout: float, what: str) -> None:
+        """Poll ``ready()`` (an HTTP error counts as not yet) until it is true; raise if the process
+        exits first or ``timeout`` passes (then it is stopped)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log}")
+                raise RuntimeError(f"{what} exited with {self.proc.returncode}:\n{self.log[-5000:]}")
             try:
-                # healthy, and the ready line (logged right after uvicorn starts) read from the pipe
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200 and "polychip ready" in self.log:
-                    return self
+                if ready():
+                    return
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
         self.stop()
-        raise TimeoutError(f"server not healthy after {timeout}s:\n{self.log}")
+        raise TimeoutError(f"{what} not ready after {timeout}s:\n{self.log[-5000:]}")
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
         """Send ``sig`` and wait; kill if it does not exit within ``timeout``. Returns the exit code."""
@@ -72,6 +71,20 @@ class ServerProcess:
                 self.proc.wait()
         self._reader.join(5)
         return self.proc.returncode
+
+
+class ServerProcess(ChildProcess):
+    def __init__(self, args: list[str], host: str = "127.0.0.1", port: int | None = None,
+                 env: dict | None = None):
+        self.host, self.port = host, port or free_port(host)
+        self.url = f"http://{host}:{self.port}"
+        super().__init__(serve_command(host, self.port, args), env)
+
+    def wait_ready(self, timeout: float = 120.0) -> "ServerProcess":
+        # healthy, and the ready line (logged right after uvicorn starts) read from the pipe
+        self.wait_until(lambda: httpx.get(self.url + "/health", timeout=2).status_code == 200
+                        and "polychip ready" in self.log, timeout, "server")
+        return self
 
     def __enter__(self):
         return self.wait_ready()

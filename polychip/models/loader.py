@@ -24,7 +24,7 @@ from polychip.devices.spec import require_dtypes
 from polychip.errors import ConfigError, ModelLoadError
 from polychip.models.config import ModelConfig
 from polychip.models.decoder import DecoderModel, rope_tables
-from polychip.models.packaged_plan import check_ops, planned_fusions, read_plan
+from polychip.models.op_plan import check_ops, planned_fusions, read_op_plan
 from polychip.models.tokenizer import Tokenizer
 from polychip.ops import passes, tp_shard
 from polychip.ops.native import register_native
@@ -233,6 +233,43 @@ def stored_quantization(model_dir: str) -> str | None:
     return "int8" if int8.is_int8_state(stored_keys(weight_files(model_dir))) else None
 
 
+def model_dtype(plugin, cfg, dtype: str, plan: dict | None) -> str:
+    """The dtype the weights load in: the request, else the package's planned one, else the plugin's default."""
+    if dtype == "auto" and plan is not None and plan.get("dtype"):
+        dtype = plan["dtype"]            # the dtype the package was planned (and checked) in
+    dname = plugin.default_dtype(cfg.torch_dtype) if dtype == "auto" else dtype
+    require_dtypes(plugin, [dname], "model dtype")
+    return dname
+
+
+def weight_quantization(plugin, model_dir: str, quantization: str | None, shard) -> tuple[str | None, str | None]:
+    """(how the folder stores its weights, how they are served), checked before a single weight is read."""
+    stored = stored_quantization(model_dir)
+    quant = stored or quantization
+    if quant:
+        require_dtypes(plugin, ["int8"], f"{quant} weight dtype" + ("" if stored else " (--quantization int8)"))
+        if shard is not None:
+            raise ConfigError(f"{quant} weights cannot be sharded yet: tensor parallelism (tp size "
+                              f"{shard.size}) runs float weights only")
+    return stored, quant
+
+
+def rewrite(model, plugin, registry, torch_dtype, ops, plan: dict | None, enable_fusion: bool):
+    """Expand, replace and fuse the meta model: (resolutions, merges, fusions, plan warnings)."""
+    resolutions = passes.replace(passes.expand(model), registry, torch_dtype, ops)
+    patterns, warnings = plugin.fusions(), []
+    if plan is not None:
+        patterns, warnings = planned_fusions(plan, patterns)
+    patterns = patterns if enable_fusion else ()
+    merges = passes.merge_plan(model, patterns)
+    fusions = passes.fuse(model, patterns, ops)
+    if plan is not None:
+        warnings += check_ops(plan, resolutions)
+    for w in warnings:
+        log.warning("plan: %s", w)
+    return resolutions, merges, fusions, warnings
+
+
 def load_model(model_path: str | None, plugin, dtype: str = "auto", enable_fusion: bool = True,
                cache_dir: str | None = None, max_model_len: int | None = None,
                registry: OpRegistry | None = None, quantization: str | None = None, comm=None) -> LoadedModel:
@@ -248,22 +285,13 @@ def load_model(model_path: str | None, plugin, dtype: str = "auto", enable_fusio
     shard = None
     if comm is not None and comm.world_size > 1:
         shard = tp_shard.ShardLayout.plan(cfg, comm.rank, comm.world_size)
-    plan = read_plan(model_dir)
+    plan = read_op_plan(model_dir)
     tokenizer = Tokenizer.from_dir(model_dir, cfg.eos_token_ids)
     if tokenizer.vocab_size > cfg.vocab_size:
         raise ModelLoadError(f"tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is "
                              f"{cfg.vocab_size}: tokenizer and weights do not match")
-    if dtype == "auto" and plan is not None and plan.get("dtype"):
-        dtype = plan["dtype"]            # the dtype the package was planned (and checked) in
-    dname = plugin.default_dtype(cfg.torch_dtype) if dtype == "auto" else dtype
-    require_dtypes(plugin, [dname], "model dtype")
-    stored = stored_quantization(model_dir)
-    quant = stored or quantization
-    if quant:   # before a single weight is read
-        require_dtypes(plugin, ["int8"], f"{quant} weight dtype" + ("" if stored else " (--quantization int8)"))
-        if shard is not None:
-            raise ConfigError(f"{quant} weights cannot be sharded yet: tensor parallelism (tp size "
-                              f"{shard.size}) runs float weights only")
+    dname = model_dtype(plugin, cfg, dtype, plan)
+    stored, quant = weight_quantization(plugin, model_dir, quantization, shard)
     torch_dtype = getattr(torch, dname)
     if registry is None:
         registry = OpRegistry(plugin.name)
@@ -282,17 +310,7 @@ def load_model(model_path: str | None, plugin, dtype: str = "auto", enable_fusio
     if quant:
         int8.apply_int8(model, quantized_meta(stored_state, cfg, quantize, packed_head))
     shapes = {k: t.shape for k, t in model.state_dict().items()}      # once: it walks the whole tree
-    resolutions = passes.replace(passes.expand(model), registry, torch_dtype, ops)
-    patterns, warnings = plugin.fusions(), []
-    if plan is not None:
-        patterns, warnings = planned_fusions(plan, patterns)
-    patterns = patterns if enable_fusion else ()
-    merges = passes.merge_plan(model, patterns)
-    fusions = passes.fuse(model, patterns, ops)
-    if plan is not None:
-        warnings += check_ops(plan, resolutions)
-    for w in warnings:
-        log.warning("plan: %s", w)
+    resolutions, merges, fusions, warnings = rewrite(model, plugin, registry, torch_dtype, ops, plan, enable_fusion)
     # then the weights, each placed once on the device (fused ones merged on the host first)
     tensors = read_tensors(files, cfg, packed_head, shard, quantize)
     model.load_state_dict(place_weights(tensors, shapes, merges, torch_dtype, plugin), assign=True, strict=True)

@@ -8,7 +8,7 @@ import os
 from polychip.devices.plugin import VERSION_KEYS
 from polychip.devices.spec import fmt_bytes
 from polychip.package.manifest import PLAN, PackageError
-from polychip.package.plan import plan_summary
+from polychip.package.op_plan import op_plan_summary
 from polychip.package.reader import scan
 
 
@@ -45,7 +45,7 @@ def describe_text(d: dict) -> str:
              f"quantize   {model.get('quantization') or 'none'} (compute dtype {model.get('dtype')})",
              f"memory     weights {mem.get('weights', '?')} minimum ({mem.get('weights_bytes')} bytes)",
              "plan"]
-    lines += ["  " + s for s in plan_summary(plan)]
+    lines += ["  " + s for s in op_plan_summary(plan)]
     ops = [["op", "version", "dtype", "implementation", "reason"]] + \
         [[str(r["op"]), str(r["version"]), str(r["dtype"]), str(r["implementation"]), str(r["reason"])]
          for r in plan.get("ops", [])]

@@ -22,7 +22,7 @@ from polychip.package.compat import current_versions
 from polychip.package.hashing import sha256_file
 from polychip.package.manifest import (FORMAT_VERSION, MANIFEST, PLAN, SIGNATURE, SUFFIX, PackageError,
                                        dump_manifest, manifest_sha256, name_problem)
-from polychip.package.plan import build_plan, dump_plan
+from polychip.package.op_plan import build_op_plan, dump_op_plan
 from polychip.quant import int8
 from polychip.trust.pins import pin_of
 
@@ -191,14 +191,14 @@ def pack(opts: PackOptions) -> PackResult:
         try:
             names = copy_model_files(model_dir, staging)
             names += write_weights(model_dir, staging, cfg.tie_word_embeddings, opts.quantization, opts.shard_bytes)
-            plan, lm = build_plan(staging, plugin, opts.dtype)
+            plan, lm = build_op_plan(staging, plugin, opts.dtype)
             versions = current_versions(plugin)
             pin = pin_of(plugin)
             del lm
         finally:
             plugin.destroy()
         with open(os.path.join(staging, PLAN), "wb") as f:
-            f.write(dump_plan(plan))
+            f.write(dump_op_plan(plan))
         raw = assemble(staging, [PLAN] + names, opts.output, {
             "model": {"source": source_name(opts.model_path), "architecture": cfg.architecture,
                       "dtype": plan["dtype"], "quantization": plan["quantization"]},

@@ -3,7 +3,10 @@ FastAPI app behind the shared edge (``polychip/http``: body limits and timeouts,
 cross-origin refusal, request ids, OpenAI error bodies).
 
 Request extension fields: ``preferred_device_types`` (list of device types, most preferred
-first) and ``priority_class`` (high | normal | low; or the header ``x-polychip-priority``).
+first) and ``priority_class`` (high | normal | low; or the header ``x-polychip-priority``); the
+header ``x-polychip-version`` sends the request to that version instead of one picked by the
+weights (another live version only if none of its replicas is up). ``/console`` is the web
+console (polychip/console), ``/admin/live`` its time series (router/live.py).
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import httpx
 from fastapi import FastAPI
 
 from polychip.errors import ConfigError
+from polychip.http.console import mount_console
 from polychip.http.errors import install_error_handlers
 from polychip.http.gate import EdgeLimits, Gate
 from polychip.http.server import url_host
@@ -38,7 +42,6 @@ from polychip.router.routes import admin, batches, openai_api, probes, workloads
 from polychip.router.settings import RouterConfig, reload_changes
 from polychip.router.state_sync import RouterState
 from polychip.router.supervisor import Supervisor
-from polychip.router.workload_store import JsonFileKV, MemoryKV
 from polychip.router.workloads import Workloads
 from polychip.trust.options import TrustOptions
 
@@ -76,7 +79,7 @@ class Router:
                                      logs=_replica_logs(cfg), on_event=self._process_event,
                                      trust_flags=trust.replica_flags() if trust is not None else [])
         self.inventory = inventory or Inventory()
-        self.workloads = Workloads(self, _workload_store(cfg), cfg.node_id or socket.gethostname())
+        self.workloads = Workloads(self, self.state)      # its records live in the state store (started first)
         self.url: str | None = None          # set once the server listens
         self.deployment, self.deployment_path, self.placed = deployment, deployment_path, placed
         # the settings a reloaded file's router section gives (the command line's flags still win)
@@ -116,6 +119,7 @@ class Router:
             await self.workloads.inventory_ready()
             await self.workloads.declare(self.deployment.workloads, self.deployment.source)
         self._tasks.append(asyncio.ensure_future(self.health.run()))
+        self._tasks.append(asyncio.ensure_future(self.metrics.live.sample_forever(self.dispatcher)))
         if cfg.batch.files_dir is not None:
             from polychip.router.batch.dispatch import router_jobs
             self.batches = router_jobs(self, cfg.batch)
@@ -158,7 +162,7 @@ class Router:
         self.metrics.rollbacks_refused.labels(model, version).inc()
 
     def _version_serving(self, model: str, version: str) -> bool:
-        return any(r.up and not r.draining and r.model_name == model and r.version_label == version
+        return any(r.up and not r.draining and r.serving_model == model and r.serving_version == version
                    for r in self.dispatcher.replicas.values())
 
     # deployment files
@@ -262,7 +266,7 @@ class Router:
         out = []
         for r in sorted(self.dispatcher.replicas.values(), key=lambda r: r.name):
             d = r.describe()
-            route = self.rollout.models.get(r.model_name or "")
+            route = self.rollout.models.get(r.serving_model or "")
             d["incapable"] = capable(r, route)
             d["pid"] = self.supervisor.pid(r.name)
             m = self.supervisor.managed.get(r.name)
@@ -277,10 +281,6 @@ def _replica_logs(cfg: RouterConfig) -> ReplicaLogs:
              else tempfile.mkdtemp(prefix="polychip-replica-logs-"))
     log.info("launched replicas log to %s/NAME.log (rotated at %d bytes)", where, cfg.replica_log_max_bytes)
     return ReplicaLogs(where, cfg.replica_log_max_bytes, cfg.replica_log_backups)
-
-
-def _workload_store(cfg: RouterConfig):
-    return JsonFileKV(os.path.join(cfg.state_dir, "workloads.json")) if cfg.state_dir else MemoryKV()
 
 
 def build_app(router: Router) -> Gate:
@@ -303,6 +303,7 @@ def build_app(router: Router) -> Gate:
     for routes in (openai_api.openai_routes, probes.probe_routes, admin.admin_routes, workload_api.workload_routes,
                    batches.batch_routes):
         app.include_router(routes)
+    mount_console(app)
     cfg = router.cfg
     # the API key is checked per route (routes/__init__.py), so that a reload can change it
     limits = EdgeLimits(api_key=None, max_body_bytes=cfg.max_request_body_bytes,

@@ -91,7 +91,7 @@ class Dispatcher:
         return replica
 
     def models(self) -> list[str]:
-        served = {r.model_name for r in self.replicas.values() if r.model_name}
+        served = {r.serving_model for r in self.replicas.values() if r.serving_model}
         return sorted(served | set(self.rollout.models))
 
     # placement
@@ -99,8 +99,8 @@ class Dispatcher:
         """Healthy replicas of (model, version) whose device can serve the model, not excluded."""
         route = self.rollout.models.get(model)
         return [r for r in self.replicas.values()
-                if r.up and not r.draining and r.name not in ticket_exclude and r.model_name == model
-                and (version is None or r.version_label == version) and capable(r, route) is None
+                if r.up and not r.draining and r.name not in ticket_exclude and r.serving_model == model
+                and (version is None or r.serving_version == version) and capable(r, route) is None
                 and r.breaker.allows()]
 
     def eligible(self, ticket: Ticket) -> list[Replica]:
@@ -137,7 +137,7 @@ class Dispatcher:
 
     def why_none(self, ticket: Ticket) -> tuple[str, float]:
         """Why no replica is eligible for ``ticket``, and when to retry (seconds)."""
-        mine = [r for r in self.replicas.values() if r.model_name == ticket.model]
+        mine = [r for r in self.replicas.values() if r.serving_model == ticket.model]
         if not mine:
             return f"no replica serves model {ticket.model!r}", 1.0
         route = self.rollout.models.get(ticket.model)
@@ -156,7 +156,7 @@ class Dispatcher:
                 retry = max(retry, left) if r.breaker.state == "open" else retry
                 parts.append(f"{r.name}: circuit {r.breaker.state} ({r.breaker.reason})")
             else:
-                parts.append(f"{r.name}: serves version {r.version_label!r}, not a live one")
+                parts.append(f"{r.name}: serves version {r.serving_version!r}, not a live one")
         return f"no eligible replica for model {ticket.model!r}: " + "; ".join(parts), retry
 
     def _no_replica(self, ticket: Ticket) -> NoReplicaError:

@@ -10,7 +10,10 @@ not a sort per request. A canary is rolled back when
 - its TTFT p95 or TPOT p95 passes ``max_ttft_ratio`` / ``max_tpot_ratio`` times the baseline's
   (speed, not output length as an end-to-end p95 would measure),
 
-over at least ``min_samples`` requests; never when no other version would be left serving.
+over at least ``min_samples`` requests; never when no other version would be left serving. With N
+routers the leader judges the error test on every router's window counts (``extra``: what the
+others published to the state store, state_sync.py), so a canary whose errors are spread over the
+routers is caught although no one router's share crosses the limit.
 """
 from __future__ import annotations
 
@@ -94,19 +97,28 @@ class VersionWindow:
                 **{f"{w}_p{int(q * 100)}": self.quantile(w, q) for w in ("ttft", "tpot", "e2e") for q in (0.5, 0.95)}}
 
 
-def verdict(g: GuardConfig, canary: VersionWindow, base: VersionWindow | None, baseline: str) -> str | None:
-    """Why the canary should be rolled back (None: it passes, or too few samples yet)."""
-    n, bad = canary.counts()
+def verdict(g: GuardConfig, canary: VersionWindow | None, base: VersionWindow | None, baseline: str,
+            extra: tuple = ((0, 0), (0, 0))) -> str | None:
+    """Why the canary should be rolled back (None: it passes, or too few samples yet). ``extra``:
+    the (requests, errors) in the window that the other routers saw of the canary and of the
+    baseline, added to this router's own for the error test; the latency ratios are this
+    router's own sketches (none when it saw none)."""
+    (more_n, more_bad), (more_base_n, more_base_bad) = extra
+    n, bad = canary.counts() if canary is not None else (0, 0)
+    n, bad = n + more_n, bad + more_bad
     if n < g.min_samples:
         return None
     low, _ = wilson(bad, n, g.confidence)
     base_n, base_bad = base.counts() if base is not None else (0, 0)
+    base_n, base_bad = base_n + more_base_n, base_bad + more_base_bad
     judged_base = base_n >= g.min_samples
     _, base_high = wilson(base_bad, base_n, g.confidence)
     if low > g.max_error_rate and (not judged_base or low > base_high):
         return (f"error rate {bad}/{n} (at least {low:.2%} at {g.confidence:.0%} confidence) exceeds "
                 f"{g.max_error_rate:.2%}" + (f" and baseline {baseline}'s {base_bad}/{base_n}" if judged_base else ""))
     if not judged_base:
+        return None
+    if canary is None or base is None:
         return None
     for which, limit, label in (("ttft", g.max_ttft_ratio, "TTFT"), ("tpot", g.max_tpot_ratio, "TPOT")):
         mine, theirs = canary.quantile(which, 0.95), base.quantile(which, 0.95)

@@ -72,8 +72,8 @@ class HealthChecker:
 
 def _mismatch(replica: Replica, info: ReplicaInfo) -> str | None:
     """A launched replica must serve what the deployment declares."""
-    if replica.model is not None and info.model != replica.model:
-        return f"serves model {info.model!r}, the deployment declares {replica.model!r}"
-    if replica.version is not None and info.version != replica.version:
-        return f"reports version {info.version!r}, the deployment declares {replica.version!r}"
+    if replica.declared_model is not None and info.model != replica.declared_model:
+        return f"serves model {info.model!r}, the deployment declares {replica.declared_model!r}"
+    if replica.declared_version is not None and info.version != replica.declared_version:
+        return f"reports version {info.version!r}, the deployment declares {replica.declared_version!r}"
     return None

@@ -1,5 +1,6 @@
 """The router's Prometheus metrics (prefix ``polychip_router_``), one registry per router.
 
+Alongside, ``live`` keeps the last minutes of the same figures as time series for the console.
 Per-request series carry model, version, replica, device type and priority class; replica
 health, in-flight counts, queue lengths and canary weights are read at scrape time.
 """
@@ -7,6 +8,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
+
+from polychip.router.live import LiveSeries
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
@@ -34,6 +37,7 @@ class RouterMetrics:
                                          "Rollbacks the guard refused: no other version would be left serving",
                                          ["model", "version"], registry=r)
         r.register(_StateCollector(dispatcher))
+        self.live = LiveSeries()        # the same requests, kept as recent time series (/admin/live)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -51,7 +55,7 @@ class _StateCollector:
         load = GaugeMetricFamily("polychip_router_replica_load", "least_load's figure for the replica",
                                  labels=labels)
         for r in sorted(self.d.replicas.values(), key=lambda r: r.name):
-            key = [r.name, r.device_type, r.model_name or "", r.version_label or ""]
+            key = [r.name, r.device_type, r.serving_model or "", r.serving_version or ""]
             up.add_metric(key, 1.0 if r.up else 0.0)
             inflight.add_metric(key, r.inflight)
             load.add_metric(key, r.load())
@@ -59,7 +63,7 @@ class _StateCollector:
         circuit = GaugeMetricFamily("polychip_router_replica_circuit_open",
                                     "1 while the replica's circuit is open or half-open", labels=labels)
         for r in sorted(self.d.replicas.values(), key=lambda r: r.name):
-            circuit.add_metric([r.name, r.device_type, r.model_name or "", r.version_label or ""],
+            circuit.add_metric([r.name, r.device_type, r.serving_model or "", r.serving_version or ""],
                                0.0 if r.breaker is None or r.breaker.state == "closed" else 1.0)
         yield circuit
         yield inflight

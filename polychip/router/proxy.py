@@ -148,7 +148,7 @@ class Proxy:
         """The router's own 5xx after failed attempts: the guard counts it against the version of the
         last replica that failed it (none tried, nothing counted: the fleet was full, not faulty)."""
         if last is not None:
-            self.rollout.record(call.model, last.version_label or "", False, None, None,
+            self.rollout.record(call.model, last.serving_version or "", False, None, None,
                                 time.perf_counter() - call.t0)
 
     def _deadline_text(self, call: Call, tried: list[str]) -> str:
@@ -330,12 +330,12 @@ class Proxy:
     def _where(self, replica: Replica, call: Call, e2e) -> dict:
         return {"x-polychip-replica": replica.name, "x-polychip-device": replica.device_name,
                 "x-polychip-plugin": replica.info.plugin if replica.info else replica.device_type,
-                "x-polychip-version": replica.version_label or "", "x-request-id": call.request_id}
+                "x-polychip-version": replica.serving_version or "", "x-request-id": call.request_id}
 
     def _labels(self, call: Call, replica: Replica | None) -> list[str]:
         if replica is None:
             return [call.model, call.version or "", "", "", call.priority]
-        return [call.model, replica.version_label or "", replica.name, replica.device_type, call.priority]
+        return [call.model, replica.serving_version or "", replica.name, replica.device_type, call.priority]
 
     def _finish(self, call: Call, replica: Replica, status: int, ttft: float | None, ok: bool,
                 tokens: int | None = None, kind: str | None = None) -> float:
@@ -354,9 +354,11 @@ class Proxy:
             self.metrics.e2e.labels(*labels).observe(e2e)
         if tokens:
             self.metrics.tokens.labels(call.model, labels[1], replica.name, replica.device_type).inc(tokens)
+        self.metrics.live.finished(call.model, replica.device_type, ttft, e2e, tokens)
         failed = not ok or status >= 500
         if kind is not None and kind != "client_gone":
             self.metrics.errors.labels(*labels, kind).inc()
+            self.metrics.live.error(call.model, replica.device_type, kind)
         if kind == "client_gone":
             replica.breaker.neutral()
         else:
@@ -372,6 +374,7 @@ class Proxy:
         """An attempt the client does not see: the breaker counts it, the guard does not."""
         labels = self._labels(call, replica)
         self.metrics.errors.labels(*labels, r.kind).inc()
+        self.metrics.live.error(call.model, replica.device_type, r.kind)
         if r.failure:
             self.d.outcome(replica, False, r.reason)
         else:
@@ -382,6 +385,7 @@ class Proxy:
     def _refuse(self, call: Call, status: int, message: str, kind: str, retry_after: float | None = 1.0) -> Response:
         labels = self._labels(call, None)
         self.metrics.errors.labels(*labels, kind).inc()
+        self.metrics.live.error(call.model, "", kind)
         self.metrics.requests.labels(*labels, str(status)).inc()
         access.info("%s POST %s %d model=%s version=%s priority=%s target=- (%s: %s) %.0fms", call.request_id,
                     call.path, status, call.model, call.version, call.priority, kind, message,

@@ -55,8 +55,8 @@ class Replica:
     name: str
     url: str
     # what a deployment file declares (None for --replica URLs: learnt from /server_info)
-    model: str | None = None
-    version: str | None = None
+    declared_model: str | None = None
+    declared_version: str | None = None
     device: str | None = None
     launched: bool = False
     info: ReplicaInfo | None = None
@@ -73,14 +73,14 @@ class Replica:
     changed_at: float = field(default_factory=time.monotonic)
     breaker: Any = None                  # its circuit breaker (router.breaker.Breaker), set by the dispatcher
 
-    # identity, preferring what the replica itself reports
+    # what it serves: what the replica itself reports, else what was declared
     @property
-    def model_name(self) -> str | None:
-        return self.info.model if self.info else self.model
+    def serving_model(self) -> str | None:
+        return self.info.model if self.info else self.declared_model
 
     @property
-    def version_label(self) -> str | None:
-        return self.info.version if self.info else self.version
+    def serving_version(self) -> str | None:
+        return self.info.version if self.info else self.declared_version
 
     @property
     def device_type(self) -> str:
@@ -119,8 +119,8 @@ class Replica:
 
     def describe(self) -> dict:
         return {"name": self.name, "url": self.url, "up": self.up, "draining": self.draining,
-                "down_reason": self.down_reason or None, "model": self.model_name,
-                "version": self.version_label, "device": self.device_name, "device_type": self.device_type,
+                "down_reason": self.down_reason or None, "model": self.serving_model,
+                "version": self.serving_version, "device": self.device_name, "device_type": self.device_type,
                 "launched": self.launched, "inflight": self.inflight, "served": self.served,
                 "circuit": self.breaker.state if self.breaker else "closed",
                 "breaker": self.breaker.describe() if self.breaker else None,

@@ -68,6 +68,8 @@ class Rollout:
         self.decisions: dict[str, dict] = {}    # model -> the guard's last decision
         self.on_change = None                   # (route, source) -> None: the state store records it
         self.may_decide = lambda: True          # False on a router that is not the leader of N
+        # (model, version) -> (requests, errors) the other routers saw in their windows (state_sync.py)
+        self.others: dict[tuple[str, str], tuple[int, int]] = {}
 
     # the set of models and versions
     def declare(self, route: ModelRoute) -> None:
@@ -135,11 +137,25 @@ class Rollout:
             stats = self.stats[(model, version)] = VersionWindow(self.guard.window)
         stats.record(ok, ttft, tpot, e2e)
         route = self.models.get(model)
-        if (route is not None and version != route.baseline and route.weights.get(version, 0) > 0
-                and self.may_decide()):
-            reason = verdict(self.guard, stats, self.stats.get((model, route.baseline)), route.baseline)
-            if reason:
-                self._roll_back(route, version, reason)
+        if route is not None and self.may_decide():
+            self.judge(route, version)
+
+    def judge(self, route: ModelRoute, version: str) -> None:
+        """The guard's verdict on one canary: this router's figures plus the other routers'."""
+        if version == route.baseline or route.weights.get(version, 0) <= 0:
+            return
+        extra = (self.others.get((route.name, version), (0, 0)), self.others.get((route.name, route.baseline), (0, 0)))
+        reason = verdict(self.guard, self.stats.get((route.name, version)),
+                         self.stats.get((route.name, route.baseline)), route.baseline, extra)
+        if reason:
+            self._roll_back(route, version, reason)
+
+    def judge_all(self) -> None:
+        """The leader's periodic pass: canaries whose traffic went through other routers only are judged too."""
+        if self.may_decide():
+            for route in list(self.models.values()):
+                for version in list(route.weights):
+                    self.judge(route, version)
 
     def _others_serving(self, route: ModelRoute, version: str) -> list[str]:
         return [v for v, w in route.weights.items() if v != version and w > 0 and self.serving(route.name, v)]

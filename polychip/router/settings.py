@@ -241,6 +241,7 @@ def _diff(old: _Settings, new: _Settings, prefix: str) -> tuple[list[str], list[
 
 # the command line
 FLAG_PREFIX = {"health": "health", "guard": "canary", "prefix": "prefix", "breaker": "cb", "batch": "batch"}
+METAVARS = {int: "N", float: "X", str: "TEXT"}
 
 
 def _fields(cls, prefix: str = "", path: tuple = ()):
@@ -290,8 +291,9 @@ def add_settings_args(parser: argparse.ArgumentParser) -> None:
         kind = map_parser if typing.get_origin(hint) is dict else hint
         default = "" if f.default is None or f.default_factory else f" (default: {f.default})"
         choices = POLICY_NAMES if path == ("policy",) else None
+        metavar = None if choices else METAVARS.get(hint, "CLASS=WEIGHT,...")
         g.add_argument(flag, dest="setting:" + ".".join(path), type=kind, default=argparse.SUPPRESS,
-                       choices=choices, help=f"{f.description}{default}")
+                       choices=choices, metavar=metavar, help=f"{f.description}{default}")
 
 
 def settings_from_args(args: argparse.Namespace, base: RouterConfig | None = None) -> RouterConfig:

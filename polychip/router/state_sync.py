@@ -4,7 +4,9 @@ Keys (under the store's namespace):
   models/NAME         {"weights", "baseline", "rolled_back": {version: why}, "file_intent", "source", "by", "at"}
   replicas/NODE/NAME  the replicas router NODE fronts (under its lease: gone when the router dies)
   stats/NODE          {model: {version: {"requests", "errors"}}} each router's figures (leased)
-  members/NODE, leader   the Session's
+  members/NODE, leader   the Session's (a member's value names its host: the workloads' liveness)
+  workloads/ID        a workload's record (workloads.py), written through ``put``
+  batches/ID          an online batch object (router/batch/store.py); ``leader_hooks`` tell its runner
 Nothing here runs on a request's path: changes are queued to one writer task (a request that rolls
 a canary back only appends to a queue), and reads come from ``self.view``, which one watch keeps current.
 
@@ -37,6 +39,7 @@ class RouterState:
     def __init__(self, cfg, rollout, dispatcher):
         self.cfg, self.rollout, self.dispatcher = cfg, rollout, dispatcher
         self.node_id = cfg.node_id or f"{socket.gethostname()}-{cfg.port}"
+        self.host = cfg.node_id or socket.gethostname()   # the host its workloads are placed on
         self.store: StateStore | None = None
         self.session: Session | None = None
         self.view: dict[str, object] = {}            # key -> value, every key, kept by the watch
@@ -64,7 +67,7 @@ class RouterState:
         self._loop = asyncio.get_running_loop()
         cfg = self.cfg
         self.store = await asyncio.to_thread(open_store, cfg.state, cfg.state_dir, cfg.port)
-        self.session = Session(self.store, self.node_id, cfg.state_lease_ttl, {"started": time.time()},
+        self.session = Session(self.store, self.node_id, cfg.state_lease_ttl, {"started": time.time(), "host": self.host},
                                on_leader=self._leader_changed)
         entries, rev = await asyncio.to_thread(self.store.list, "")
         self.view = {e.key: e.value for e in entries}
@@ -170,11 +173,26 @@ class RouterState:
     def replica_changed(self, replica, gone: bool = False) -> None:
         """Called on every health check: writes only when what the others see would change."""
         key = f"replicas/{self.node_id}/{replica.name}"
-        value = DELETE if gone else {"url": replica.url, "model": replica.model_name, "launched": replica.launched,
-                                     "version": replica.version_label, "up": replica.up}
+        value = DELETE if gone else {"url": replica.url, "model": replica.serving_model, "launched": replica.launched,
+                                     "version": replica.serving_version, "up": replica.up}
         if self._registry.get(key) != value:
             self._registry[key] = value
             self._queue(key, value, leased=True)
+
+    def put(self, key: str, value) -> None:
+        """Store ``value`` (not leased) from the writer task; the view has it at once."""
+        self.view[key] = value
+        self._queue(key, value, leased=False)
+
+    def routers_of(self, host: str) -> list[str]:
+        """The live routers (node ids) other than this one that place workloads on ``host``."""
+        return sorted(k[len("members/"):] for k, v in self.view.items() if k.startswith("members/")
+                      and isinstance(v, dict) and v.get("host") == host and k != "members/" + self.node_id)
+
+    def live_hosts(self) -> set[str]:
+        """The hosts that have a live router (its member key, under its lease), this one included."""
+        return {self.host} | {v.get("host") for k, v in self.view.items()
+                              if k.startswith("members/") and isinstance(v, dict)}
 
     def _queue(self, key: str, value, leased: bool) -> None:
         self._pending[key] = (value, leased)
@@ -206,26 +224,42 @@ class RouterState:
         else:
             self.store.put(key, value)
 
-    # canary figures: each router publishes its own; the guard may read them merged
+    # canary figures: each router publishes its own; the leader's guard judges them merged
     def local_stats(self) -> dict:
+        """{model: {version: {"requests", "errors" (since start), "window", "window_errors"}}}."""
         out: dict = {}
         for (model, version), s in self.rollout.stats.items():
-            out.setdefault(model, {})[version] = {"requests": s.requests, "errors": s.errors}
+            n, bad = s.counts()
+            out.setdefault(model, {})[version] = {"requests": s.requests, "errors": s.errors,
+                                                  "window": n, "window_errors": bad}
         return out
 
     async def _publish_stats(self) -> None:
         while True:
             await asyncio.sleep(STATS_EVERY)
-            stats = self.local_stats()
-            if stats != self._published:
-                self._published = stats
-                self._queue(f"stats/{self.node_id}", stats, leased=True)
+            self.guard_tick()
 
-    def merged_stats(self) -> dict:
-        """{model: {version: {"requests": n, "errors": n}}} summed over every live router."""
+    def guard_tick(self) -> None:
+        """Once a second: publish this router's figures, take the others' into the rollout, and on
+        the leader judge every canary on the merged counts."""
+        stats = self.local_stats()
+        if stats != self._published:
+            self._published = stats
+            self._queue(f"stats/{self.node_id}", stats, leased=True)
+        others = self.merged_stats(include_self=False)
+        self.rollout.others = {(m, v): (f.get("window", 0), f.get("window_errors", 0))
+                               for m, versions in others.items() for v, f in versions.items()}
+        if self.is_leader:
+            self.rollout.judge_all()
+
+    def merged_stats(self, include_self: bool = True) -> dict:
+        """{model: {version: {"requests", "errors", "window", "window_errors"}}} summed over every
+        live router (their published figures; this router's own live ones)."""
         out: dict = {}
-        for key, per_model in self.view.items():
-            if not key.startswith("stats/") or not isinstance(per_model, dict):
+        mine = f"stats/{self.node_id}"
+        published = [(k, v) for k, v in self.view.items() if k.startswith("stats/") and k != mine]
+        for key, per_model in published + ([(mine, self.local_stats())] if include_self else []):
+            if not isinstance(per_model, dict):
                 continue
             for model, versions in per_model.items():
                 for version, figures in versions.items():

@@ -53,6 +53,16 @@ class HostDevices:
         return [(f"{n}:{d.index}", p, d) for n, p in sorted(self.plugins.items()) if not p.problem
                 for d in self.of_type(n)]
 
+    def record(self) -> dict:
+        """JSON-shaped: /admin/devices' plugins and devices (the state store keeps it for other routers)."""
+        plugins = [{"name": p.name, "version": p.version, "api_version": p.api_version, "loaded": not p.problem,
+                    "reason": p.problem} for p in self.plugins.values()]
+        devices = [{"device": name, "type": p.name, "index": d.index, "name": d.name, "plugin": p.name,
+                    "plugin_version": p.version, "api_version": p.api_version, "ready": not d.problem,
+                    "reason": d.problem, "dtypes": list(d.dtypes), "memory_total": d.total_memory,
+                    "memory_free": d.free_memory} for name, p, d in self.devices()]
+        return {"hostname": self.hostname, "plugins": plugins, "devices": devices}
+
 
 @dataclass(frozen=True)
 class Needs:

@@ -31,6 +31,8 @@ log = logging.getLogger("polychip.router.workloads")
 
 PREFIX = "workloads/"
 STATUSES = ("pending", "loading", "ready", "draining", "failed", "stopped")
+HOSTS = "hosts/"            # hosts/NODE: the devices that host's router last read (for /admin/devices)
+HOST_DOWN = "host_down"     # shown (never stored) for a record whose host has no live router
 
 
 def stamp(t: float | None = None) -> str:
@@ -53,6 +55,7 @@ class Workload:
     events: list[dict] = field(default_factory=list)
     startup: dict | None = None         # the replica's /server_info "startup" block
     first_token_s: float | None = None
+    host_up: bool = True                # not stored: whether its host has a live router now
 
     def event(self, kind: str, detail: str = "", at: float | None = None) -> None:
         self.events.append({"at": stamp(at), "event": kind, "detail": detail})
@@ -72,9 +75,13 @@ class Workload:
         return cls(**{**d, "spec": WorkloadSpec.model_validate(d["spec"])})
 
     def view(self) -> dict:
+        """``status`` is ``host_down`` for a live record whose host's router is gone (``last_status``:
+        what that router last wrote)."""
+        down = not self.host_up and self.status != "stopped"
         return {"id": self.id, "model": self.spec.served_name, "model_path": self.spec.model,
                 "version": self.spec.version, "host": self.host, "devices": self.devices,
-                "device_type": self.spec.wanted_type, "status": self.status, "restarts": self.restarts,
+                "device_type": self.spec.wanted_type, "status": HOST_DOWN if down else self.status,
+                "host_up": self.host_up, "last_status": self.status, "restarts": self.restarts,
                 "age_s": round(time.time() - self.created_at, 1), "url": self.url, "source": self.source}
 
     def detail(self) -> dict:
@@ -86,10 +93,11 @@ class Workload:
 
 class Workloads:
     """The registry and the lifecycle. ``router`` gives the supervisor, the dispatcher, the HTTP
-    client, the device inventory and ``_drain``; ``store`` keeps the records."""
+    client, the device inventory and ``_drain``; ``state`` (RouterState) keeps the records in the
+    router's state store and gives the view of every router's records and which hosts are up."""
 
-    def __init__(self, router, store, node_id: str, bind_host: str = "127.0.0.1"):
-        self.router, self.store, self.node, self.bind_host = router, store, node_id, bind_host
+    def __init__(self, router, state, bind_host: str = "127.0.0.1"):
+        self.router, self.state, self.node, self.bind_host = router, state, state.host, bind_host
         self.items: dict[str, Workload] = {}
         self.inventory: HostDevices | None = None
         self.inventory_error: str | None = None
@@ -104,11 +112,13 @@ class Workloads:
     async def start(self) -> None:
         """List the stored workloads at once; read the devices and relaunch ours in the background.
         The devices are read when first needed (a router without workloads never reads them)."""
-        ours = []
-        for entry in self.store.list(PREFIX)[0]:
-            w = Workload.from_record(entry.value)
+        ours, rivals = [], self.state.routers_of(self.node)
+        if rivals:      # two routers claiming one host would launch its workloads twice
+            log.error("routers %s also place workloads on host %s: this one relaunches none of them; give "
+                      "each router of a host its own --node-id", rivals, self.node)
+        for w in self._stored().values():
             self.items[w.id] = w
-            if w.host == self.node and w.status != "stopped":
+            if w.host == self.node and w.status != "stopped" and not rivals:
                 self._set(w, "pending", "relaunched", "the router restarted; launching it again on its devices")
                 ours.append(w)
         if ours:
@@ -140,8 +150,8 @@ class Workloads:
             if t is not None:
                 t.cancel()
         await asyncio.gather(*self._tasks, *filter(None, [self._inventory_read]), return_exceptions=True)
-        for w in self.items.values():
-            if w.host != self.node or w.status in ("pending", "stopped"):
+        for w in self.items.values():     # only those whose replica this router ran
+            if w.status in ("pending", "stopped") or w.id not in self.router.supervisor.managed:
                 continue
             if w.status == "draining":      # deleted: its replica stops with the router
                 self._set(w, "stopped", "stopped", "the router stopped while it drained")
@@ -158,6 +168,7 @@ class Workloads:
         try:
             plugins = await asyncio.to_thread(inv.get, None)
             self.inventory, self.inventory_error = HostDevices(socket.gethostname(), plugins), None
+            self.state.put(HOSTS + self.node, {**self.inventory.record(), "at": time.time()})
         except Exception as e:        # shown on /admin/devices and in every refusal; never silent
             self.inventory_error = f"{type(e).__name__}: {e}"
             log.error("cannot read this host's devices: %s", self.inventory_error)
@@ -225,9 +236,12 @@ class Workloads:
 
     async def everything(self) -> dict[str, Workload]:
         """This host's workloads as this router runs them; other hosts' as the store has them now
-        (a shared store: what their routers last wrote)."""
-        entries, _ = await asyncio.to_thread(self.store.list, PREFIX)
-        out = {e.value["id"]: Workload.from_record(e.value) for e in entries}
+        (a shared store: what their routers last wrote), marked ``host_up`` False when the state's
+        membership has no live router of their host (its lease expired or was revoked)."""
+        out = self._stored()
+        live = self.state.live_hosts()
+        for w in out.values():
+            w.host_up = w.host in live
         out.update({k: w for k, w in self.items.items() if w.host == self.node})
         return out
 
@@ -264,7 +278,7 @@ class Workloads:
             await self.router.supervisor.stop(w.id, self.router.cfg.drain_timeout)
         self._note_first_token(w)
         served = (w.spec.served_name, w.spec.version)
-        if not any((r.model_name, r.version_label) == served for r in self.router.dispatcher.replicas.values()):
+        if not any((r.serving_model, r.serving_version) == served for r in self.router.dispatcher.replicas.values()):
             self.router.rollout.forget(*served)
         self._set(w, "stopped", "stopped", f"{', '.join(w.devices)} free again")
         if self.router.supervisor.logs is not None:
@@ -356,7 +370,19 @@ class Workloads:
         self._save(w)
 
     def _save(self, w: Workload) -> None:
-        self.store.put(PREFIX + w.id, w.record())
+        self.state.put(PREFIX + w.id, w.record())
+
+    def other_hosts(self) -> dict[str, dict]:
+        """Hosts the store knows other than this one (from routers, device records and workload
+        records): {host: {"up", "inventory" (what its router last published, or None)}}."""
+        live, view = self.state.live_hosts(), self.state.view
+        known = {k[len(HOSTS):] for k in view if k.startswith(HOSTS)} | live
+        known |= {w.host for w in self._stored().values()}
+        return {h: {"up": h in live, "inventory": view.get(HOSTS + h)} for h in sorted(known - {self.node})}
+
+    def _stored(self) -> dict[str, Workload]:
+        """Every router's records as the state's view has them (a watch keeps it current)."""
+        return {v["id"]: Workload.from_record(v) for k, v in sorted(self.state.view.items()) if k.startswith(PREFIX)}
 
     def _spawn(self, coro) -> None:
         t = asyncio.ensure_future(coro)

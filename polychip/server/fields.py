@@ -150,40 +150,45 @@ FIELDS: tuple[Field, ...] = (
 )
 
 
-class RefusedFields(BaseModel):
-    """The fields the table refuses (in full or in part), declared so a value is seen, not dropped."""
+Object = dict[str, Any]
 
-    functions: Any = None
-    function_call: Any = None
-    audio: Any = None
-    modalities: Any = None
-    prediction: Any = None
-    web_search_options: Any = None
-    reasoning_effort: Any = None
-    verbosity: Any = None
-    store: Any = None
-    metadata: Any = None
-    service_tier: Any = None
-    prompt_cache_key: Any = None
-    prompt_cache_retention: Any = None
-    safety_identifier: Any = None
-    use_beam_search: Any = None
-    length_penalty: Any = None
-    prompt_logprobs: Any = None
-    truncate_prompt_tokens: Any = None
-    allowed_token_ids: Any = None
-    bad_words: Any = None
-    return_tokens_as_token_ids: Any = None
-    structured_outputs: Any = None
-    guided_decoding_backend: Any = None
-    guided_whitespace_pattern: Any = None
-    structural_tag: Any = None
-    lora_path: Any = None
-    return_hidden_states: Any = None
-    continue_final_message: Any = None
-    chat_template: Any = None
-    documents: Any = None
-    echo: Any = None
+
+class RefusedFields(BaseModel):
+    """The fields the table refuses (in full or in part), declared with their OpenAI / vLLM / SGLang
+    types so a value is seen, not dropped, and a wrongly typed one is a 400 naming the field before
+    any rule reads it."""
+
+    functions: list[Object] | None = None
+    function_call: str | Object | None = None
+    audio: Object | None = None
+    modalities: list[str] | None = None
+    prediction: Object | None = None
+    web_search_options: Object | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    safety_identifier: str | None = None
+    use_beam_search: bool | None = None
+    length_penalty: float | None = None
+    prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    return_tokens_as_token_ids: bool | None = None
+    structured_outputs: Object | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+    structural_tag: str | Object | None = None
+    lora_path: str | list[str] | None = None
+    return_hidden_states: bool | None = None
+    continue_final_message: bool | None = None
+    chat_template: str | None = None
+    documents: list[Object] | None = None
+    echo: bool | None = None
 
 
 def _rules(endpoint: str) -> dict[str, Field]:

@@ -20,6 +20,7 @@ from polychip.config import ServerConfig
 from polychip.engine.async_engine import AsyncEngine
 from polychip.engine.engine import COUNTERS, Engine
 from polychip.models.gguf import default_gguf_path
+from polychip.http.console import mount_console
 from polychip.http.errors import error_response, install_error_handlers, parse_body
 from polychip.http.gate import EdgeLimits, Gate
 from polychip.server import batch_check, chat, completions, server_info, sglang_api
@@ -124,6 +125,7 @@ def build_app(engine: Engine, cfg: ServerConfig | None = None) -> tuple[Gate, Se
     app.include_router(server_info.server_info_routes)     # /server_info, /get_server_info
     app.include_router(sglang_api.sglang_routes)           # /generate, /model_info, /get_model_info, /health_generate
     app.include_router(batch_check.batch_check_routes)     # /batch_check (the router's batch validation)
+    mount_console(app)                         # /console: the web console (its data needs the key)
     on_response = (lambda m, r, s: metrics.http.labels(m, r, str(s)).inc()) if metrics is not None else None
     limits = EdgeLimits(api_key=cfg.api_key, max_body_bytes=cfg.max_request_body_bytes,
                         body_timeout=cfg.timeout_request_body)

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr, ValidationError
 
 from polychip.engine.async_engine import SubRequest
-from polychip.engine.grammar import GrammarSpec
+from polychip.engine.grammar_spec import GrammarSpec
 from polychip.engine.sampling_params import SamplingParams
 from polychip.errors import InvalidRequestError
 from polychip.server.serving import ServerState, check_stop_limits, collect, max_tokens_for, submit

@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from polychip.engine.grammar import GrammarSpec
+from polychip.engine.grammar_spec import GrammarSpec
 from polychip.errors import InvalidRequestError
 
 

@@ -9,7 +9,7 @@ import json
 import re
 from dataclasses import dataclass, field
 
-from polychip.engine.grammar import GrammarSpec
+from polychip.engine.grammar_spec import GrammarSpec
 from polychip.errors import InvalidRequestError
 from polychip.server.tool_parsers import PARSERS, ToolCall, detect_parser
 

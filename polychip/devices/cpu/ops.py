@@ -6,7 +6,7 @@ PyTorch ops, the native ops everywhere else.
   every sequence's pages into a new tensor in each layer, then runs a masked SDPA); so do the
   prefill chunks, all of a batch's in one call (``paged_prefill_attention``: register-tiled
   flash attention that loads each K/V row once for the query heads sharing it, 174-186 GFLOP/s
-  of causal FLOPs on 2 cores against SDPA's 62-116, bench/prefill_attention_kernel.py);
+  of causal FLOPs on 2 cores against SDPA's 62-116, benchmarks/prefill_attention_kernel.py);
 * ``linear``: up to ``TILES_MAX_M`` rows (decode), ``linear_tiles``: AVX-512 register tiles
   of x rows by weight rows, each weight tile read from memory once and reused from L1 for all
   rows (MKL's gemm and gemv reach about half its speed here); with more rows (prefill), blocks of
@@ -17,7 +17,7 @@ PyTorch ops, the native ops everywhere else.
 * ``linear_int8`` (int8 weights, per-row scales, float32 x): the same split, with the tiles
   widening int8 to float32 in registers and the blocks dequantising a block of rows before BLAS;
   torch's own int8 kernel (the native op) is vectorised only for bfloat16/float16 input here
-  (bench/linear_int8_kernels.py has the measured ratios);
+  (benchmarks/linear_int8_kernels.py has the measured ratios);
 * the row ops of ``row_ops`` (rms_norm, add_rms_norm, silu_mul, rotary_embedding).
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from polychip.devices.cpu import kernels as cpu_kernels, row_ops
 from polychip.devices.ops import AttentionMetadata, OpRegistrar
 
-TILES_MAX_M = 64       # rows up to which linear_tiles beats BLAS (bench/linear_kernels.py)
+TILES_MAX_M = 64       # rows up to which linear_tiles beats BLAS (benchmarks/linear_kernels.py)
 BLOCK_ROWS_PREFILL = 256    # 576-row outputs split evenly across 2 threads; 512 left one thread idle for 64 rows
 
 

@@ -1,6 +1,7 @@
 """The operator's routes, behind the API key: /admin/replicas, /admin/rollout (status, set
-weights), /admin/reload (re-read the deployment file) and /admin/state (the state store: backend,
-leader, members, stored models, replica registry)."""
+weights), /admin/reload (re-read the deployment file), /admin/state (the state store: backend,
+leader, members, stored models, replica registry) and /admin/live (the console's recent time
+series, router/live.py)."""
 from __future__ import annotations
 
 from typing import Annotated
@@ -11,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from polychip.errors import ConfigError
 from polychip.http.errors import APIError, parse_body
 from polychip.router.routes import requires_key, router_of
+from polychip.router.settings import PRIORITY_CLASSES
 
 admin_routes = APIRouter(prefix="/admin", dependencies=[requires_key])
 
@@ -28,6 +30,11 @@ async def replicas(request: Request):
     router = router_of(request)
     return {"replicas": router.replicas_view(), "queue": router.dispatcher.queue_lengths(),
             "policy": router.cfg.policy}
+
+
+@admin_routes.get("/live")
+async def live(request: Request):
+    return router_of(request).metrics.live.view(PRIORITY_CLASSES)
 
 
 @admin_routes.get("/rollout")

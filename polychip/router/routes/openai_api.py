@@ -88,8 +88,23 @@ def call_from(request: Request, raw: bytes, path: str) -> Call:
         raw = json.dumps({**json.loads(raw), "priority": router.cfg.replica_priorities[priority]},
                          separators=(",", ":")).encode()
     prompt = prompt_text(path, body)
-    return Call(rid, path, raw, model, router.version_for(model, user), priority,
+    pinned = pinned_version(router, model, request.headers.get("x-polychip-version"))
+    version = pinned or router.version_for(model, user)
+    return Call(rid, path, raw, model, version, priority,
                 tuple(body.preferred_device_types or ()), prompt, bool(body.stream), cost=token_cost(prompt, extra))
+
+
+def pinned_version(router, model: str, pinned: str | None) -> str | None:
+    """The version the ``x-polychip-version`` header names (None without the header); a version
+    the model does not have is a 400."""
+    if not pinned:
+        return None
+    route = router.rollout.models.get(model)
+    known = sorted(route.weights) if route is not None else []
+    if pinned not in known:
+        raise APIError(400, f"x-polychip-version: model {model!r} has no version {pinned!r}; versions: {known}",
+                       "invalid_request_error")
+    return pinned
 
 
 async def unless_client_leaves(request: Request, work):

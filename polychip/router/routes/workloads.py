@@ -5,7 +5,8 @@
   GET    /admin/workloads/{id}             describe: events, load/compile/warm-up, first-token latency
   GET    /admin/workloads/{id}/logs?tail=N&follow=true   text/plain (follow: streamed)
   DELETE /admin/workloads/{id}             drain, then stop (202)
-  GET    /admin/devices[?refresh=true]     this host's plugins and devices, and what runs on each
+  GET    /admin/devices[?refresh=true]     this host's plugins and devices, and what runs on each; the
+                                           other hosts the state store knows, ``up`` false when their router is gone
 """
 from __future__ import annotations
 
@@ -70,7 +71,9 @@ async def devices(request: Request, refresh: bool = False):
     await wl.inventory_ready()
     if refresh:
         await wl.refresh_inventory(again=True)
-    return {"hosts": [host_view(router_of(request))]}
+    workloads = await wl.list()
+    return {"hosts": [host_view(router_of(request))] + [
+        other_host_view(host, known, workloads) for host, known in wl.other_hosts().items()]}
 
 
 async def _workload(request: Request, wid: str):
@@ -91,13 +94,25 @@ def host_view(router) -> dict:
     replicas: dict[str, list[str]] = {}
     for r in router.dispatcher.replicas.values():
         replicas.setdefault(r.device_name, []).append(r.url)
-    plugins = [{"name": p.name, "version": p.version, "api_version": p.api_version, "loaded": not p.problem,
-                "reason": p.problem} for p in (inv.plugins.values() if inv else ())]
-    devices = [{"device": name, "type": p.name, "index": d.index, "name": d.name, "plugin": p.name,
-                "plugin_version": p.version, "api_version": p.api_version, "ready": not d.problem,
-                "reason": d.problem, "dtypes": list(d.dtypes), "memory_total": d.total_memory,
-                "memory_free": d.free_memory, "workloads": holders.get(name, []),
-                "replicas": replicas.get(name, []) + (replicas.get(p.name, []) if p.name == "cpu" else [])}
-               for name, p, d in (inv.devices() if inv else ())]
-    return {"host": wl.node, "hostname": inv.hostname if inv else None, "router": router.url, "up": True,
-            "error": wl.inventory_error, "plugins": plugins, "devices": devices}
+    found = inv.record() if inv else {"hostname": None, "plugins": [], "devices": []}
+    for d in found["devices"]:
+        d["workloads"] = holders.get(d["device"], [])
+        d["replicas"] = replicas.get(d["device"], []) + (replicas.get(d["type"], []) if d["type"] == "cpu" else [])
+    return {"host": wl.node, "router": router.url, "up": True, "error": wl.inventory_error, **found}
+
+
+def other_host_view(host: str, known: dict, workloads: list) -> dict:
+    """Another host, as the state store has it: ``up`` (a live router of that host holds its
+    lease), the devices its router last published and when, and the workload records on each."""
+    found = known["inventory"] or {"hostname": None, "plugins": [], "devices": []}
+    holders: dict[str, list[str]] = {}
+    for w in workloads:
+        if w.host == host and w.status != "stopped":
+            for d in w.devices:
+                holders.setdefault(d, []).append(w.id)
+    devices = [{**d, "workloads": holders.get(d["device"], [])} for d in found["devices"]]
+    return {"host": host, "router": None, "up": known["up"], "error": None if known["up"] else
+            f"no live router of host {host} in the state store (its lease expired or was revoked)",
+            "published_at": found.get("at"), "hostname": found["hostname"], "plugins": found["plugins"],
+            "devices": devices, "workloads_without_device_record": sorted(
+                {i for d, ids in holders.items() for i in ids if d not in {x["device"] for x in devices}})}

@@ -1,0 +1,60 @@
+"""Time of one decode step at batch B and context L, and the CPU kernels' share of it.
+
+    .venv/bin/python benchmarks/decode_step_ops.py B L     # e.g. 16 800, or 1 800
+
+The steps run eager (--disable-cuda-graph): the compiled decode step calls the kernels through the
+dispatcher, past this script's timing wrapper. benchmarks/decode_overhead.py compares the two paths.
+"""
+import collections
+import random
+import sys
+import time
+
+from polychip.devices.cpu import kernels as cpu_kernels
+
+spent = collections.defaultdict(float)
+
+
+class Timed:
+    """Wraps the kernels module, summing seconds per (kernel, rows, weight rows / pool pages)."""
+
+    def __init__(self, module):
+        self.module = module
+
+    def __getattr__(self, name):
+        fn = getattr(self.module, name)
+
+        def timed(*args):
+            t = time.perf_counter()
+            out = fn(*args)
+            spent[(name, args[0].shape[0], args[1].shape[0])] += time.perf_counter() - t
+            return out
+        return timed
+
+
+kernels = cpu_kernels.load()
+if kernels is not None:
+    cpu_kernels._state["module"] = Timed(kernels)
+
+from polychip.engine.llm import LLM  # noqa: E402  (after the kernels are wrapped)
+from polychip.engine.sampling_params import SamplingParams  # noqa: E402
+
+B, L = int(sys.argv[1]), int(sys.argv[2])
+llm = LLM(num_threads=2, dtype="float32", disable_cuda_graph=True)
+rng = random.Random(0)
+engine = llm.engine
+for _ in range(B):
+    engine.add_request([rng.randrange(100, 40000) for _ in range(L)],
+                       SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))
+while any(r.num_computed_tokens < len(r.prompt_ids) for r in engine.scheduler.running + engine.scheduler.waiting):
+    engine.step()
+engine.step()
+spent.clear()
+engine.stage_seconds.clear()
+t = time.perf_counter()
+for _ in range(5):
+    engine.step()
+print(f"decode step B={B} L={L}: {(time.perf_counter() - t) / 5 * 1e3:.1f} ms",
+      {k: round(v / 5 * 1e3, 1) for k, v in engine.stage_seconds.items()})
+for key, secs in sorted(spent.items(), key=lambda kv: -kv[1]):
+    print(key, f"{secs / 5 * 1e3:.1f} ms/step")
