@@ -189,8 +189,12 @@ def test_sigkill_mid_batch_then_restart_resumes_exactly_once(replica, tmp_path):
     router.proc.wait(10)
     before = len(replica.bodies)
     router = _router(replica, files, "--batch-concurrency", "4")
+    ready = time.monotonic()
     try:
         client = _client(router)
+        # the dead router's leadership outlives it by its lease (--state-lease-ttl): then this one resumes
+        wait_for(lambda: len(replica.bodies) > before, 30, "the batch resumed")
+        resumed_after = time.monotonic() - ready
         done = _wait_status(client, batch.id, ("completed",), timeout=120)
         out, err = _records(client, done.output_file_id), _records(client, done.error_file_id)
         ids = [r["custom_id"] for r in out + err]
@@ -200,7 +204,8 @@ def test_sigkill_mid_batch_then_restart_resumes_exactly_once(replica, tmp_path):
         redone = len(sent) - len(set(sent))
         assert 30 <= before < n and redone <= 4               # at most the requests in flight at the kill re-ran
         print(f"resume counts: {before} sent before the kill, {len(sent) - before} after, {redone} re-sent "
-              f"(in flight at the kill), {len(set(ids))} unique custom_ids in the output of {n}")
+              f"(in flight at the kill), {len(set(ids))} unique custom_ids in the output of {n}; resumed "
+              f"{resumed_after:.1f}s after the restarted router was ready")
         assert "resuming" in router.log
     finally:
         router.stop()
