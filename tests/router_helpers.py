@@ -8,6 +8,7 @@ import socket
 import threading
 import time
 
+import pytest
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -176,6 +177,29 @@ def wait_for(pred, timeout: float = 30, what: str = "condition"):
             return
         time.sleep(0.05)
     raise TimeoutError(f"timed out waiting for {what}")
+
+
+@pytest.fixture
+def router_stack():
+    """make(fakes, deployment=None, **settings) -> (router url, Router) over in-process fake replicas,
+    health-checked fast; every server stops at the end of the test."""
+    from polychip.router.settings import HealthConfig, RouterConfig
+    fast = HealthConfig(interval=0.2, timeout=2, failure_threshold=2, success_threshold=1)
+    started = []
+
+    def make(fakes, deployment=None, **cfg):
+        servers = [ThreadServer(f.app).start() for f in fakes]
+        started.extend(servers)
+        dep = deployment(servers) if deployment else None
+        srv, router = start_router(RouterConfig(health=fast, **cfg), [] if dep else [s.url for s in servers], dep)
+        started.append(srv)
+        wait_for(lambda: router.dispatcher.replicas and all(r.up for r in router.dispatcher.replicas.values()),
+                 10, "replicas up")
+        return srv.url, router
+
+    yield make
+    for s in reversed(started):
+        s.stop()
 
 
 class RouterProcess(ChildProcess):

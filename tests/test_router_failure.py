@@ -14,32 +14,15 @@ from collections import Counter
 import httpx
 import pytest
 
-from polychip.router.settings import GuardConfig, HealthConfig, RouterConfig
+from polychip.router.settings import GuardConfig, RouterConfig
 from polychip.router.deployment import from_dict
-from router_helpers import FakeReplica, ThreadServer, start_router, wait_for
+from router_helpers import FakeReplica, router_stack, wait_for
 
 pytestmark = pytest.mark.device_independent   # runs no model on the test device (conftest.py)
 
-FAST = HealthConfig(interval=0.2, timeout=2, failure_threshold=2, success_threshold=1)
 
 
-@pytest.fixture
-def stack():
-    started = []
-
-    def make(fakes, deployment=None, **cfg):
-        servers = [ThreadServer(f.app).start() for f in fakes]
-        started.extend(servers)
-        dep = deployment(servers) if deployment else None
-        srv, router = start_router(RouterConfig(health=FAST, **cfg), [] if dep else [s.url for s in servers], dep)
-        started.append(srv)
-        wait_for(lambda: router.dispatcher.replicas and all(r.up for r in router.dispatcher.replicas.values()),
-                 10, "replicas up")
-        return srv.url, router
-
-    yield make
-    for s in reversed(started):
-        s.stop()
+stack = router_stack   # the fixture, under this file's name for it
 
 
 def _post(url, body, timeout=60):
