@@ -13,6 +13,7 @@ from polychip.router.settings import BatchConfig
 from polychip.router.batch.store import BatchStore
 from polychip.router.batch.jobs import BatchJobs
 from polychip.router.batch.files import FileStore
+from polychip.router.state import MemoryStore, SqliteStore
 
 pytestmark = pytest.mark.device_independent
 
@@ -31,10 +32,11 @@ class Clock:
         return self.now
 
 
-def _jobs(tmp_path, send, clock=None, **cfg):
+def _jobs(tmp_path, send, clock=None, store=None, is_leader=lambda: True, **cfg):
     cfg = BatchConfig(files_dir=str(tmp_path), **cfg)
-    return BatchJobs(cfg, FileStore(str(tmp_path), cfg.max_file_bytes), BatchStore(str(tmp_path)), send,
-                     no_problems, clock or Clock())
+    store = store or SqliteStore(str(tmp_path / "state.sqlite3"))
+    return BatchJobs(cfg, FileStore(str(tmp_path), cfg.max_file_bytes), BatchStore(store), send,
+                     no_problems, clock or Clock(), is_leader)
 
 
 async def no_problems(url, bodies):
@@ -117,6 +119,7 @@ def test_a_stopped_batch_resumes_from_the_store_in_a_new_batchjobs(tmp_path):
         await _until(lambda: jobs.get(b["id"])["status"] == "in_progress")
         assert jobs.uses(file_id) == b["id"]
         await jobs.stop()                                         # the router stops mid-batch
+        jobs.store.store.close()
         again = _jobs(tmp_path, send)
         gate.set()
         await again.start()                                       # and resumes it from the store
@@ -126,3 +129,79 @@ def test_a_stopped_batch_resumes_from_the_store_in_a_new_batchjobs(tmp_path):
 
     b = asyncio.run(run())
     assert b["request_counts"] == {"total": 3, "completed": 3, "failed": 0} and b["metadata"] == {"k": "v"}
+    assert not (tmp_path / "batches").exists()                   # the objects are in the state store
+
+
+def test_two_routers_over_one_store_only_the_leader_runs_and_both_see_every_batch(tmp_path):
+    """Two BatchJobs over one MemoryStore: the follower's batch is run by the leader, exactly once;
+    both list both batches; a cancel on the follower reaches the leader's run; when the leader goes,
+    the follower, leading now, resumes the rest."""
+    sent: list[tuple[str, str]] = []        # (router, prompt)
+    gate = asyncio.Event()
+
+    def sender(name):
+        async def send(url, body):
+            sent.append((name, body["prompt"]))
+            await gate.wait()
+            return 200, "rid", b"{}"
+        return send
+
+    async def run():
+        store, leader = MemoryStore(), {"who": "a"}
+        a = _jobs(tmp_path, sender("a"), store=store, is_leader=lambda: leader["who"] == "a")
+        b = _jobs(tmp_path, sender("b"), store=store, is_leader=lambda: leader["who"] == "b")
+        await a.start()
+        await b.start()
+        on_b = await b.create(_upload(b.files, 4), "/v1/completions", "24h", None)      # created on the follower
+        await _until(lambda: a.batches.get(on_b["id"], {}).get("status") == "in_progress" and on_b["id"] in a.tasks)
+        assert not b.tasks and len(sent) >= 1
+        gate.set()
+        await _until(lambda: b.batches[on_b["id"]]["status"] == "completed")               # the follower sees it
+        assert b.get(on_b["id"])["request_counts"] == {"total": 4, "completed": 4, "failed": 0}
+        gate.clear()
+        first = len(sent)
+        on_a = await a.create(_upload(a.files, 40), "/v1/completions", "24h", None)
+        await _until(lambda: b.batches.get(on_a["id"], {}).get("status") == "in_progress" and len(sent) >= first + 4)
+        assert [x["id"] for x in a.list(None, 10)[0]] == [x["id"] for x in b.list(None, 10)[0]] != []
+        assert len(a.list(None, 10)[0]) == 2
+        await a.stop()                                          # the leader goes; b leads and resumes
+        leader["who"] = "b"
+        b.leadership_changed()
+        gate.set()
+        await _until(lambda: b.get(on_a["id"])["status"] == "completed")
+        await b.stop()
+        return b, b.get(on_a["id"]), first
+
+    b, done, first = asyncio.run(run())
+    assert [who for who, _ in sent[:first]] == ["a"] * first == ["a"] * 4            # the leader ran b's batch
+    assert done["request_counts"] == {"total": 40, "completed": 40, "failed": 0}
+    out = _ids(b.files, done["output_file_id"])
+    assert sorted(r["custom_id"] for r in out) == sorted(f"c{i}" for i in range(40))  # none lost, none twice
+    assert {who for who, _ in sent[first:]} == {"a", "b"}                            # a began it, b finished it
+
+
+def test_a_cancel_on_a_follower_stops_the_leaders_run(tmp_path):
+    gate = asyncio.Event()
+
+    async def send(url, body):
+        await gate.wait()
+        return 200, "rid", b"{}"
+
+    async def run():
+        store = MemoryStore()
+        a = _jobs(tmp_path, send, store=store, concurrency=2)
+        b = _jobs(tmp_path, send, store=store, is_leader=lambda: False)
+        await a.start()
+        await b.start()
+        made = await a.create(_upload(a.files, 30), "/v1/completions", "24h", None)
+        await _until(lambda: b.batches.get(made["id"], {}).get("status") == "in_progress")   # b's watch
+        assert (await b.cancel(made["id"]))["status"] == "cancelling"
+        await _until(lambda: a.get(made["id"])["status"] == "cancelling")
+        gate.set()
+        await _until(lambda: b.get(made["id"])["status"] == "cancelled")
+        await a.stop()
+        await b.stop()
+        return a.get(made["id"])
+
+    done = asyncio.run(run())
+    assert done["cancelled_at"] and done["request_counts"]["completed"] < 30

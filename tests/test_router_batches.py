@@ -38,8 +38,11 @@ def replica():
 
 
 def _router(replica, files_dir, *extra) -> RouterProcess:
-    return RouterProcess(["--replica", replica.url, "--files-dir", str(files_dir), "--health-check-interval", "0.3",
-                          "--health-success-threshold", "1", *extra]).wait_ready(1, timeout=60)
+    """The state store (batch progress) in a sqlite file beside the files: a restart on a new port finds it."""
+    state_dir = os.path.join(os.path.dirname(str(files_dir)), "state")
+    return RouterProcess(["--replica", replica.url, "--files-dir", str(files_dir), "--state-dir", state_dir,
+                          "--health-check-interval", "0.3", "--health-success-threshold", "1", *extra]
+                         ).wait_ready(1, timeout=60)
 
 
 def _client(router) -> openai.OpenAI:
@@ -144,9 +147,8 @@ def test_files_purpose_size_limit_get_and_delete(replica, tmp_path):
         with pytest.raises(openai.NotFoundError):
             client.files.retrieve(up.id)
         assert [f.id for f in client.files.list()] == []
-        assert os.listdir(tmp_path / "files" / "batches") == []
         # the content of an oversize upload is not left on disk
-        assert sorted(os.listdir(tmp_path / "files")) == ["batches"]
+        assert os.listdir(tmp_path / "files") == []
     finally:
         router.stop()
 
@@ -187,8 +189,12 @@ def test_sigkill_mid_batch_then_restart_resumes_exactly_once(replica, tmp_path):
     router.proc.wait(10)
     before = len(replica.bodies)
     router = _router(replica, files, "--batch-concurrency", "4")
+    ready = time.monotonic()
     try:
         client = _client(router)
+        # the dead router's leadership outlives it by its lease (--state-lease-ttl): then this one resumes
+        wait_for(lambda: len(replica.bodies) > before, 30, "the batch resumed")
+        resumed_after = time.monotonic() - ready
         done = _wait_status(client, batch.id, ("completed",), timeout=120)
         out, err = _records(client, done.output_file_id), _records(client, done.error_file_id)
         ids = [r["custom_id"] for r in out + err]
@@ -198,7 +204,65 @@ def test_sigkill_mid_batch_then_restart_resumes_exactly_once(replica, tmp_path):
         redone = len(sent) - len(set(sent))
         assert 30 <= before < n and redone <= 4               # at most the requests in flight at the kill re-ran
         print(f"resume counts: {before} sent before the kill, {len(sent) - before} after, {redone} re-sent "
-              f"(in flight at the kill), {len(set(ids))} unique custom_ids in the output of {n}")
+              f"(in flight at the kill), {len(set(ids))} unique custom_ids in the output of {n}; resumed "
+              f"{resumed_after:.1f}s after the restarted router was ready")
         assert "resuming" in router.log
     finally:
         router.stop()
+
+
+def test_two_routers_over_etcd_share_batches_and_only_the_leader_runs_them(replica, tmp_path):
+    """Two routers over one etcd and one --files-dir: a batch created on the follower is listed on both,
+    run by the leader alone (every request carries the leader's low-class dispatch), and its output is
+    readable from either; the follower's GET answers from the store."""
+    from polychip.router.settings import BatchConfig, HealthConfig, RouterConfig
+    from router_helpers import start_router
+    from tests.etcd_cluster import EtcdCluster
+
+    cluster = EtcdCluster(1)
+    routers = []
+    try:
+        for i in range(2):
+            cfg = RouterConfig(health=HealthConfig(interval=0.3), state=cluster.spec, node_id=f"r{i}",
+                               state_lease_ttl=3, batch=BatchConfig(files_dir=str(tmp_path / "files"), concurrency=2))
+            routers.append(start_router(cfg, [replica.url]))
+        for _, router in routers:
+            wait_for(lambda: router.batches is not None and router.state.leader is not None, 15, "batches and a leader")
+        (leader_srv, leader), (follower_srv, follower) = sorted(routers, key=lambda sr: not sr[1].state.is_leader)
+        assert leader.state.is_leader and not follower.state.is_leader
+        wait_for(lambda: all(r.up for r in leader.dispatcher.replicas.values()), 15, "the replica up")
+        on_follower = openai.OpenAI(base_url=follower_srv.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+        on_leader = openai.OpenAI(base_url=leader_srv.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+        up = on_follower.files.create(file=("in.jsonl", _lines(12)), purpose="batch")
+        replica.hold = True                                                 # requests wait at the replica
+        batch = on_follower.batches.create(input_file_id=up.id, endpoint="/v1/chat/completions",
+                                           completion_window="24h")
+        wait_for(lambda: len(replica.bodies) >= 2, 15, "the batch running")
+        assert batch.id in leader.batches.tasks and not follower.batches.tasks      # the leader runs it, alone
+        wait_for(lambda: on_follower.batches.retrieve(batch.id).status == "in_progress", 5, "the follower's view")
+        replica.hold = False
+        done = _wait_status(on_follower, batch.id, ("completed", "failed"))
+        assert done.status == "completed" and done.request_counts.completed == 12
+        assert [b.id for b in on_leader.batches.list()] == [b.id for b in on_follower.batches.list()] == [batch.id]
+        assert on_leader.batches.retrieve(batch.id).status == "completed"
+        out = _records(on_leader, done.output_file_id)
+        assert sorted(r["custom_id"] for r in out) == sorted(f"req-{i}" for i in range(12))
+        assert len(replica.bodies) == 12                                    # run once, by one router
+        # the leader goes mid-batch: the follower leads now and resumes it, every custom_id once
+        up = on_follower.files.create(file=("in2.jsonl", _lines(30)), purpose="batch")
+        replica.hold = True
+        second = on_leader.batches.create(input_file_id=up.id, endpoint="/v1/chat/completions",
+                                          completion_window="24h")
+        wait_for(lambda: len(replica.bodies) >= 12 + 2, 15, "the second batch running")
+        leader_srv.stop()
+        routers.remove((leader_srv, leader))
+        wait_for(lambda: follower.state.is_leader, 10, "the follower leads")
+        replica.hold = False
+        done = _wait_status(on_follower, second.id, ("completed", "failed"))
+        assert done.status == "completed" and done.request_counts.completed == 30, done
+        out = _records(on_follower, done.output_file_id)
+        assert sorted(r["custom_id"] for r in out) == sorted(f"req-{i}" for i in range(30))   # none lost, none twice
+    finally:
+        for srv, _ in routers:
+            srv.stop()
+        cluster.stop()

@@ -126,6 +126,20 @@ def test_sqlite_survives_a_restart_and_refuses_a_second_router(tmp_path):
     b.close()
 
 
+def test_sqlite_drops_a_dead_routers_leases_when_it_opens(tmp_path):
+    """The file lock says the router that granted them is gone: its leader key goes at once."""
+    path = str(tmp_path / "state.sqlite3")
+    a = SqliteStore(path)
+    lease = a.grant_lease(60)
+    a.put("leader", "dead", lease=lease)
+    a.put("models/m", {"weights": {}})
+    a.close()                                       # closed without revoking: what a SIGKILL leaves
+    b = SqliteStore(path)
+    assert b.get("leader") is None and b.get("models/m") is not None
+    assert b.compare_and_set("leader", "new", expect=0)          # a new router can lead at once
+    b.close()
+
+
 def test_default_state_dir_and_bad_spec(tmp_path, monkeypatch):
     monkeypatch.setenv("POLYCHIP_STATE_DIR", str(tmp_path / "d"))
     s = open_store("sqlite", None, 9999)

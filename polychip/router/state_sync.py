@@ -6,6 +6,7 @@ Keys (under the store's namespace):
   stats/NODE          {model: {version: {"requests", "errors"}}} each router's figures (leased)
   members/NODE, leader   the Session's (a member's value names its host: the workloads' liveness)
   workloads/ID        a workload's record (workloads.py), written through ``put``
+  batches/ID          an online batch object (router/batch/store.py); ``leader_hooks`` tell its runner
 Nothing here runs on a request's path: changes are queued to one writer task (a request that rolls
 a canary back only appends to a queue), and reads come from ``self.view``, which one watch keeps current.
 
@@ -51,6 +52,7 @@ class RouterState:
         self._published: dict = {}
         self._registry: dict[str, object] = {}       # what this router last wrote of its replicas
         self.last_adopted: dict | None = None         # the last change another router made: how late it came
+        self.leader_hooks: list = []                  # called on the event loop when the leader changes
 
     @property
     def leader(self) -> str | None:
@@ -66,7 +68,7 @@ class RouterState:
         cfg = self.cfg
         self.store = await asyncio.to_thread(open_store, cfg.state, cfg.state_dir, cfg.port)
         self.session = Session(self.store, self.node_id, cfg.state_lease_ttl, {"started": time.time(), "host": self.host},
-                               on_leader=lambda who: log.warning("state: leader is %s", who))
+                               on_leader=self._leader_changed)
         entries, rev = await asyncio.to_thread(self.store.list, "")
         self.view = {e.key: e.value for e in entries}
         self._watch = self.store.watch("", self._on_event, rev + 1)
@@ -76,6 +78,12 @@ class RouterState:
         log.info("state: %s, node %s, %d stored models, leader %s", self.store.backend, self.node_id,
                  len(self.models_view()), self.leader)
         self._tasks = [asyncio.ensure_future(self._writer()), asyncio.ensure_future(self._publish_stats())]
+
+    def _leader_changed(self, who: str | None) -> None:
+        """On a store thread (or start's): log it, and run the hooks (batch jobs) on the event loop."""
+        log.warning("state: leader is %s", who)
+        for hook in self.leader_hooks:
+            self._loop.call_soon_threadsafe(hook)
 
     async def stop(self) -> None:
         await self.flush()

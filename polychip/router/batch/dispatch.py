@@ -1,6 +1,7 @@
 """How a batch reaches the replicas: its bodies are checked by a replica's ``POST /batch_check``
 (the server owns what it refuses), and each line goes through the router's own dispatch (model
-resolution, version weights, placement, retries) in the ``low`` priority class, never streamed."""
+resolution, version weights, placement, retries) in the ``low`` priority class, never streamed.
+Batch objects live in the router's state store; only the state's leader runs them."""
 from __future__ import annotations
 
 import asyncio
@@ -56,4 +57,8 @@ def router_jobs(router, cfg: BatchConfig) -> BatchJobs:
                 raise RuntimeError(f"no replica was up for {cfg.retry_for:g}s to check the batch's bodies")
             await asyncio.sleep(1.0)
 
-    return BatchJobs(cfg, FileStore(cfg.files_dir, cfg.max_file_bytes), BatchStore(cfg.files_dir), send, check)
+    state = router.state
+    jobs = BatchJobs(cfg, FileStore(cfg.files_dir, cfg.max_file_bytes), BatchStore(state.store), send, check,
+                     is_leader=lambda: state.is_leader)
+    state.leader_hooks.append(jobs.leadership_changed)
+    return jobs

@@ -4,8 +4,11 @@ write the output and error files as records finish, and survive a restart.
 
 Durability: the files are the truth. Each record is one flushed line; after a kill the next start
 cuts a partial last line, reads what both files hold and runs only the custom_ids missing there,
-so each appears exactly once. The batch object (status, times, counts) is kept in the store; its
-counts are recounted from the files on resume.
+so each appears exactly once. The batch object (status, times, counts, file ids) is kept in the
+router's state store under ``batches/ID`` (store.py); its counts are recounted from the files on resume.
+
+N routers over one store (etcd): only the state's leader runs batches (shared.py: the view, the
+leadership, the writes), so --files-dir must be one directory they all see.
 
 States (OpenAI's): validating -> in_progress -> finalizing -> completed; validating -> failed;
 in_progress -> expired (completion_window passed: unrun lines get ``batch_expired`` records);
@@ -25,13 +28,13 @@ from polychip.router.batch.output import OrderedWriter, Written, read_written
 from polychip.router.batch.records import encode, failed_record, is_success, response_record
 from polychip.router.batch.runner import Limits, run_batch
 from polychip.router.settings import BatchConfig
-from polychip.router.batch.store import BatchStore
 from polychip.router.batch.files import FileError, FileStore
+from polychip.router.batch.shared import ACTIVE, SharedBatches
+from polychip.router.batch.store import BatchStore
 
 log = logging.getLogger("polychip.router.batch.jobs")
 
 WINDOWS = {"24h": 24 * 3600}
-ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
 RETRY_STATUS = (502, 503)        # the router could not place it yet (no replica up, queue full)
 CHECK_CHUNK = 256               # bodies per check call
 # (url, body) -> (HTTP status, request id, response body bytes)
@@ -40,32 +43,16 @@ Send = Callable[[str, dict], Awaitable[tuple[int, str, bytes]]]
 Check = Callable[[str, list[dict]], Awaitable[list[dict]]]
 
 
-class BatchJobs:
+class BatchJobs(SharedBatches):
     def __init__(self, cfg: BatchConfig, files: FileStore, store: BatchStore, send: Send, check: Check,
-                 clock: Callable[[], float] = time.time):
-        self.cfg, self.files, self.store, self._send, self._check, self.clock = cfg, files, store, send, check, clock
-        self.batches: dict[str, dict] = {}
-        self.tasks: dict[str, asyncio.Task] = {}
+                 clock: Callable[[], float] = time.time, is_leader: Callable[[], bool] = lambda: True):
+        super().__init__(store, is_leader, clock)    # only the leader runs batches (the state's election)
+        self.cfg, self.files, self._send, self._check = cfg, files, send, check
         self._slots: asyncio.Semaphore | None = None
-        self._dirty: set[str] = set()          # batches whose counts moved since their last save
 
-    # lifecycle
     async def start(self) -> None:
         self._slots = asyncio.Semaphore(self.cfg.concurrency)
-        for b in await asyncio.to_thread(self.store.load_all):
-            self.batches[b["id"]] = b
-            if b["status"] in ACTIVE:
-                log.info("batch %s was %s when the router stopped: resuming", b["id"], b["status"])
-                self._launch(b)
-
-    async def stop(self) -> None:
-        """Stop the runs (what they wrote stays; the next start resumes them)."""
-        for t in self.tasks.values():
-            t.cancel()
-        await asyncio.gather(*self.tasks.values(), return_exceptions=True)
-        for b in self.batches.values():
-            if b["status"] in ACTIVE:
-                await asyncio.to_thread(self.store.save, b)
+        await super().start()
 
     # the API
     async def create(self, input_file_id, endpoint, completion_window, metadata) -> dict:
@@ -93,8 +80,9 @@ class BatchJobs:
              "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": metadata,
              "polychip": {"output": None, "error": None}}
         self.batches[b["id"]] = b
-        await asyncio.to_thread(self.store.save, b)
-        self._launch(b)
+        if self.is_leader():          # launched before the write, so that its echo finds it running
+            self._launch(b)
+        await self._save(b)           # otherwise the leader sees it in the store and runs it
         return public(b)
 
     def get(self, batch_id: str) -> dict:
@@ -112,9 +100,11 @@ class BatchJobs:
 
     async def cancel(self, batch_id: str) -> dict:
         b = self.get(batch_id)
-        if b["status"] in ("validating", "in_progress"):
+        if b["status"] in ("validating", "in_progress") and batch_id in self.tasks:
             self._set(b, "cancelling")
-            await asyncio.to_thread(self.store.save, b)
+            await self._save(b)
+        elif b["status"] in ("validating", "in_progress"):      # the leader runs it: tell it through the store
+            b = await asyncio.to_thread(self._cancel_stored, batch_id)
         elif b["status"] not in ("cancelling", "cancelled"):
             raise FileError(409, f"batch {batch_id} is {b['status']}; only a validating or in_progress batch "
                             "can be cancelled", param="batch_id")
@@ -154,7 +144,7 @@ class BatchJobs:
             b["errors"] = {"object": "list", "data": [{"code": "internal_error", "line": None, "param": None,
                                                        "message": f"{type(e).__name__}: {e}"}]}
             self._set(b, "failed")
-        await asyncio.to_thread(self.store.save, b)
+        await self._save(b)
 
     async def _validate(self, b: dict) -> None:
         path = self.files.path(b["input_file_id"])
@@ -177,7 +167,7 @@ class BatchJobs:
         b["polychip"] = {"output": self.files.create_empty(f"{stem}_output.jsonl", "batch_output")["id"],
                          "error": self.files.create_empty(f"{stem}_error.jsonl", "batch_output")["id"]}
         self._set(b, "in_progress")
-        await asyncio.to_thread(self.store.save, b)
+        await self._save(b)
 
     async def _check_bodies(self, path: str, endpoint: str, found: FileCheck) -> None:
         """Stream the lines again and have a replica check their bodies, CHECK_CHUNK at a time."""
@@ -232,7 +222,7 @@ class BatchJobs:
             await asyncio.sleep(every)
             if b["id"] in self._dirty:
                 self._dirty.discard(b["id"])
-                await asyncio.to_thread(self.store.save, b)
+                await self._save(b)
 
     async def _one(self, b: dict, req: BatchRequest) -> dict:
         """One line through the router, waiting (with backoff) while it cannot be placed yet."""

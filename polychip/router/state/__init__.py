@@ -19,8 +19,9 @@ Interface (``StateStore``, all calls blocking and thread-safe; values are JSON-s
 
 Keys are plain strings; each user keeps its own prefix: ``models/`` (the router's rollout),
 ``replicas/`` (registry, leased), ``stats/`` (canary figures per router), ``members/``, ``leader``,
-``workloads/``. Nothing on a request's path calls the store: writers call it from a background
-task, readers keep an in-memory view that a watch keeps current.
+``workloads/``, ``batches/`` (online batch objects, router/batch/store.py). Nothing on a request's
+path calls the store: writers call it from a background task, readers keep an in-memory view that a
+watch keeps current.
 """
 from __future__ import annotations
 

@@ -182,6 +182,10 @@ class SqliteStore(MemoryStore):
         super().__init__()
         with self._lock:
             self._load()
+            # the lock is ours, so whoever granted the stored leases is gone (a SIGKILL leaves them):
+            # its leadership and registry go now, not a lease ttl later (a batch resumes at once)
+            for lease in list(self._leases):
+                self.revoke_lease(lease)
 
     def _load(self) -> None:
         meta = dict(self._db.execute("SELECT name, value FROM meta"))
