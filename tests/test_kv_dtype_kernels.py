@@ -222,9 +222,11 @@ def test_the_kit_checks_attention_on_every_declared_kv_dtype():
         return {c.dtype: c for c in check_registered_ops(
             registry, ("float32",), kv_cache_dtypes=lambda dt: (dt, "bfloat16", "float8_e4m3fn"))}
 
+    from polychip.pluginkit.numerics import ATTENTION_CASES
     native = NATIVE.native("attention")
     good = checks(native)
-    assert set(good) == {"float32", "float32, bfloat16 KV", "float32, float8_e4m3fn KV"}
+    assert set(good) == {"float32", "float32, bfloat16 KV", "float32, float8_e4m3fn KV"} | {
+        f"float32, {c.label}" for c in ATTENTION_CASES}           # and the kit's larger attention cases
     assert all(c.ok for c in good.values())
     bad = checks(lambda *args, k_scale=1.0, v_scale=1.0: native(*args))    # drops the scales
     assert bad["float32"].ok and bad["float32, bfloat16 KV"].ok and not bad["float32, float8_e4m3fn KV"].ok

@@ -24,7 +24,8 @@ def other_value(path: tuple, field):
     special = {("policy",): ("round_robin", "round_robin"),
                ("priority_weights",): ({"high": 5.0, "normal": 1.0, "low": 1.0}, "high=5"),
                ("replica_priorities",): ({"high": -20, "normal": 0, "low": 10}, "high=-20"),
-               ("guard", "confidence"): (0.9, "0.9"), ("total_timeout",): (900.0, "900.0")}
+               ("guard", "confidence"): (0.9, "0.9"), ("total_timeout",): (900.0, "900.0"),
+               ("state",): ("memory://", "memory://")}
     if path in special:
         return special[path]
     default = field.get_default(call_default_factory=True)
@@ -56,14 +57,21 @@ def nested(path, value) -> dict:
     return out
 
 
+# settings valid only together: each is given with its partner
+PARTNERS = {"replica_client_cert": "replica_client_key", "replica_client_key": "replica_client_cert"}
+
+
 @pytest.mark.parametrize("path,flag,field", SETTINGS, ids=[".".join(p) for p, _, _ in SETTINGS])
 def test_every_setting_is_a_flag_and_a_file_key(path, flag, field):
     value, text = other_value(path, field)
     assert get(RouterConfig(), path) != value
-    args = router_cmd.build_parser().parse_args(["--replica", "http://x:1", flag, text])
+    partner = PARTNERS.get(path[-1])
+    extra_args = ["--" + partner.replace("_", "-"), "/tmp/polychip-partner"] if partner else []
+    args = router_cmd.build_parser().parse_args(["--replica", "http://x:1", flag, text] + extra_args)
     assert get(settings_from_args(args), path) == value                     # the flag
+    section = dict(nested(path, value), **({partner: "/tmp/polychip-partner"} if partner else {}))
     dep = from_dict({"replicas": [{"name": "a", "model": "m", "url": "http://x:1"}],
-                     "models": [{"name": "m", "versions": {"default": 1}}], "router": nested(path, value)})
+                     "models": [{"name": "m", "versions": {"default": 1}}], "router": section})
     assert get(dep.router, path) == value                                   # the file's router section
 
 

@@ -151,7 +151,7 @@ def test_a_group_larger_than_the_queue_is_a_400_not_a_503():
 
 def test_inbox_messages_are_typed():
     from polychip.engine import async_engine as m
-    for cls in (m.AddGroup, m.Abort, m.AbortAll, m.Call):
+    for cls in (m.AddGroup, m.Abort, m.AbortAll, m.RunOnEngine):
         assert dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen
 
 
