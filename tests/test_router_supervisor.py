@@ -35,7 +35,7 @@ ROUTER = textwrap.dedent("""
     from polychip.router import supervisor as sup
     from polychip.router.deployment import ReplicaEntry
     fake, info, run_dir = sys.argv[1], sys.argv[2], sys.argv[3]
-    sup.serve_command = lambda entry, port, dtype, q: [sys.executable, "-c", fake, str(port), info]
+    sup.serve_command = lambda entry, port, *rest: [sys.executable, "-c", fake, str(port), info]
     async def main():
         try:
             s = sup.Supervisor(run_dir=run_dir, scope="deploy.yaml")

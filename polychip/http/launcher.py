@@ -81,9 +81,10 @@ class ServerProcess(ChildProcess):
         super().__init__(serve_command(host, self.port, args), env)
 
     def wait_ready(self, timeout: float = 120.0) -> "ServerProcess":
-        # healthy, and the ready line (logged right after uvicorn starts) read from the pipe
+        # healthy, and the ready line (logged right after uvicorn starts) read from the pipe: a
+        # server's, or the router's that `serve --dp-size` starts
         self.wait_until(lambda: httpx.get(self.url + "/health", timeout=2).status_code == 200
-                        and "polychip ready" in self.log, timeout, "server")
+                        and ("polychip ready" in self.log or "polychip router ready" in self.log), timeout, "server")
         return self
 
     def __enter__(self):
