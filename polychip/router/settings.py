@@ -191,21 +191,15 @@ class RouterConfig(_Settings):
             raise ValueError(f"unknown policy {v!r}; expected one of {list(POLICY_NAMES)}")
         return v
 
-    @field_validator("priority_weights")
+    @field_validator("priority_weights", "replica_priorities")
     @classmethod
-    def _classes(cls, v):
+    def _classes(cls, v, info):
+        """Known classes only; the ones not given keep their defaults."""
         unknown = sorted(set(v) - set(PRIORITY_CLASSES))
         if unknown:
             raise ValueError(f"unknown priority class(es) {unknown}; expected {list(PRIORITY_CLASSES)}")
-        return {**DEFAULT_PRIORITY_WEIGHTS, **v}
-
-    @field_validator("replica_priorities")
-    @classmethod
-    def _replica_classes(cls, v):
-        unknown = sorted(set(v) - set(PRIORITY_CLASSES))
-        if unknown:
-            raise ValueError(f"unknown priority class(es) {unknown}; expected {list(PRIORITY_CLASSES)}")
-        return {**DEFAULT_REPLICA_PRIORITIES, **v}
+        defaults = DEFAULT_PRIORITY_WEIGHTS if info.field_name == "priority_weights" else DEFAULT_REPLICA_PRIORITIES
+        return {**defaults, **v}
 
     @model_validator(mode="after")
     def _deadlines(self):
