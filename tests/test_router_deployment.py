@@ -134,6 +134,13 @@ def test_unreadable_files(tmp_path, text, expected):
         load_deployment(str(tmp_path / "missing.yaml"))
 
 
+def test_exponents_are_numbers_as_in_yaml_1_2(tmp_path):
+    """PyYAML alone reads 1e9 as a string (YAML 1.1), and the strict settings would refuse it."""
+    dep = load_deployment(write(tmp_path, GOOD.replace("max_error_rate: 0.01", "max_error_rate: 1E-2, max_ttft_ratio: 1e9")))
+    assert dep.router.guard.max_error_rate == 0.01 and dep.router.guard.max_ttft_ratio == 1e9
+    assert dep.models[0].versions == {"v1": 90, "v2": 10}
+
+
 def test_the_command_refuses_a_bad_file_before_listening(tmp_path, capsys):
     path = write(tmp_path, GOOD.replace('"simxpu:1"', '"tpu:0"'))
     assert router_cmd.main(["--deployment", path, "--port", "1"]) == 1

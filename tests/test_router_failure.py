@@ -137,7 +137,7 @@ def _promoted(servers):
 def test_the_guard_never_sets_the_last_serving_version_to_zero(stack, caplog):
     v2 = FakeReplica(model="m", version="v2", poison="bad")
     url, router = stack([v2], deployment=_promoted, queue_timeout=2,
-                        guard=GuardConfig(max_error_rate=0.001, min_samples=5))
+                        guard=GuardConfig(max_error_rate=0.001, min_samples=5, max_ttft_ratio=1e9, max_tpot_ratio=1e9))
     bodies = [{"model": "m", "prompt": "bad" if i == 2 else "p"} for i in range(20)]
     first = asyncio.run(_gather(url, bodies, conc=1))
     after = asyncio.run(_gather(url, [{"model": "m"}] * 10, conc=10))
@@ -236,7 +236,7 @@ def test_a_poison_request_runs_once(stack):
 def test_a_full_replica_is_tried_elsewhere_and_is_not_an_error(stack):
     full = FakeReplica(model="m", version="v2", mode="full")
     ok = FakeReplica(model="m", version="v1")
-    url, router = stack([ok, full], guard=GuardConfig(max_error_rate=0.001, min_samples=5))
+    url, router = stack([ok, full], guard=GuardConfig(max_error_rate=0.001, min_samples=5, max_ttft_ratio=1e9, max_tpot_ratio=1e9))
     httpx.post(url + "/admin/rollout", json={"model": "m", "weights": {"v1": 50, "v2": 50}})
     got = asyncio.run(_gather(url, [{"model": "m"}] * 40, conc=4))
     weights = router.rollout.models["m"].weights

@@ -121,7 +121,7 @@ def test_canary_split_set_at_run_time_and_sticky_users(stack):
 def test_guard_rolls_back_a_canary_whose_clients_see_errors(stack, capsys):
     v1, v2 = FakeReplica(model="m", version="v1"), FakeReplica(model="m", version="v2", mode="http500")
     # no retries and a breaker that stays closed: v2's clients get its 500s, which the guard counts
-    url, router = stack([v1, v2], guard=GuardConfig(max_error_rate=0.001, min_samples=5), max_retries=0,
+    url, router = stack([v1, v2], guard=GuardConfig(max_error_rate=0.001, min_samples=5, max_ttft_ratio=1e9, max_tpot_ratio=1e9), max_retries=0,
                         breaker=BreakerConfig(failure_threshold=1000, min_requests=1000))
     httpx.post(url + "/admin/rollout", json={"model": "m", "weights": {"v1": 80, "v2": 20}})
     results = _send(url, 100)

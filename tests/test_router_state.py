@@ -18,11 +18,12 @@ pytestmark = pytest.mark.device_independent
 
 
 def deployment_text(urls: dict, weights: dict, state_dir) -> str:
-    """The router section holds every setting, the state's too: a reload applies the file's section."""
+    """The router section holds every setting, the state's too: a reload applies the file's section. The guard
+    judges errors only: five samples of a fake replica's latency are noise (a healthy v2 was rolled back on TPOT)."""
     reps = "\n".join(f"  - {{name: {n}, model: m, version: {v}, url: '{u}'}}" for n, (u, v) in urls.items())
     w = ", ".join(f"{k}: {x}" for k, x in weights.items())
     return (f"replicas:\n{reps}\nmodels:\n  - {{name: m, versions: {{{w}}}}}\n"
-            f"router:\n  health_check: {{interval: 0.2}}\n  canary_guard: {{max_error_rate: 0.001, min_samples: 5}}\n"
+            f"router:\n  health_check: {{interval: 0.2}}\n  canary_guard: {{max_error_rate: 0.001, min_samples: 5, max_ttft_ratio: 1e9, max_tpot_ratio: 1e9}}\n"
             f"  max_retries: 0\n  state_dir: '{state_dir}'\n  node_id: solo\n")
 
 
