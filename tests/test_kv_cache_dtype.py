@@ -91,18 +91,18 @@ def test_logits_within_tolerance_of_a_float32_pool(model_factory, test_device, a
 
 
 # SmolLM2 over 8 prompts x 64 greedy tokens, float32 weights. Measured (2 cores, this repository):
-#   bfloat16  free-running 512 / 512 tokens equal, teacher-forced top-1 512 / 512
+#   bfloat16  free-running 512 / 512 tokens equal on one machine, 450 / 512 on another, teacher-forced top-1 511 / 512
 #   fp8_e4m3  free-running  70 / 512, teacher-forced top-1 477 / 512 (93.2%)
 #   fp8_e5m2  free-running 135 / 512, teacher-forced top-1 465 / 512 (90.8%)
-# Free-running, one different token changes everything after it, so fp8's figure says little
-# beyond "the first difference comes after ~8 tokens"; the teacher-forced top-1 is the per-step
-# agreement. Floors: bfloat16 >= 95% of the free-running tokens; fp8 >= 85% teacher-forced.
+# Free-running, one different token changes everything after it: "List three prime numbers" has its
+# first token's top two 0.005 apart in float32 logits, so bfloat16's rounding (or another CPU's kernel
+# order) flips it and the whole prompt differs. The teacher-forced top-1 is the per-step agreement, and
+# the floor for all three: bfloat16 >= 98%, fp8 >= 85%.
 SMOL_PROMPTS = ["The history of the Roman empire is", "def quicksort(arr):\n    ", "What is the capital of France?",
                 "Write a short poem about the sea.", "Explain photosynthesis to a child.",
                 "List three prime numbers and explain why.", "Translate 'good morning' into French and Spanish.",
                 "Once upon a time in a small village,"]
-SMOL_FLOORS = {"bfloat16": ("free-running", 0.95), "fp8_e4m3": ("teacher-forced", 0.85),
-               "fp8_e5m2": ("teacher-forced", 0.85)}
+SMOL_FLOORS = {"bfloat16": 0.98, "fp8_e4m3": 0.85, "fp8_e5m2": 0.85}     # teacher-forced top-1
 
 
 def test_smollm2_greedy_agreement(test_device):
@@ -114,20 +114,18 @@ def test_smollm2_greedy_agreement(test_device):
     ref = greedy(llm, prompts, steps)
     llm.engine.shutdown()
     total, lines = len(prompts) * steps, []
-    for name, (kind, floor) in SMOL_FLOORS.items():
+    for name, floor in SMOL_FLOORS.items():
         llm = LLM(kv_cache_dtype=name, **kw)
         got = greedy(llm, prompts, steps)
         free = sum(a == b for x, y in zip(ref, got) for a, b in zip(x, y)) / total
         prefix = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), steps) for x, y in zip(ref, got)]
-        figures = {"free-running": free}
-        if kind == "teacher-forced":
-            forced = teacher_forced(llm, prompts, ref)
-            figures[kind] = sum(int(forced[k].argmax() == ref_logits[k].argmax()) for k in ref_logits) / total
+        forced = teacher_forced(llm, prompts, ref)
+        top1 = sum(int(forced[k].argmax() == ref_logits[k].argmax()) for k in ref_logits) / total
         llm.engine.shutdown()
-        lines.append(f"{name}: free-running {free:.3f} (tokens before the first difference {prefix})"
-                     + (f", teacher-forced top-1 {figures[kind]:.3f}" if kind == "teacher-forced" else ""))
+        lines.append(f"{name}: free-running {free:.3f} (tokens before the first difference {prefix}), "
+                     f"teacher-forced top-1 {top1:.3f}")
         print(lines[-1])
-        assert figures[kind] >= floor, "\n".join(lines)
+        assert top1 >= floor, "\n".join(lines)
 
 
 class _FixedMemoryCpu(CpuPlugin):
