@@ -11,21 +11,63 @@ not a sort per request. A canary is rolled back when
   (speed, not output length as an end-to-end p95 would measure),
 
 over at least ``min_samples`` requests; never when no other version would be left serving. With N
-routers the leader judges the error test on every router's window counts (``extra``: what the
-others published to the state store, state_sync.py), so a canary whose errors are spread over the
-routers is caught although no one router's share crosses the limit.
+routers the leader judges every router's window (``extra``: what the others published to the state
+store, state_sync.py): their counts for the error test, so a canary whose errors are spread over the
+routers is caught although no one router's share crosses the limit, and their sketches merged into
+its own for the latency ratios (a DDSketch merges exactly; it travels as DataDog's protobuf form).
 """
 from __future__ import annotations
 
+import base64
 import math
 import statistics
 import time
+from dataclasses import dataclass, field
 
 from ddsketch import DDSketch
+from ddsketch.pb.ddsketch_pb2 import DDSketch as DDSketchMessage
+from ddsketch.pb.proto import DDSketchProto
+from google.protobuf.message import DecodeError
 
 from polychip.router.settings import GuardConfig
 
 RELATIVE_ACCURACY = 0.01      # sketch quantiles within 1% of the true value
+JUDGED = ("ttft", "tpot")     # the latencies the guard compares (end-to-end measures output length)
+
+
+def sketch_to_text(sketch: DDSketch) -> str:
+    """A sketch as text for the state store's JSON (base64 of its protobuf form)."""
+    return base64.b64encode(DDSketchProto.to_proto(sketch).SerializeToString()).decode()
+
+
+def sketch_from_text(text: str) -> DDSketch:
+    """The sketch ``sketch_to_text`` wrote; ValueError naming what is wrong for anything else."""
+    try:
+        return DDSketchProto.from_proto(DDSketchMessage.FromString(base64.b64decode(text, validate=True)))
+    except (TypeError, ValueError, DecodeError) as e:
+        raise ValueError(f"not a latency sketch ({type(e).__name__}: {e})") from None
+
+
+def merge_into(target: DDSketch, other: DDSketch) -> DDSketch:
+    if other.count:
+        target.merge(other)
+    return target
+
+
+@dataclass
+class Published:
+    """What the other routers saw of one version in their windows, summed (state_sync.py)."""
+    requests: int = 0
+    errors: int = 0
+    sketches: dict = field(default_factory=dict)      # "ttft" / "tpot" -> a DDSketch
+
+    def add(self, requests: int, errors: int, texts: dict) -> None:
+        """One router's window; nothing of it is added when a sketch cannot be read (ValueError)."""
+        sketches = {which: sketch_from_text(texts[which]) for which in JUDGED if texts.get(which)}
+        self.requests += int(requests)
+        self.errors += int(errors)
+        for which, sketch in sketches.items():
+            merge_into(self.sketches.setdefault(which, DDSketch(RELATIVE_ACCURACY)), sketch)
 
 
 def wilson(errors: int, n: int, confidence: float) -> tuple[float, float]:
@@ -80,14 +122,27 @@ class VersionWindow:
         self._rotate()
         return self.old.requests + self.new.requests, self.old.errors + self.new.errors
 
-    def quantile(self, which: str, q: float) -> float | None:
+    def sketch(self, which: str) -> DDSketch:
+        """The window's sketch of ``which`` (both generations, merged into a new one)."""
         self._rotate()
         merged = DDSketch(RELATIVE_ACCURACY)
         for gen in (self.old, self.new):
-            sketch = getattr(gen, which)
-            if sketch.count:
-                merged.merge(sketch)
+            merge_into(merged, getattr(gen, which))
+        return merged
+
+    def quantile(self, which: str, q: float) -> float | None:
+        merged = self.sketch(which)
         return merged.get_quantile_value(q) if merged.count else None
+
+    def published(self) -> dict:
+        """The window as this router publishes it for the others (state_sync.py)."""
+        n, bad = self.counts()
+        out = {"requests": self.requests, "errors": self.errors, "window": n, "window_errors": bad}
+        for which in JUDGED:
+            sketch = self.sketch(which)
+            if sketch.count:
+                out[which] = sketch_to_text(sketch)
+        return out
 
     def summary(self) -> dict:
         n, bad = self.counts()
@@ -97,20 +152,26 @@ class VersionWindow:
                 **{f"{w}_p{int(q * 100)}": self.quantile(w, q) for w in ("ttft", "tpot", "e2e") for q in (0.5, 0.95)}}
 
 
+def _p95(own: VersionWindow | None, theirs: Published, which: str) -> float | None:
+    merged = own.sketch(which) if own is not None else DDSketch(RELATIVE_ACCURACY)
+    if which in theirs.sketches:
+        merge_into(merged, theirs.sketches[which])
+    return merged.get_quantile_value(0.95) if merged.count else None
+
+
 def verdict(g: GuardConfig, canary: VersionWindow | None, base: VersionWindow | None, baseline: str,
-            extra: tuple = ((0, 0), (0, 0))) -> str | None:
+            extra: tuple[Published, Published] | None = None) -> str | None:
     """Why the canary should be rolled back (None: it passes, or too few samples yet). ``extra``:
-    the (requests, errors) in the window that the other routers saw of the canary and of the
-    baseline, added to this router's own for the error test; the latency ratios are this
-    router's own sketches (none when it saw none)."""
-    (more_n, more_bad), (more_base_n, more_base_bad) = extra
+    what the other routers saw in their windows of the canary and of the baseline, added to this
+    router's own for both tests."""
+    more, more_base = extra or (Published(), Published())
     n, bad = canary.counts() if canary is not None else (0, 0)
-    n, bad = n + more_n, bad + more_bad
+    n, bad = n + more.requests, bad + more.errors
     if n < g.min_samples:
         return None
     low, _ = wilson(bad, n, g.confidence)
     base_n, base_bad = base.counts() if base is not None else (0, 0)
-    base_n, base_bad = base_n + more_base_n, base_bad + more_base_bad
+    base_n, base_bad = base_n + more_base.requests, base_bad + more_base.errors
     judged_base = base_n >= g.min_samples
     _, base_high = wilson(base_bad, base_n, g.confidence)
     if low > g.max_error_rate and (not judged_base or low > base_high):
@@ -118,10 +179,8 @@ def verdict(g: GuardConfig, canary: VersionWindow | None, base: VersionWindow | 
                 f"{g.max_error_rate:.2%}" + (f" and baseline {baseline}'s {base_bad}/{base_n}" if judged_base else ""))
     if not judged_base:
         return None
-    if canary is None or base is None:
-        return None
     for which, limit, label in (("ttft", g.max_ttft_ratio, "TTFT"), ("tpot", g.max_tpot_ratio, "TPOT")):
-        mine, theirs = canary.quantile(which, 0.95), base.quantile(which, 0.95)
+        mine, theirs = _p95(canary, more, which), _p95(base, more_base, which)
         if mine is not None and theirs and mine > theirs * limit:
             return (f"{label} p95 {mine * 1000:.1f} ms exceeds {limit:g}x the baseline {baseline}'s "
                     f"{theirs * 1000:.1f} ms")

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from polychip.errors import ConfigError
 from polychip.router.settings import GuardConfig
-from polychip.router.guard import VersionWindow, verdict
+from polychip.router.guard import Published, VersionWindow, verdict
 
 log = logging.getLogger("polychip.router")
 
@@ -69,7 +69,7 @@ class Rollout:
         self.on_change = None                   # (route, source) -> None: the state store records it
         self.may_decide = lambda: True          # False on a router that is not the leader of N
         # (model, version) -> (requests, errors) the other routers saw in their windows (state_sync.py)
-        self.others: dict[tuple[str, str], tuple[int, int]] = {}
+        self.others: dict[tuple[str, str], Published] = {}   # the other routers' windows (state_sync)
 
     # the set of models and versions
     def declare(self, route: ModelRoute) -> None:
@@ -144,7 +144,8 @@ class Rollout:
         """The guard's verdict on one canary: this router's figures plus the other routers'."""
         if version == route.baseline or route.weights.get(version, 0) <= 0:
             return
-        extra = (self.others.get((route.name, version), (0, 0)), self.others.get((route.name, route.baseline), (0, 0)))
+        extra = (self.others.get((route.name, version), Published()),
+                 self.others.get((route.name, route.baseline), Published()))
         reason = verdict(self.guard, self.stats.get((route.name, version)),
                          self.stats.get((route.name, route.baseline)), route.baseline, extra)
         if reason:

@@ -3,7 +3,8 @@
 Keys (under the store's namespace):
   models/NAME         {"weights", "baseline", "rolled_back": {version: why}, "file_intent", "source", "by", "at"}
   replicas/NODE/NAME  the replicas router NODE fronts (under its lease: gone when the router dies)
-  stats/NODE          {model: {version: {"requests", "errors"}}} each router's figures (leased)
+  stats/NODE          {model: {version: {"requests", "errors", "window", "window_errors", "ttft", "tpot"}}}
+                      each router's canary figures, its window's latency sketches as text (leased)
   members/NODE, leader   the Session's (a member's value names its host: the workloads' liveness)
   workloads/ID        a workload's record (workloads.py), written through ``put``
   batches/ID          an online batch object (router/batch/store.py); ``leader_hooks`` tell its runner
@@ -23,6 +24,7 @@ import logging
 import socket
 import time
 
+from polychip.router.guard import JUDGED, Published
 from polychip.router.state import Event, Session, StateStore, StoreError, open_store
 
 log = logging.getLogger("polychip.router.state")
@@ -50,6 +52,7 @@ class RouterState:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task] = []
         self._published: dict = {}
+        self._unreadable: set = set()                 # (stats key, model, version) already logged
         self._registry: dict[str, object] = {}       # what this router last wrote of its replicas
         self.last_adopted: dict | None = None         # the last change another router made: how late it came
         self.leader_hooks: list = []                  # called on the event loop when the leader changes
@@ -226,12 +229,11 @@ class RouterState:
 
     # canary figures: each router publishes its own; the leader's guard judges them merged
     def local_stats(self) -> dict:
-        """{model: {version: {"requests", "errors" (since start), "window", "window_errors"}}}."""
+        """{model: {version: {"requests", "errors" (since start), "window", "window_errors", and
+        the window's "ttft" and "tpot" sketches}}}."""
         out: dict = {}
         for (model, version), s in self.rollout.stats.items():
-            n, bad = s.counts()
-            out.setdefault(model, {})[version] = {"requests": s.requests, "errors": s.errors,
-                                                  "window": n, "window_errors": bad}
+            out.setdefault(model, {})[version] = s.published()
         return out
 
     async def _publish_stats(self) -> None:
@@ -246,26 +248,44 @@ class RouterState:
         if stats != self._published:
             self._published = stats
             self._queue(f"stats/{self.node_id}", stats, leased=True)
-        others = self.merged_stats(include_self=False)
-        self.rollout.others = {(m, v): (f.get("window", 0), f.get("window_errors", 0))
-                               for m, versions in others.items() for v, f in versions.items()}
+        self.rollout.others = self.others_windows()
         if self.is_leader:
             self.rollout.judge_all()
 
-    def merged_stats(self, include_self: bool = True) -> dict:
-        """{model: {version: {"requests", "errors", "window", "window_errors"}}} summed over every
-        live router (their published figures; this router's own live ones)."""
-        out: dict = {}
+    def _published_by_others(self, keyed: bool = False):
         mine = f"stats/{self.node_id}"
-        published = [(k, v) for k, v in self.view.items() if k.startswith("stats/") and k != mine]
-        for key, per_model in published + ([(mine, self.local_stats())] if include_self else []):
-            if not isinstance(per_model, dict):
-                continue
+        for key, per_model in self.view.items():
+            if key.startswith("stats/") and key != mine and isinstance(per_model, dict):
+                yield (key, per_model) if keyed else per_model
+
+    def others_windows(self) -> dict:
+        """{(model, version): Published}: the other live routers' windows, counts and sketches summed
+        (a router's figures that cannot be read are left out, and logged once)."""
+        out: dict = {}
+        for key, per_model in self._published_by_others(keyed=True):
+            for model, versions in per_model.items():
+                for version, f in versions.items():
+                    try:
+                        window = out.get((model, version)) or Published()
+                        window.add(f["window"], f["window_errors"], f)
+                        out[(model, version)] = window
+                    except (KeyError, TypeError, ValueError) as e:
+                        if (key, model, version) not in self._unreadable:
+                            self._unreadable.add((key, model, version))
+                            log.warning("state: %s: %s %s left out of the guard: %s", key, model, version, e)
+        return out
+
+    def merged_stats(self) -> dict:
+        """{model: {version: {"requests", "errors", "window", "window_errors"}}} summed over every
+        live router (the others' published figures, this router's own live ones)."""
+        out: dict = {}
+        for per_model in [*self._published_by_others(), self.local_stats()]:
             for model, versions in per_model.items():
                 for version, figures in versions.items():
                     acc = out.setdefault(model, {}).setdefault(version, {})
                     for name, n in figures.items():
-                        acc[name] = acc.get(name, 0) + n
+                        if name not in JUDGED:
+                            acc[name] = acc.get(name, 0) + n
         return out
 
     async def describe(self) -> dict:
