@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import re
 import textwrap
+import time
 from pathlib import Path
 
 import httpx
@@ -288,7 +289,8 @@ def test_router_without_a_key(open_router, browser, screens):
 
 def test_serve_console_shows_its_one_replica(sim, browser, screens):
     missing = missing_routes(sim.url, KEY)
-    assert {"/admin/replicas", "/admin/live", "/admin/rollout"} <= missing and "/server_info" not in missing
+    assert {"/admin/replicas", "/admin/rollout"} <= missing
+    assert "/server_info" not in missing and "/admin/live" not in missing
     assert httpx.get(sim.url + "/console").status_code == 200     # the page needs no key; its data does
     cp = browser.page(sim.url)
     page = cp.open("room")
@@ -298,11 +300,44 @@ def test_serve_console_shows_its_one_replica(sim, browser, screens):
     assert "simxpu:0" in page.locator('tr[data-replica="this server"]').inner_text()
     cp.shot(screens, "serve-room")
     cp.show("chat")
+    sent_at = time.time()
     answer = send_chat(page, "Hello", max_tokens=8)
     assert answer.locator("[data-tokens]").inner_text() == "8"
     cp.shot(screens, "serve-chat")
+    _serve_live_shows_the_chat(cp, sim.url, sent_at)
+    cp.shot(screens, "serve-live")
     cp.assert_clean(missing, locked=True)
     cp.close()
+
+
+def _ms(s: float) -> str:
+    """console/src/format.js's ms()."""
+    return f"{s * 1000:.1f} ms" if s < 0.1 else f"{s * 1000:.0f} ms"
+
+
+def _serve_live_shows_the_chat(cp, url: str, sent_at: float):
+    """The server's own /admin/live counts the chat (one request, 8 tokens since it was sent) and
+    the Live view shows its figures: the latest TTFT and TPOT, the scheduler's queue, none running."""
+    live = httpx.get(url + "/admin/live", headers=AUTH).json()
+    assert live["scope"] == "server"
+    s = next(x for x in live["series"] if (x["model"], x["device_type"]) == ("tiny", "simxpu"))
+    since = [i for i, t in enumerate(live["t"]) if t + live["step_s"] > sent_at]
+    assert sum(s["requests_per_s"][i] for i in since) * live["step_s"] == 1
+    assert sum(s["output_tokens_per_s"][i] for i in since) * live["step_s"] == 8
+    ttft, tpot = (next(v for v in reversed(s[k]) if v is not None) for k in ("ttft_p50_s", "tpot_p50_s"))
+    page = cp.show("live")
+    page.wait_for_selector(".chart canvas")
+    assert page.locator(".chart").count() == 6
+    assert page.locator("select option", has_text="tiny on simxpu").count() == 1
+    assert page.locator(".chart figcaption", has_text="Waiting in the scheduler, by priority").count() == 1
+
+    def tile(label: str) -> str:
+        return page.locator(f'.tile:has-text("{label}") b').inner_text()
+    # the page polls every 2 s; the scheduler is sampled every 2 s, once after the chat ended
+    wait_for(lambda: tile("TTFT p50") == _ms(ttft) and tile("running") == "0", 10, f"TTFT {_ms(ttft)}, 0 running")
+    assert tile("TPOT p50") == _ms(tpot)
+    errors = ", ".join(f"{k} {n}" for k, n in live["errors_by_kind"].items()) or "none"
+    assert page.locator("p", has_text="Errors in the window").inner_text() == f"Errors in the window: {errors}."
 
 
 def thinking_replica() -> FastAPI:

@@ -1,10 +1,10 @@
-"""/admin/live: the router's recent time series (router/live.py), from its own request records."""
+"""/admin/live: the router's recent time series (http/live.py), from its own request records."""
 from __future__ import annotations
 
 import httpx
 import pytest
 
-from polychip.router.live import LiveSeries
+from polychip.http.live import LiveSeries
 from polychip.router.settings import HealthConfig, RouterConfig
 from router_helpers import FakeReplica, ThreadServer, start_router, wait_for
 
@@ -90,5 +90,6 @@ def test_admin_live_counts_real_requests_and_needs_the_key():
             assert sum(sim["output_tokens_per_s"]) * view["step_s"] == 12
             assert any(v is not None and v > 0 for v in sim["ttft_p50_s"])
             assert set(view["queue"]) == {"high", "normal", "low"}
+            assert view["scope"] == "router"
         finally:
             server.stop()

@@ -7,7 +7,7 @@ export function Gate({ res, what, children }) {
   if (res.state === 'loading') return html`<p class="muted">Loading ${what}…</p>`;
   if (res.state === 'missing') {
     return html`<p class="notice missing" data-missing=${what}>
-      ${what} is not available on this router (${res.path} answered 404).</p>`;
+      ${what} is not available on this server (${res.path} answered 404).</p>`;
   }
   if (res.state === 'locked') {
     return html`<p class="notice locked">This server needs an API key: enter it above. (${res.error})</p>`;

@@ -10,7 +10,7 @@ import itertools
 import logging
 import os
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 from polychip.config import EngineConfig
 from polychip.devices.discovery import open_from_config
@@ -186,6 +186,10 @@ class Engine:
     def num_running(self) -> int:
         return len(self.scheduler.running)
 
+    def waiting_by_priority(self) -> tuple[tuple[int, int], ...]:
+        """(priority, requests waiting) for each priority that has any, lowest (first to run) first."""
+        return tuple(sorted(Counter(r.priority for r in self.scheduler.waiting).items()))
+
     # the step
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; returns an output for every request that made progress."""
@@ -268,7 +272,8 @@ class Engine:
         pm, c = self.pages, self.counters
         queried = c.get("prompt_tokens_queried", 0)
         return EngineStats(
-            num_waiting=self.num_waiting, num_running=self.num_running, page_size=pm.page_size,
+            num_waiting=self.num_waiting, num_running=self.num_running,
+            waiting_by_priority=self.waiting_by_priority(), page_size=pm.page_size,
             pages_total=pm.num_pages, kv_pool_bytes=self.pool.num_bytes, pages_free=pm.num_free, pages_cached=pm.cache.num_pages,
             pages_evictable=pm.cache.evictable_pages(), kv_usage=1 - pm.num_free / pm.num_pages,
             prefix_cache_hit_rate=c.get("prompt_tokens_cached", 0) / queried if queried else 0.0,

@@ -76,6 +76,7 @@ class EngineStats:
     stage_seconds: tuple[tuple[str, float], ...]          # (stage, seconds), in STAGES order
     device_memory: tuple[tuple[str, int, int], ...]       # (device label, free bytes, total bytes)
     ranks: tuple[RankDevice, ...] = ()                    # every tensor-parallel rank's device
+    waiting_by_priority: tuple[tuple[int, int], ...] = ()  # (scheduler priority, waiting), lowest first
     # the host tier of the radix cache (--enable-hierarchical-cache), zero without it
     host_tier_pages: int = 0              # host pages it can hold
     host_tier_pages_used: int = 0

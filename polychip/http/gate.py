@@ -226,5 +226,6 @@ async def _send_json(send, status: int, body: dict, headers: dict) -> None:
 
 def _route_label(path: str) -> str:
     known = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/server_info",
-             "/flush_cache", "/generate", "/model_info", "/get_model_info", "/get_server_info", "/health_generate")
+             "/flush_cache", "/generate", "/model_info", "/get_model_info", "/get_server_info", "/health_generate",
+             "/admin/live")
     return path if path in known else "other"

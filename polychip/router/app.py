@@ -6,7 +6,7 @@ Request extension fields: ``preferred_device_types`` (list of device types, most
 first) and ``priority_class`` (high | normal | low; or the header ``x-polychip-priority``); the
 header ``x-polychip-version`` sends the request to that version instead of one picked by the
 weights (another live version only if none of its replicas is up). ``/console`` is the web
-console (polychip/console), ``/admin/live`` its time series (router/live.py).
+console (polychip/console), ``/admin/live`` its time series (http/live.py).
 """
 from __future__ import annotations
 
@@ -119,7 +119,7 @@ class Router:
             await self.workloads.inventory_ready()
             await self.workloads.declare(self.deployment.workloads, self.deployment.source)
         self._tasks.append(asyncio.ensure_future(self.health.run()))
-        self._tasks.append(asyncio.ensure_future(self.metrics.live.sample_forever(self.dispatcher)))
+        self._tasks.append(asyncio.ensure_future(self.metrics.live.sample_forever(self._live_figures)))
         if cfg.batch.files_dir is not None:
             from polychip.router.batch.dispatch import router_jobs
             self.batches = router_jobs(self, cfg.batch)
@@ -166,6 +166,11 @@ class Router:
                    for r in self.dispatcher.replicas.values())
 
     # deployment files
+    def _live_figures(self) -> tuple[dict[str, int], int]:
+        """What /admin/live samples each step: the queue per priority class, requests in flight."""
+        d = self.dispatcher
+        return d.queue_lengths(), sum(r.inflight for r in d.replicas.values())
+
     async def _place(self, dep: Deployment) -> Placement:
         """Place ``dep``; the device inventory is read in worker threads, off the event loop."""
         await self.inventory.prefetch(device_configs(dep))

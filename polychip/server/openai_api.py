@@ -1,6 +1,7 @@
-"""The FastAPI app: OpenAI routes, health, models, metrics, two operator endpoints
-(``/server_info`` with the KV pool state and an integrity check, ``/flush_cache``), and SGLang's
-native worker routes (server/sglang_api.py: /generate, /model_info, /health_generate).
+"""The FastAPI app: OpenAI routes, health, models, metrics, three operator endpoints
+(``/server_info`` with the KV pool state and an integrity check, ``/flush_cache``, and
+``/admin/live``, the console's time series: server/live.py), and SGLang's native worker routes
+(server/sglang_api.py: /generate, /model_info, /health_generate).
 
 The routes are module-level handlers on APIRouters named for their routes (``openai_routes`` here); each finds the server's state on
 ``request.app.state.polychip``. Errors are turned into OpenAI error bodies by the app's exception
@@ -24,6 +25,7 @@ from polychip.http.console import mount_console
 from polychip.http.errors import error_response, install_error_handlers, parse_body
 from polychip.http.gate import EdgeLimits, Gate
 from polychip.server import batch_check, chat, completions, server_info, sglang_api
+from polychip.server.live import ServerLive, live_routes
 from polychip.server.errors import to_response
 from polychip.server.metrics import CONTENT_TYPE, ServerMetrics
 from polychip.server.protocol import ChatCompletionRequest, CompletionRequest, model_card
@@ -101,7 +103,9 @@ async def lifespan(app: FastAPI):
     state: ServerState = app.state.polychip
     ae = state.engine
     ae.start(asyncio.get_running_loop())
+    sampler = asyncio.ensure_future(state.live.sample_forever(ae))     # /admin/live's queue and running
     yield
+    sampler.cancel()
     left = ae.stats.num_running + ae.stats.num_waiting
     log.info("stopping the engine%s", f" (aborting {left} request(s))" if left else "")
     await asyncio.to_thread(ae.shutdown, state.config.graceful_shutdown_timeout)
@@ -113,9 +117,8 @@ def build_app(engine: Engine, cfg: ServerConfig | None = None) -> tuple[Gate, Se
     ae = AsyncEngine(engine, max_waiting=cfg.max_waiting_requests)
     name = default_model_name(ae.config)
     metrics = ServerMetrics(name) if cfg.enable_metrics else None
-    if metrics is not None:
-        ae.on_finish = metrics.observe_finished
-    state = ServerState(ae, cfg, name, metrics)
+    state = ServerState(ae, cfg, name, metrics, ServerLive(name, ae.device_identity()["device_type"]))
+    ae.on_finish = state.finished
     if not cfg.special_tokens_in_content:     # build the plain-text tokenizer now, not on a request
         ae.tokenizer.encode("", special_tokens_as_text=True)
     app = FastAPI(title="polychip", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
@@ -125,6 +128,7 @@ def build_app(engine: Engine, cfg: ServerConfig | None = None) -> tuple[Gate, Se
     app.include_router(server_info.server_info_routes)     # /server_info, /get_server_info
     app.include_router(sglang_api.sglang_routes)           # /generate, /model_info, /get_model_info, /health_generate
     app.include_router(batch_check.batch_check_routes)     # /batch_check (the router's batch validation)
+    app.include_router(live_routes)                        # /admin/live (the console's Live view)
     mount_console(app)                         # /console: the web console (its data needs the key)
     on_response = (lambda m, r, s: metrics.http.labels(m, r, str(s)).inc()) if metrics is not None else None
     limits = EdgeLimits(api_key=cfg.api_key, max_body_bytes=cfg.max_request_body_bytes,

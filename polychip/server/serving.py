@@ -27,6 +27,7 @@ class ServerState:
     config: ServerConfig
     model_name: str
     metrics: object | None = None          # ServerMetrics when --enable-metrics
+    live: object | None = None             # ServerLive: /admin/live's time series (server/live.py)
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
     @property
@@ -50,6 +51,15 @@ class ServerState:
     def reject(self, reason: str) -> None:
         if self.metrics is not None:
             self.metrics.rejected.labels(reason).inc()
+        if self.live is not None:
+            self.live.error(reason)
+
+    def finished(self, out: RequestOutput) -> None:
+        """The engine's hook for each finished request (called in the engine thread)."""
+        if self.metrics is not None:
+            self.metrics.observe_finished(out)
+        if self.live is not None:
+            self.live.finished(out)
 
 
 def state_of(request: Request) -> ServerState:

@@ -1,5 +1,7 @@
-// Live: the router's own time series (/admin/live), per model and device type: output tokens/s,
-// requests/s, TTFT and TPOT p50/p95, the router's queue per priority class, errors/s.
+// Live: the recent time series of /admin/live, per model and device type: output tokens/s,
+// requests/s, TTFT and TPOT p50/p95, the queue per priority class, errors/s. The router's cover
+// the requests it forwards and its own queue; `polychip serve`'s (scope "server") its one model
+// on its device, its scheduler's queue and the requests running in its batch.
 import { useState } from 'preact/hooks';
 import { html } from '../html.js';
 import { Gate } from '../gate.js';
@@ -17,7 +19,7 @@ export function Live({ api }) {
     <${Gate} res=${live} what="Live metrics">
       ${(d) => html`<${Charts} d=${d} pick=${pick} setPick=${setPick} />`}
     <//>
-    <${LinkOut} />
+    <${LinkOut} server=${live.data?.scope === 'server'} />
   </section>`;
 }
 
@@ -29,6 +31,7 @@ const last = (values) => values.filter((v) => v != null).slice(-1)[0];
 
 function Charts({ d, pick, setPick }) {
   const s = d.series.find((x) => keyOf(x) === pick) || d.series[0];
+  const server = d.scope === 'server';
   const t = d.t;
   const queue = Object.entries(d.queue).map(([cls, values]) => ({ label: cls, values }));
   return html`
@@ -43,7 +46,7 @@ function Charts({ d, pick, setPick }) {
       <div class="tile"><b>${num(last(s.requests_per_s), 2)}</b> req/s</div>
       <div class="tile"><b>${ms(last(s.ttft_p50_s))}</b> TTFT p50</div>
       <div class="tile"><b>${ms(last(s.tpot_p50_s))}</b> TPOT p50</div>
-      <div class="tile"><b>${last(d.inflight) ?? 0}</b> in flight</div>
+      <div class="tile"><b>${last(d.inflight) ?? 0}</b> ${server ? 'running' : 'in flight'}</div>
       <div class="tile"><b>${num(last(s.errors_per_s), 2)}</b> errors/s</div>
     </div>
     <div class="charts">
@@ -53,7 +56,7 @@ function Charts({ d, pick, setPick }) {
         lines=${[{ label: 'p50', values: s.ttft_p50_s }, { label: 'p95', values: s.ttft_p95_s }]} />
       <${Chart} title="Time per output token" t=${t} unit=" ms" scale=${1000} dots=${true}
         lines=${[{ label: 'p50', values: s.tpot_p50_s }, { label: 'p95', values: s.tpot_p95_s }]} />
-      <${Chart} title="Waiting in the router, by priority" t=${t} lines=${queue} />
+      <${Chart} title=${`Waiting in the ${server ? 'scheduler' : 'router'}, by priority`} t=${t} lines=${queue} />
       <${Chart} title="Errors/s" t=${t} lines=${[{ label: 'errors/s', values: s.errors_per_s }]} />
     </div>
     <p class="small muted">Errors in the window: ${Object.entries(d.errors_by_kind).map(([k, n]) => `${k} ${n}`)
@@ -61,14 +64,15 @@ function Charts({ d, pick, setPick }) {
 }
 
 // For those who run a Prometheus server: a link to it (its address stays in this browser).
-function LinkOut() {
+function LinkOut({ server }) {
   const [url, setUrl] = useState(localStorage.getItem(PROM_SLOT) || '');
   const save = (v) => {
     setUrl(v);
     if (v) localStorage.setItem(PROM_SLOT, v);
     else localStorage.removeItem(PROM_SLOT);
   };
-  const expr = encodeURIComponent('sum by (device_type) (rate(polychip_router_completion_tokens_total[1m]))');
+  const expr = encodeURIComponent(server ? 'rate(polychip_generation_tokens_total[1m])'
+    : 'sum by (device_type) (rate(polychip_router_completion_tokens_total[1m]))');
   const ok = /^https?:\/\/[^\s]+$/.test(url);
   return html`<p class="small">
     Raw counters: <a href="/metrics">/metrics</a>.

@@ -1,7 +1,7 @@
 """The operator's routes, behind the API key: /admin/replicas, /admin/rollout (status, set
 weights), /admin/reload (re-read the deployment file), /admin/state (the state store: backend,
 leader, members, stored models, replica registry) and /admin/live (the console's recent time
-series, router/live.py)."""
+series, http/live.py)."""
 from __future__ import annotations
 
 from typing import Annotated

@@ -1,10 +1,12 @@
-"""The router's own recent time series, for the console's Live view (``GET /admin/live``).
+"""Recent time series for the console's Live view (``GET /admin/live``), kept by the router (of
+the requests it forwards) and by ``polychip serve`` (of its own), in one JSON shape.
 
 Each finished request is recorded into the bin of the second-step it ended in, per (model,
-device type): requests, errors, output tokens, and its TTFT and TPOT; the router's queue per
-priority class and its requests in flight are sampled once per step. The last ``window`` seconds
-(since the router started, at most) are kept; the view gives rates per second and p50/p95 per bin, for every (model, device type),
-every model, every device type and all traffic. No Prometheus server is needed.
+device type): requests, errors, output tokens, and its TTFT and TPOT; the queue per priority
+class and the requests in flight are sampled once per step. The last ``window`` seconds (since
+the start, at most) are kept; the view gives rates per second and p50/p95 per bin, for every
+(model, device type), every model, every device type and all traffic. No Prometheus server is
+needed. Not thread-safe: record and view from one thread (or under one lock).
 """
 from __future__ import annotations
 
@@ -53,12 +55,13 @@ class _Bin:
 
 
 class LiveSeries:
-    def __init__(self, step: float = 2.0, window: float = 600.0, clock=time.time):
+    def __init__(self, step: float = 2.0, window: float = 600.0, clock=time.time, scope: str = "router"):
         if step <= 0 or window < step:
             raise ValueError(f"live series: need 0 < step <= window, got step={step}, window={window}")
         self.step, self.window, self.clock = step, window, clock
+        self.scope = scope                       # whose queue and in-flight figures: "router" or "server"
         self.bins: deque[_Bin] = deque(maxlen=int(window // step))
-        self.first = int(clock() // step)        # no steps before the router started
+        self.first = int(clock() // step)        # no steps before the start
 
     def _bin(self) -> _Bin:
         index = int(self.clock() // self.step)
@@ -88,9 +91,10 @@ class LiveSeries:
         b = self._bin()
         b.queue, b.inflight = dict(queue), inflight
 
-    async def sample_forever(self, dispatcher) -> None:
+    async def sample_forever(self, read) -> None:
+        """``sample(*read())`` once per step; ``read`` gives (queue per priority class, in flight)."""
         while True:
-            self.sample(dispatcher.queue_lengths(), sum(r.inflight for r in dispatcher.replicas.values()))
+            self.sample(*read())
             await asyncio.sleep(self.step)
 
     # the view
@@ -112,7 +116,7 @@ class LiveSeries:
                 kinds[k] += n
         empty = _Bin(0)
         rows = [by_index.get(i, empty) for i in slots]
-        return {"step_s": self.step, "window_s": count * self.step, "now": self.clock(),
+        return {"scope": self.scope, "step_s": self.step, "window_s": count * self.step, "now": self.clock(),
                 "t": [i * self.step for i in slots], "series": series,
                 "queue": {c: [None if b.queue is None else b.queue.get(c, 0) for b in rows] for c in classes},
                 "inflight": [b.inflight for b in rows], "errors_by_kind": dict(sorted(kinds.items()))}

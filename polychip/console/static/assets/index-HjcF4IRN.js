@@ -5,7 +5,7 @@ var e,t,n,r,i,a,o,s,c,l,u,d={},f=[],p=/acit|ex(?:s|g|n|p|$)|rph|grid|ows|mnc|ntw
     <input type="password" name="api-key" placeholder="API key" autocomplete="off" value=${n}
            onInput=${e=>r(e.currentTarget.value)} />
     <button type="submit">Use key</button></form>`}function Pe({res:e,what:t,children:n}){return e.state===`ok`?n(e.data):e.state===`loading`?V`<p class="muted">Loading ${t}…</p>`:e.state===`missing`?V`<p class="notice missing" data-missing=${t}>
-      ${t} is not available on this router (${e.path} answered 404).</p>`:e.state===`locked`?V`<p class="notice locked">This server needs an API key: enter it above. (${e.error})</p>`:V`<p class="notice error">${t}: ${e.error}</p>`}function Fe(e,t,n=3e3){let[r,i]=R({state:`loading`}),a=ye(!0),o=z(async()=>{if(t)try{let n=await e.get(t);a.current&&i({state:`ok`,data:n,at:Date.now()})}catch(e){a.current&&i({state:Ie(e),status:e.status,error:e.message,path:t})}},[e,t]);return ve(()=>{a.current=!0,i({state:`loading`}),o();let e=n?setInterval(o,n):null;return()=>{a.current=!1,e&&clearInterval(e)}},[o,n]),[r,o]}function Ie(e){return e.status===404?`missing`:e.status===401?`locked`:`error`}var Le=e=>e==null?`–`:`${(e*100).toFixed(e>=.1?0:1)}%`,Re=e=>e==null?`–`:`${(e*1e3).toFixed(+(e<.1))} ms`,ze=(e,t=1)=>e==null?`–`:Number(e).toFixed(t);function Be(e){if(e==null)return`–`;let t=[`B`,`KiB`,`MiB`,`GiB`,`TiB`],n=0;for(;e>=1024&&n<t.length-1;)e/=1024,n+=1;return`${e.toFixed(+!!n)} ${t[n]}`}function Ve(e){return e==null?`–`:e<90?`${Math.round(e)} s`:e<5400?`${Math.round(e/60)} min`:`${(e/3600).toFixed(1)} h`}function He(e){if(e==null||e===``)return`–`;let t=typeof e==`number`?new Date(e*1e3):new Date(e);return Number.isNaN(t.getTime())?String(e):t.toLocaleString()}function Ue({api:e}){let[t]=Fe(e,`/admin/replicas`,3e3);return t.state===`missing`?V`<${We} api=${e} />`:V`
+      ${t} is not available on this server (${e.path} answered 404).</p>`:e.state===`locked`?V`<p class="notice locked">This server needs an API key: enter it above. (${e.error})</p>`:V`<p class="notice error">${t}: ${e.error}</p>`}function Fe(e,t,n=3e3){let[r,i]=R({state:`loading`}),a=ye(!0),o=z(async()=>{if(t)try{let n=await e.get(t);a.current&&i({state:`ok`,data:n,at:Date.now()})}catch(e){a.current&&i({state:Ie(e),status:e.status,error:e.message,path:t})}},[e,t]);return ve(()=>{a.current=!0,i({state:`loading`}),o();let e=n?setInterval(o,n):null;return()=>{a.current=!1,e&&clearInterval(e)}},[o,n]),[r,o]}function Ie(e){return e.status===404?`missing`:e.status===401?`locked`:`error`}var Le=e=>e==null?`–`:`${(e*100).toFixed(e>=.1?0:1)}%`,Re=e=>e==null?`–`:`${(e*1e3).toFixed(+(e<.1))} ms`,ze=(e,t=1)=>e==null?`–`:Number(e).toFixed(t);function Be(e){if(e==null)return`–`;let t=[`B`,`KiB`,`MiB`,`GiB`,`TiB`],n=0;for(;e>=1024&&n<t.length-1;)e/=1024,n+=1;return`${e.toFixed(+!!n)} ${t[n]}`}function Ve(e){return e==null?`–`:e<90?`${Math.round(e)} s`:e<5400?`${Math.round(e/60)} min`:`${(e/3600).toFixed(1)} h`}function He(e){if(e==null||e===``)return`–`;let t=typeof e==`number`?new Date(e*1e3):new Date(e);return Number.isNaN(t.getTime())?String(e):t.toLocaleString()}function Ue({api:e}){let[t]=Fe(e,`/admin/replicas`,3e3);return t.state===`missing`?V`<${We} api=${e} />`:V`
     <section>
       <h2>Replicas</h2>
       <${Pe} res=${t} what="Replicas">
@@ -64,8 +64,8 @@ var e,t,n,r,i,a,o,s,c,l,u,d={},f=[],p=/acit|ex(?:s|g|n|p|$)|rph|grid|ows|mnc|ntw
     <${Pe} res=${t} what="Live metrics">
       ${e=>V`<${no} d=${e} pick=${n} setPick=${r} />`}
     <//>
-    <${ro} />
-  </section>`}var Qa=e=>`${e.model}|${e.device_type}`,$a=e=>e.model===`*`&&e.device_type===`*`?`all traffic`:`${e.model===`*`?`all models`:e.model} on ${e.device_type===`*`?`all devices`:e.device_type}`,eo=e=>e<120?`last ${Math.round(e)} s`:`last ${Math.round(e/60)} min`,to=e=>e.filter(e=>e!=null).slice(-1)[0];function no({d:e,pick:t,setPick:n}){let r=e.series.find(e=>Qa(e)===t)||e.series[0],i=e.t,a=Object.entries(e.queue).map(([e,t])=>({label:e,values:t}));return V`
+    <${ro} server=${t.data?.scope===`server`} />
+  </section>`}var Qa=e=>`${e.model}|${e.device_type}`,$a=e=>e.model===`*`&&e.device_type===`*`?`all traffic`:`${e.model===`*`?`all models`:e.model} on ${e.device_type===`*`?`all devices`:e.device_type}`,eo=e=>e<120?`last ${Math.round(e)} s`:`last ${Math.round(e/60)} min`,to=e=>e.filter(e=>e!=null).slice(-1)[0];function no({d:e,pick:t,setPick:n}){let r=e.series.find(e=>Qa(e)===t)||e.series[0],i=e.scope===`server`,a=e.t,o=Object.entries(e.queue).map(([e,t])=>({label:e,values:t}));return V`
     <div class="toolbar">
       <label>Show <select value=${Qa(r)} onChange=${e=>n(e.currentTarget.value)}>
         ${e.series.map(e=>V`<option value=${Qa(e)}>${$a(e)}</option>`)}
@@ -77,24 +77,24 @@ var e,t,n,r,i,a,o,s,c,l,u,d={},f=[],p=/acit|ex(?:s|g|n|p|$)|rph|grid|ows|mnc|ntw
       <div class="tile"><b>${ze(to(r.requests_per_s),2)}</b> req/s</div>
       <div class="tile"><b>${Re(to(r.ttft_p50_s))}</b> TTFT p50</div>
       <div class="tile"><b>${Re(to(r.tpot_p50_s))}</b> TPOT p50</div>
-      <div class="tile"><b>${to(e.inflight)??0}</b> in flight</div>
+      <div class="tile"><b>${to(e.inflight)??0}</b> ${i?`running`:`in flight`}</div>
       <div class="tile"><b>${ze(to(r.errors_per_s),2)}</b> errors/s</div>
     </div>
     <div class="charts">
-      <${Ya} title="Output tokens/s" t=${i} lines=${[{label:`tok/s`,values:r.output_tokens_per_s}]} />
-      <${Ya} title="Requests/s" t=${i} lines=${[{label:`req/s`,values:r.requests_per_s}]} />
-      <${Ya} title="Time to first token" t=${i} unit=" ms" scale=${1e3} dots=${!0}
+      <${Ya} title="Output tokens/s" t=${a} lines=${[{label:`tok/s`,values:r.output_tokens_per_s}]} />
+      <${Ya} title="Requests/s" t=${a} lines=${[{label:`req/s`,values:r.requests_per_s}]} />
+      <${Ya} title="Time to first token" t=${a} unit=" ms" scale=${1e3} dots=${!0}
         lines=${[{label:`p50`,values:r.ttft_p50_s},{label:`p95`,values:r.ttft_p95_s}]} />
-      <${Ya} title="Time per output token" t=${i} unit=" ms" scale=${1e3} dots=${!0}
+      <${Ya} title="Time per output token" t=${a} unit=" ms" scale=${1e3} dots=${!0}
         lines=${[{label:`p50`,values:r.tpot_p50_s},{label:`p95`,values:r.tpot_p95_s}]} />
-      <${Ya} title="Waiting in the router, by priority" t=${i} lines=${a} />
-      <${Ya} title="Errors/s" t=${i} lines=${[{label:`errors/s`,values:r.errors_per_s}]} />
+      <${Ya} title=${`Waiting in the ${i?`scheduler`:`router`}, by priority`} t=${a} lines=${o} />
+      <${Ya} title="Errors/s" t=${a} lines=${[{label:`errors/s`,values:r.errors_per_s}]} />
     </div>
-    <p class="small muted">Errors in the window: ${Object.entries(e.errors_by_kind).map(([e,t])=>`${e} ${t}`).join(`, `)||`none`}.</p>`}function ro(){let[e,t]=R(localStorage.getItem(Xa)||``),n=e=>{t(e),e?localStorage.setItem(Xa,e):localStorage.removeItem(Xa)};return V`<p class="small">
+    <p class="small muted">Errors in the window: ${Object.entries(e.errors_by_kind).map(([e,t])=>`${e} ${t}`).join(`, `)||`none`}.</p>`}function ro({server:e}){let[t,n]=R(localStorage.getItem(Xa)||``),r=e=>{n(e),e?localStorage.setItem(Xa,e):localStorage.removeItem(Xa)},i=encodeURIComponent(e?`rate(polychip_generation_tokens_total[1m])`:`sum by (device_type) (rate(polychip_router_completion_tokens_total[1m]))`);return V`<p class="small">
     Raw counters: <a href="/metrics">/metrics</a>.
-    Prometheus server: <input class="prom" placeholder="http://prometheus:9090" value=${e}
-      onChange=${e=>n(e.currentTarget.value.trim())} />
-    ${/^https?:\/\/[^\s]+$/.test(e)?V` <a href=${`${e.replace(/\/$/,``)}/graph?g0.expr=sum%20by%20(device_type)%20(rate(polychip_router_completion_tokens_total%5B1m%5D))`} target="_blank"
+    Prometheus server: <input class="prom" placeholder="http://prometheus:9090" value=${t}
+      onChange=${e=>r(e.currentTarget.value.trim())} />
+    ${/^https?:\/\/[^\s]+$/.test(t)?V` <a href=${`${t.replace(/\/$/,``)}/graph?g0.expr=${i}`} target="_blank"
       rel="noreferrer noopener">open tokens/s there</a>`:``}</p>`}function io({title:e,body:t,action:n,onYes:r,onNo:i}){let a=ye(null);return ve(()=>{a.current.showModal()},[]),V`<dialog ref=${a} class="confirm" onCancel=${i}>
     <h3>${e}</h3><div>${t}</div>
     <div class="buttons"><button type="button" class="quiet" onClick=${i}>Cancel</button>
