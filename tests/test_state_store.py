@@ -1,13 +1,14 @@
 """The state store's three backends behave alike: get/put/delete/list, compare-and-set, watches from
 a revision, leases that drop their keys, leader election; SQLite survives a restart and refuses a
-second router; etcd survives the loss of one member of three."""
+second router; etcd survives the loss of one member of three, and a watch cut off across a compaction."""
 import threading
 import time
 
+import httpx
 import pytest
 
 from polychip.router.state import MemoryStore, Session, SqliteStore, StoreError, open_store
-from tests.etcd_cluster import EtcdCluster
+from tests.etcd_cluster import EtcdCluster, Partition
 
 pytestmark = pytest.mark.device_independent
 
@@ -165,3 +166,40 @@ def test_etcd_keeps_working_when_one_of_three_members_dies():
         store.close()
     finally:
         cluster.stop()
+
+
+def test_an_etcd_watch_cut_off_across_a_compaction_lists_afresh_and_misses_nothing(etcd1, caplog):
+    """The watch's member is out of reach while keys change and etcd compacts; when it is back, the
+    revision to resume from is gone: the watch lists the prefix and delivers the difference (puts,
+    and a delete for each key it had seen that went), so what it tells equals the store."""
+    partition = Partition(etcd1.client_ports[0])
+    direct = open_store(etcd1.spec)
+    for e in direct.list("")[0]:
+        direct.delete(e.key)
+    watched = open_store("etcd://" + partition.endpoint)
+    try:
+        direct.put("c/kept", 0)
+        direct.put("c/gone", 0)
+        entries, rev = watched.list("c/")
+        view = {e.key: e.value for e in entries}
+        watch = watched.watch("c/", lambda ev: view.pop(ev.key, None) if ev.kind == "delete"
+                              else view.__setitem__(ev.key, ev.value), rev + 1)
+        direct.put("c/seen", 1)
+        assert wait_for(lambda: "c/seen" in view)
+        partition.cut()
+        direct.delete("c/gone")
+        direct.put("c/kept", 2)
+        last = direct.put("c/new", 3)
+        httpx.post(f"http://{etcd1.endpoints[0]}/v3/kv/compaction", json={"revision": str(last)},
+                   timeout=5).raise_for_status()
+        partition.heal()
+        expected = {"c/kept": 2, "c/seen": 1, "c/new": 3}
+        assert wait_for(lambda: view == expected, 15), view
+        direct.put("c/after", 4)                        # and it watches on from the listing
+        assert wait_for(lambda: view.get("c/after") == 4), view
+        assert any("compacted at" in r.getMessage() and "(1 gone)" in r.getMessage() for r in caplog.records)
+        watch.cancel()
+    finally:
+        watched.close()
+        direct.close()
+        partition.close()

@@ -106,6 +106,19 @@ class EtcdStore(StateStore):
         got = self._call(lambda c: c.post(c.get_url("/kv/range"), json=body))
         return [self._entry(kv) for kv in got.get("kvs") or []], int(got["header"]["revision"])
 
+    def keys_at(self, prefix: str, revision: int) -> set[str]:
+        """The keys under ``prefix`` at ``revision``; CompactedError if etcd no longer keeps it."""
+        full = self.ns + prefix
+        body = {"key": _encode(full), "range_end": _encode(_increment_last_byte(full)), "keys_only": True,
+                "revision": revision}
+        try:
+            got = self._call(lambda c: c.post(c.get_url("/kv/range"), json=body))
+        except etcd_errors.Etcd3Exception as e:
+            if "compacted" in str(e):
+                raise CompactedError(f"etcd: revision {revision} of {prefix!r} is compacted: {e}") from None
+            raise
+        return {_decode(kv["key"]).decode()[len(self.ns):] for kv in got.get("kvs") or []}
+
     def compare_and_set(self, key: str, value: Any, expect: int, lease: int | None = None) -> bool:
         k = _encode(self.ns + key)
         put = {"key": k, "value": _encode(json.dumps(value))}
@@ -153,11 +166,16 @@ class _Canceled(Exception):
 
 class _WatchRunner:
     """One watch stream at a time on a thread; when a member goes, resume on the next one from the
-    revision after the last event seen (etcd replays from there, so nothing is missed)."""
+    revision after the last event seen (etcd replays from there, so nothing is missed). When etcd
+    has compacted that revision away (a member was out of reach across a compaction), list the
+    prefix afresh and deliver the difference as ordinary events: a put for every key, a delete for
+    each key it had seen that is gone; then watch on from the listing's revision."""
 
     def __init__(self, store: EtcdStore, prefix: str, callback, start_revision: int):
-        self.store, self.callback, self.next_rev = store, callback, start_revision
+        self.store, self.prefix, self.callback, self.next_rev = store, prefix, callback, start_revision
         self.full = store.ns + prefix
+        self.present = store.keys_at(prefix, start_revision - 1) if start_revision > 1 else set()
+        self.resyncs = 0
         self.stopped = threading.Event()
         self.response: requests.Response | None = None
         threading.Thread(target=self._run, daemon=True, name=f"etcd-watch {prefix}").start()
@@ -170,8 +188,11 @@ class _WatchRunner:
             if not line.strip():
                 continue
             result = json.loads(line).get("result", {})
-            if result.get("canceled") or result.get("compact_revision"):
-                raise _Canceled(result.get("cancel_reason") or f"compacted at {result.get('compact_revision')}")
+            if result.get("compact_revision"):
+                raise CompactedError(f"etcd watch from revision {self.next_rev}: compacted at "
+                                     f"{result['compact_revision']}")
+            if result.get("canceled"):
+                raise _Canceled(result.get("cancel_reason") or "canceled")
             for raw in result.get("events", ()):
                 self._on_event(raw)
 
@@ -184,11 +205,26 @@ class _WatchRunner:
         else:
             ev = Event("put", key, json.loads(_decode(kv.get("value", "")) or b"null"), rev)
         self.next_rev = rev + 1
+        self._deliver(ev)
+
+    def _deliver(self, ev: Event) -> None:
+        (self.present.discard if ev.kind == "delete" else self.present.add)(ev.key)
         if not self.stopped.is_set():
             try:
                 self.callback(ev)
             except Exception:
                 log.exception("state watch callback failed on %s", ev)
+
+    def _resync(self, why: CompactedError) -> None:
+        entries, rev = self.store.list(self.prefix)
+        gone = self.present - {e.key for e in entries}
+        log.warning("%s; listed %d keys under %r at revision %d (%d gone) and watching from there",
+                    why, len(entries), self.prefix, rev, len(gone))
+        for key in sorted(gone):
+            self._deliver(Event("delete", key, None, rev))
+        for e in entries:
+            self._deliver(Event("put", e.key, e.value, e.revision))
+        self.next_rev, self.resyncs = rev + 1, self.resyncs + 1
 
     def _run(self) -> None:
         store = self.store
@@ -202,11 +238,14 @@ class _WatchRunner:
                                                     timeout=(2, None))
                 self._read(self.response)
                 log.info("etcd watch on %s:%d ended; resuming from revision %d", *store.endpoints[i], self.next_rev)
+            except CompactedError as e:
+                try:
+                    self._resync(e)
+                    continue
+                except StoreError as again:
+                    log.info("etcd watch: listing after a compaction failed (%s); trying again", again)
             except Exception as e:          # the member went away or the stream broke: next member
                 if self.stopped.is_set():
-                    return
-                if "compact" in str(e):
-                    log.error("%s", CompactedError(f"etcd watch from revision {self.next_rev}: {e}"))
                     return
                 log.info("etcd watch on %s:%d ended (%s: %s); resuming from revision %d", *store.endpoints[i],
                          type(e).__name__, e, self.next_rev)
