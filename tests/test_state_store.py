@@ -113,6 +113,67 @@ def test_exactly_one_leader_and_a_new_one_when_it_goes(store):
         s.close()
 
 
+class _CutOff:
+    """The store as one router sees it across a partition: while ``cut``, every call raises
+    StoreError and its watch's events are lost; the store itself runs on (the lease runs out)."""
+
+    def __init__(self, store):
+        self.store, self.cut = store, False
+
+    def __getattr__(self, name):
+        attr = getattr(self.store, name)
+        if name == "watch":
+            return lambda prefix, callback, rev: attr(prefix, lambda ev: None if self.cut else callback(ev), rev)
+
+        def call(*args, **kwargs):
+            if self.cut:
+                raise StoreError("cut off from the store")
+            return attr(*args, **kwargs)
+        return call
+
+
+def test_a_leader_cut_off_from_the_store_stops_leading_before_another_can_win(store):
+    cut_off = _CutOff(store)
+    a = Session(cut_off, "router-a", ttl=2)
+    a.start()
+    b = Session(store, "router-b", ttl=2)
+    b.start()
+    assert a.is_leader and b.leader == "router-a" and not b.is_leader
+    told, both, stop = [], [], threading.Event()
+    a.on_leader = told.append
+
+    def watch_both():
+        while not stop.is_set():
+            if a.is_leader and b.is_leader:
+                both.append(time.monotonic())
+            time.sleep(0.002)
+    threading.Thread(target=watch_both, daemon=True).start()
+    cut_off.cut = True
+    assert wait_for(lambda: b.is_leader, 10), "b must win once a's lease has run out"
+    assert not a.is_leader and told[:1] == [None], told
+    cut_off.cut = False                          # back: the store names b, and a follows it
+    assert wait_for(lambda: a.leader == "router-b", 10), a.leader
+    stop.set()
+    assert not both, f"both led at once for {len(both)} samples"
+    assert not a.is_leader and b.is_leader
+    a.close()
+    b.close()
+
+
+def test_a_leader_cut_off_briefly_leads_again_when_the_store_still_names_it(store):
+    cut_off = _CutOff(store)
+    a = Session(cut_off, "router-a", ttl=3)
+    a.start()
+    assert a.is_leader
+    told = []
+    a.on_leader = told.append
+    cut_off.cut = True
+    assert wait_for(lambda: not a.is_leader, 5)
+    cut_off.cut = False                          # within the store's lease: the key still names a
+    assert wait_for(lambda: a.is_leader, 5) and told == [None, "router-a"], told
+    a.close()
+
+
 def test_sqlite_survives_a_restart_and_refuses_a_second_router(tmp_path):
     path = str(tmp_path / "state.sqlite3")
     a = SqliteStore(path)

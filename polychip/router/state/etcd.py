@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import socket
 import threading
 import time
@@ -133,7 +134,8 @@ class EtcdStore(StateStore):
         return Watch(runner.stop)
 
     def grant_lease(self, ttl: float) -> int:
-        got = self._call(lambda c: c.post(c.get_url("/lease/grant"), json={"TTL": max(1, round(ttl)), "ID": 0}))
+        # etcd counts whole seconds: round up, so the lease outlives the ttl a Session fences by
+        got = self._call(lambda c: c.post(c.get_url("/lease/grant"), json={"TTL": max(1, math.ceil(ttl)), "ID": 0}))
         return int(got["ID"])
 
     def refresh_lease(self, lease: int) -> bool:

@@ -17,7 +17,12 @@ MEMBERS = "members/"
 class Session:
     """``start()`` grants the lease, writes ``members/NODE`` and campaigns; a thread refreshes the lease
     every ttl/3. The leader is whoever created ``leader`` under a live lease: when its lease ends the
-    key goes, every session sees the delete and campaigns, and compare-and-set lets exactly one win."""
+    key goes, every session sees the delete and campaigns, and compare-and-set lets exactly one win.
+
+    Fencing: a lease lives at least ttl after the last refresh the store confirmed (counted from when
+    the refresh was sent). A leader that has not had one confirmed by ttl x 4/5 after it stops leading
+    (``is_leader`` is False and ``on_leader(None)`` runs), so before the store can let another router
+    win; it leads again only if the store, once reached, still names it."""
 
     def __init__(self, store: StateStore, node_id: str, ttl: float, info: dict | None = None,
                  on_leader: Callable[[str | None], None] | None = None):
@@ -31,10 +36,16 @@ class Session:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._watch = None
+        self.valid_until = 0.0                   # monotonic time the lease surely lives until
+
+    @property
+    def fenced_at(self) -> float:
+        """When this router stops leading unless a refresh is confirmed first (monotonic)."""
+        return self.valid_until - self.ttl / 5
 
     @property
     def is_leader(self) -> bool:
-        return self.leader == self.node_id
+        return self.leader == self.node_id and time.monotonic() < self.fenced_at
 
     def start(self) -> None:
         self._grant()
@@ -44,10 +55,13 @@ class Session:
         self._watch = self.store.watch(LEADER_KEY, self._on_leader_event, rev + 1)
         self.campaign()
         threading.Thread(target=self._keepalive, daemon=True, name=f"state-session {self.node_id}").start()
+        threading.Thread(target=self._fence, daemon=True, name=f"state-fence {self.node_id}").start()
 
     def _grant(self) -> None:
         with self._lock:
+            sent = time.monotonic()
             self.lease = self.store.grant_lease(self.ttl)
+            self.valid_until = sent + self.ttl
             self.store.put(MEMBERS + self.node_id, self.info, lease=self.lease)
             for key, value in self._held.items():
                 self.store.put(key, value, lease=self.lease)
@@ -67,6 +81,9 @@ class Session:
         if won:
             log.warning("state: router %s is the leader now", self.node_id)
             self._set_leader(self.node_id)
+        else:                           # someone holds it: maybe this router, fenced while cut off
+            entry = self.store.get(LEADER_KEY)
+            self._set_leader(entry.value if entry else None)
         return won
 
     def _on_leader_event(self, ev: Event) -> None:
@@ -89,7 +106,10 @@ class Session:
     def _keepalive(self) -> None:
         while not self._stop.wait(self.ttl / 3):
             try:
-                if not self.store.refresh_lease(self.lease):
+                sent = time.monotonic()
+                if self.store.refresh_lease(self.lease):
+                    self.valid_until = sent + self.ttl
+                else:
                     log.warning("state: router %s lost its lease (store unreachable longer than %gs); "
                                 "re-registering", self.node_id, self.ttl)
                     self._grant()
@@ -97,6 +117,14 @@ class Session:
                     self.campaign()
             except StoreError as e:
                 log.warning("state: lease refresh failed: %s", e)
+
+    def _fence(self) -> None:
+        """Stop leading the moment the lease may have ended (the refresh thread may be stuck in a call)."""
+        while not self._stop.wait(self.ttl / 20):
+            if self.leader == self.node_id and time.monotonic() >= self.fenced_at:
+                log.warning("state: router %s cannot confirm its lease (TTL %gs): it stops leading until the "
+                            "store confirms it again", self.node_id, self.ttl)
+                self._set_leader(None)
 
     def members(self) -> list[str]:
         return [e.key[len(MEMBERS):] for e in self.store.list(MEMBERS)[0]]
