@@ -68,8 +68,8 @@ class Rollout:
         self.decisions: dict[str, dict] = {}    # model -> the guard's last decision
         self.on_change = None                   # (route, source) -> None: the state store records it
         self.may_decide = lambda: True          # False on a router that is not the leader of N
-        # (model, version) -> (requests, errors) the other routers saw in their windows (state_sync.py)
-        self.others: dict[tuple[str, str], Published] = {}   # the other routers' windows (state_sync)
+        # (model, version) -> what the other routers saw in their windows; set on the leader (state_sync.py)
+        self.others: dict[tuple[str, str], Published] = {}
 
     # the set of models and versions
     def declare(self, route: ModelRoute) -> None:

@@ -74,7 +74,7 @@ class RouterState:
                                on_leader=self._leader_changed)
         entries, rev = await asyncio.to_thread(self.store.list, "")
         self.view = {e.key: e.value for e in entries}
-        self._watch = self.store.watch("", self._on_event, rev + 1)
+        self._watch = await asyncio.to_thread(self.store.watch, "", self._on_event, rev + 1)   # etcd reads its keys
         await asyncio.to_thread(self.session.start)
         self.rollout.may_decide = lambda: self.is_leader
         self.rollout.on_change = self.route_changed
@@ -248,21 +248,24 @@ class RouterState:
         if stats != self._published:
             self._published = stats
             self._queue(f"stats/{self.node_id}", stats, leased=True)
-        self.rollout.others = self.others_windows()
-        if self.is_leader:
+        if self.is_leader:          # only the leader judges: only it reads the others' sketches
+            self.rollout.others = self.others_windows()
             self.rollout.judge_all()
+        else:
+            self.rollout.others = {}
 
-    def _published_by_others(self, keyed: bool = False):
+    def _published_by_others(self):
+        """(stats key, {model: {version: figures}}) of every other live router."""
         mine = f"stats/{self.node_id}"
         for key, per_model in self.view.items():
             if key.startswith("stats/") and key != mine and isinstance(per_model, dict):
-                yield (key, per_model) if keyed else per_model
+                yield key, per_model
 
     def others_windows(self) -> dict:
         """{(model, version): Published}: the other live routers' windows, counts and sketches summed
         (a router's figures that cannot be read are left out, and logged once)."""
         out: dict = {}
-        for key, per_model in self._published_by_others(keyed=True):
+        for key, per_model in self._published_by_others():
             for model, versions in per_model.items():
                 for version, f in versions.items():
                     try:
@@ -279,7 +282,7 @@ class RouterState:
         """{model: {version: {"requests", "errors", "window", "window_errors"}}} summed over every
         live router (the others' published figures, this router's own live ones)."""
         out: dict = {}
-        for per_model in [*self._published_by_others(), self.local_stats()]:
+        for _, per_model in [*self._published_by_others(), (None, self.local_stats())]:
             for model, versions in per_model.items():
                 for version, figures in versions.items():
                     acc = out.setdefault(model, {}).setdefault(version, {})

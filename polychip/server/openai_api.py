@@ -117,7 +117,7 @@ def build_app(engine: Engine, cfg: ServerConfig | None = None) -> tuple[Gate, Se
     ae = AsyncEngine(engine, max_waiting=cfg.max_waiting_requests)
     name = default_model_name(ae.config)
     metrics = ServerMetrics(name) if cfg.enable_metrics else None
-    state = ServerState(ae, cfg, name, metrics, ServerLive(name, ae.device_identity()["device_type"]))
+    state = ServerState(ae, cfg, name, ServerLive(name, ae.device_identity()["device_type"]), metrics)
     ae.on_finish = state.finished
     if not cfg.special_tokens_in_content:     # build the plain-text tokenizer now, not on a request
         ae.tokenizer.encode("", special_tokens_as_text=True)

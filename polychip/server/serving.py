@@ -26,8 +26,8 @@ class ServerState:
     engine: AsyncEngine
     config: ServerConfig
     model_name: str
+    live: object                           # ServerLive: /admin/live's time series (server/live.py)
     metrics: object | None = None          # ServerMetrics when --enable-metrics
-    live: object | None = None             # ServerLive: /admin/live's time series (server/live.py)
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
     @property
@@ -51,15 +51,13 @@ class ServerState:
     def reject(self, reason: str) -> None:
         if self.metrics is not None:
             self.metrics.rejected.labels(reason).inc()
-        if self.live is not None:
-            self.live.error(reason)
+        self.live.error(reason)
 
     def finished(self, out: RequestOutput) -> None:
         """The engine's hook for each finished request (called in the engine thread)."""
         if self.metrics is not None:
             self.metrics.observe_finished(out)
-        if self.live is not None:
-            self.live.finished(out)
+        self.live.finished(out)
 
 
 def state_of(request: Request) -> ServerState:

@@ -81,7 +81,7 @@ class Session:
         if won:
             log.warning("state: router %s is the leader now", self.node_id)
             self._set_leader(self.node_id)
-        else:                           # someone holds it: maybe this router, fenced while cut off
+        elif self.leader is None:       # someone holds it: maybe this router, fenced while cut off
             entry = self.store.get(LEADER_KEY)
             self._set_leader(entry.value if entry else None)
         return won
