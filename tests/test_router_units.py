@@ -115,6 +115,29 @@ def test_least_load_counts_inflight_and_reported_load_and_breaks_ties_in_turn():
     assert picks == ["a", "b", "a", "b"]
 
 
+def test_least_load_does_not_count_our_finished_requests_from_a_stale_report():
+    from polychip.router.settings import HealthConfig
+    from polychip.router.health import HealthChecker
+    from polychip.router.replica import ReplicaInfo
+    hc = HealthChecker(HealthConfig(), None, list, {}, lambda r: None)
+    busy = ReplicaInfo.parse({"model": "m", "device_type": "cpu", "num_running": 16, "num_waiting": 0})
+    a, b = _replica("a"), _replica("b")
+    hc.succeeded(a, busy, 16)       # reported while 16 of ours ran there; they have finished since
+    assert a.load() == 0.0
+    ll = LeastLoad()
+    picks = Counter()
+    for _ in range(16):             # a burst after it is shared, not all sent to b
+        r = ll.choose([a, b], "")
+        ll.placed(r, "")
+        r.inflight += 1
+        picks[r.name] += 1
+    assert picks == {"a": 8, "b": 8}
+    # requests the report shows beyond ours (another router's, direct traffic) still count
+    hc.succeeded(b, busy, 4)
+    b.inflight = 0
+    assert b.load() == 12.0
+
+
 def test_canary_split_is_exact_and_sticky_per_user():
     route = ModelRoute("m", {"v1": 90.0, "v2": 10.0}, "v1")
     picks = Counter(route.pick(None) for _ in range(400))

@@ -36,6 +36,7 @@ class HealthChecker:
 
     async def check(self, replica: Replica) -> None:
         was_up = replica.up
+        ours_at_send = replica.inflight
         try:
             r = await self.client.get(replica.url + "/server_info", headers=self.headers, timeout=self.cfg.timeout)
             if r.status_code != 200:
@@ -46,16 +47,17 @@ class HealthChecker:
         except Exception as e:  # timeouts, bad JSON, 5xx: count towards the threshold
             self.failed(replica, f"{type(e).__name__}: {e}", at_once=False)
         else:
-            self.succeeded(replica, info)
+            # the replica counted ours somewhere between sending and answering: take the larger
+            self.succeeded(replica, info, max(ours_at_send, replica.inflight))
         if replica.up != was_up or replica.up:
             self.on_change(replica)
 
-    def succeeded(self, replica: Replica, info: ReplicaInfo) -> None:
+    def succeeded(self, replica: Replica, info: ReplicaInfo, ours: int = 0) -> None:
         problem = _mismatch(replica, info)
         if problem:
             self.failed(replica, problem, at_once=True)
             return
-        replica.info = info
+        replica.info, replica.inflight_at_report = info, ours
         replica.fails = 0
         replica.successes += 1
         if not replica.up and (not replica.ever_up or replica.successes >= self.cfg.success_threshold):

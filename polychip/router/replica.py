@@ -67,6 +67,7 @@ class Replica:
     fails: int = 0
     successes: int = 0
     inflight: int = 0
+    inflight_at_report: int = 0          # our in-flight requests the last report may already count
     served: int = 0
     first_ttft: float | None = None          # time to first token of its first answered request
     first_token_at: float | None = None      # wall clock of that first token
@@ -98,9 +99,13 @@ class Replica:
         return self.info.max_running_requests if self.info else 1
 
     def load(self) -> float:
-        """least_load's figure: reported waiting + running + KV usage, plus our in-flight count."""
-        reported = (self.info.num_waiting + self.info.num_running + self.info.kv_usage) if self.info else 0.0
-        return self.inflight + reported
+        """least_load's figure: our in-flight count, plus the requests the last report shows beyond
+        ours (other routers' or direct traffic), plus KV usage. Ours are counted live, not from the
+        report: a report taken during a burst that has since finished must not keep drawing load away."""
+        if self.info is None:
+            return float(self.inflight)
+        foreign = max(0, self.info.num_waiting + self.info.num_running - self.inflight_at_report)
+        return self.inflight + foreign + self.info.kv_usage
 
     def mark_up(self) -> None:
         if not self.up:
