@@ -1,6 +1,7 @@
 """What the canary guard's merged sketches cost: the size of a version's published window
 (stats/NODE in the state store) and the leader's verdict per request, with its own sketches only
-and with another router's merged in; 2,000 lognormal TTFT and TPOT samples per version.
+and with another router's merged in, and what reading another router's window costs fresh and
+unchanged since the last second (decoded sketches are cached by their text); 2,000 lognormal TTFT and TPOT samples per version.
 
     PYTHONPATH=$PWD python benchmarks/guard_cost.py
 """
@@ -8,7 +9,7 @@ import json
 import random
 import time
 
-from polychip.router.guard import Published, VersionWindow, verdict
+from polychip.router.guard import JUDGED, Published, VersionWindow, sketch_from_text, verdict
 from polychip.router.settings import GuardConfig
 
 
@@ -38,7 +39,9 @@ def main() -> None:
            "version_entry_bytes": len(json.dumps(theirs["canary"])),
            "verdict_own_us": round(per_call_us(lambda: verdict(guard, canary, base, "v1"), 300)),
            "verdict_merged_us": round(per_call_us(lambda: verdict(guard, canary, base, "v1", more), 300)),
-           "decode_one_version_us": round(per_call_us(lambda: Published().add(2000, 0, theirs["canary"]), 100))}
+           "decode_one_version_us": round(per_call_us(
+               lambda: [sketch_from_text(theirs["canary"][w]) for w in JUDGED], 100)),
+           "add_unchanged_version_us": round(per_call_us(lambda: Published().add(2000, 0, theirs["canary"]), 100))}
     print(json.dumps(out, indent=1))
 
 

@@ -136,3 +136,19 @@ def test_an_unreadable_window_from_another_router_is_left_out_and_logged(caplog)
     assert windows[("m", "v1")].requests == 1 and ("m", "v2") not in windows
     assert sum("stats/other: m v2 left out of the guard: not a latency sketch" in r.getMessage()
                for r in caplog.records) == 1
+
+
+def test_a_window_read_again_unchanged_adds_the_same_and_leaves_the_shared_sketch_alone():
+    w = VersionWindow(300)
+    for i in range(40):
+        w.record(True, 0.01 * (i + 1), 0.002, 0.5)
+    figures = w.published()
+    first, again = Published(), Published()
+    first.add(40, 0, figures)
+    again.add(40, 0, figures)          # the next second: the same text, read from the cache
+    again.add(40, 0, figures)          # and a second router that published the same
+    assert first.sketches["ttft"].count == 40 and again.sketches["ttft"].count == 80
+    assert again.sketches["ttft"].get_quantile_value(0.5) == pytest.approx(
+        first.sketches["ttft"].get_quantile_value(0.5), rel=0.02)
+    Published().add(40, 0, figures)
+    assert first.sketches["ttft"].count == 40     # what it already holds is its own

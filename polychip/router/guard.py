@@ -19,6 +19,7 @@ its own for the latency ratios (a DDSketch merges exactly; it travels as DataDog
 from __future__ import annotations
 
 import base64
+import functools
 import math
 import statistics
 import time
@@ -48,6 +49,13 @@ def sketch_from_text(text: str) -> DDSketch:
         raise ValueError(f"not a latency sketch ({type(e).__name__}: {e})") from None
 
 
+@functools.lru_cache(maxsize=1024)
+def _read_only_sketch(text: str) -> DDSketch:
+    """The leader reads every router's sketches each second; most have not changed since.
+    What this returns is shared: merge it into another sketch, never into it."""
+    return sketch_from_text(text)
+
+
 def merge_into(target: DDSketch, other: DDSketch) -> DDSketch:
     if other.count:
         target.merge(other)
@@ -63,7 +71,7 @@ class Published:
 
     def add(self, requests: int, errors: int, texts: dict) -> None:
         """One router's window; nothing of it is added when a sketch cannot be read (ValueError)."""
-        sketches = {which: sketch_from_text(texts[which]) for which in JUDGED if texts.get(which)}
+        sketches = {which: _read_only_sketch(texts[which]) for which in JUDGED if texts.get(which)}
         self.requests += int(requests)
         self.errors += int(errors)
         for which, sketch in sketches.items():
