@@ -89,6 +89,20 @@ def test_store_from_the_environment(tmp_path, store, monkeypatch):
         _open(synthetic_package(tmp_path), tmp_path, TrustOptions())
 
 
+@pytest.mark.parametrize("text, says", [
+    ("keys: [file: a.pub\n", "malformed YAML at line 2"),
+    ("", "the file is empty"),
+    ("keys: []\n", "non-empty 'keys' list"),
+])
+def test_a_broken_trust_store_is_one_clear_error(tmp_path, text, says):
+    (tmp_path / "trust.yaml").write_text(text)
+    with pytest.raises(PolychipError, match=says) as got:
+        TrustStore.load(str(tmp_path))
+    assert str(tmp_path / "trust.yaml") in str(got.value)
+    with pytest.raises(PolychipError, match="trust store file not found"):
+        TrustStore.load(str(tmp_path / "missing.yaml"))
+
+
 def test_downgrade_refused_then_allowed(tmp_path, keys, store, caplog):
     def pkg(number):
         return synthetic_package(tmp_path, key=keys["site"][0], name=f"m{number}.pcpkg",

@@ -25,11 +25,10 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-import yaml
-
 from polychip.errors import ConfigError, PolychipError
 from polychip.trust import keys as signing
 from polychip.trust.keys import TrustError
+from polychip.yaml_file import read_yaml_file
 
 log = logging.getLogger("polychip.trust")
 
@@ -73,13 +72,7 @@ class TrustStore:
     @classmethod
     def load(cls, where: str) -> "TrustStore":
         path = os.path.join(where, STORE_FILE) if os.path.isdir(where) else where
-        try:
-            with open(path, encoding="utf-8") as f:
-                doc = yaml.safe_load(f)
-        except OSError as e:
-            raise ConfigError(f"{path}: cannot read the trust store: {e.strerror}") from None
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: the trust store is not valid YAML ({e})") from None
+        doc = read_yaml_file(path, "trust store", "a mapping with a non-empty 'keys' list", ConfigError)
         if not isinstance(doc, dict) or not isinstance(doc.get("keys"), list) or not doc["keys"]:
             raise ConfigError(f"{path}: expected a mapping with a non-empty 'keys' list (see docs/packages.md)")
         store = cls(os.path.abspath(path))
