@@ -6,7 +6,8 @@ over the same two; and one `polychip serve` on its own.
 Every view is opened with and without the key, at 1280x800 and at phone width, with a screenshot of
 each (in $POLYCHIP_CONSOLE_SCREENS or the test's tmp folder); a chat is streamed and its text and
 device checked against the API; a canary weight is changed through the page and read back from
-/admin/rollout; a batch is uploaded, followed and its output downloaded. Any browser console error, failed request or unexpected HTTP error fails the test.
+/admin/rollout; a batch is uploaded, followed and its output downloaded; a workload is submitted, followed to
+ready, its log tailed, and deleted through the confirmation. Any browser console error, failed request or unexpected HTTP error fails the test.
 """
 from __future__ import annotations
 
@@ -268,6 +269,41 @@ def test_batch_submitted_followed_and_downloaded(fleet, browser, screens, tmp_pa
     out = [json.loads(x) for x in Path(got.value.path()).read_text().splitlines()]
     assert sorted(x["custom_id"] for x in out) == ["q0", "q1"]
     assert all(x["response"]["status_code"] == 200 for x in out)
+    cp.assert_clean(missing_routes(fleet.url, KEY))
+    cp.close()
+
+
+def test_workload_submitted_followed_and_deleted_with_confirmation(fleet, browser, screens, model_factory):
+    model = model_factory("qwen3", True)
+    listed = lambda: {w["id"]: w for w in httpx.get(fleet.url + "/admin/workloads", headers=AUTH).json()["data"]}
+    before = set(listed())
+    cp = browser.page(fleet.url)
+    page = cp.open("workloads")
+    cp.set_key(KEY)
+    page.wait_for_selector("main table")
+    page.fill('input[name="model"]', model)
+    page.fill('input[name="device_type"]', "cpu")
+    page.fill('input[name="serve_args"]', "--num-threads 1 --max-total-tokens 4096 --max-running-requests 4")
+    page.click('form.form button[type="submit"]')
+    page.wait_for_selector("form.form .ok")
+    (wid,) = set(listed()) - before
+    assert f"Submitted {wid}" in page.inner_text("form.form .ok")
+    row = page.locator(f'tr[data-workload="{wid}"]')
+    row.locator(".st-ready").wait_for(timeout=120_000)       # the list polls it to ready
+    assert listed()[wid]["devices"] == ["cpu:0"]
+    row.click()
+    page.click('button:has-text("Log tail")')
+    page.wait_for_selector("pre.logs")
+    assert "polychip ready:" in page.inner_text("pre.logs")  # the replica's own log, from the router
+    cp.shot(screens, "workload-detail")
+    page.click('button:has-text("Delete")')
+    page.wait_for_selector("dialog.confirm[open]")
+    page.click("dialog.confirm button.quiet")                 # Cancel: it keeps running
+    assert listed()[wid]["status"] == "ready"
+    page.click('button:has-text("Delete")')
+    page.click('dialog.confirm button[data-confirm="yes"]')
+    wait_for(lambda: listed()[wid]["status"] == "stopped", 60, f"workload {wid} stopped")
+    page.locator(f'tr[data-workload="{wid}"] .st-stopped').wait_for(timeout=30_000)
     cp.assert_clean(missing_routes(fleet.url, KEY))
     cp.close()
 
