@@ -1,7 +1,8 @@
 """What the canary guard's merged sketches cost: the size of a version's published window
-(stats/NODE in the state store) and the leader's verdict per request, with its own sketches only
-and with another router's merged in, and what reading another router's window costs fresh and
-unchanged since the last second (decoded sketches are cached by their text); 2,000 lognormal TTFT and TPOT samples per version.
+(stats/NODE in the state store); the leader's verdict per request, with its own sketches only and
+with another router's merged in; reading another router's window fresh, and unchanged since the
+last second (decoded sketches are cached by their text). 2,000 lognormal TTFT and TPOT samples
+per version.
 
     PYTHONPATH=$PWD python benchmarks/guard_cost.py
 """
