@@ -161,3 +161,68 @@ def test_every_byte_the_engine_holds_is_counted_by_the_cards_allocator(model_fac
     assert engine.activation_reserve > 0 and plugin.activation_reserve == engine.activation_reserve
     assert total - free == weights + rope + buffers + engine.activation_reserve + pool
     assert len(plugin._live) == len(params) + 2 + 4 + 1          # + rope cos/sin, 2 x 2 buffers, the pool
+
+
+def _slowed_llm(tmp_path, model, attrs: str):
+    from polychip import LLM
+    spec = tmp_path / "slow.yaml"
+    spec.write_text("device_type: simxpu\ndevice_ids: [0]\nmemory: {total: 2GiB}\n"
+                    f"supported_dtypes: [float32]\ncustom_attributes: {attrs}\n")
+    return LLM(model, device="simxpu", device_config=str(spec), max_total_tokens=512)
+
+
+def test_a_slowed_card_sleeps_in_proportion_and_computes_the_same(tmp_path, model_factory):
+    """custom_attributes.slowdown makes every kernel wait (factor - 1) times its own time: a room of
+    unlike chips on one machine. The tokens are the plain card's."""
+    from polychip import SamplingParams
+    model = model_factory("llama", False)
+    params = SamplingParams(max_tokens=12, temperature=0)
+    plain = _slowed_llm(tmp_path, model, "{}")
+    slowed = _slowed_llm(tmp_path, model, "{slowdown: 4}")
+    per_op = _slowed_llm(tmp_path, model, "{op_slowdown: {linear: 3}}")
+    prompts = ["a slow card", "computes the same tokens"]
+    want = [o.token_ids for o in plain.generate(prompts, params)]
+    for llm in (slowed, per_op):
+        assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    res = slowed.engine.loaded.resolutions
+    assert all(not r.is_fallback for r in res.values())       # every op runs as the slowed card's
+    # a slowed op's debt is paid by sleeping: 3 s of sleep per 1 s of compute at factor 4, give or take
+    # one pending millisecond; the op's measured time is what the wrapper saw, not a fixed figure
+    sd = slowed.engine.plugin.slowdown
+    assert sd.slept > 0 and sd.debt < 1e-3
+    assert per_op.engine.plugin.slowdown.slept > 0
+
+
+def test_slowdown_attributes_are_checked(tmp_path, model_factory):
+    for bad, what in (("{slowdown: 0.5}", "slowdown must be a number >= 1"),
+                      ("{slowdown: fast}", "slowdown must be a number >= 1"),
+                      ("{op_slowdown: [linear]}", "op_slowdown must map op names")):
+        with pytest.raises(PluginError, match=what):
+            _slowed_llm(tmp_path, model_factory("llama", False), bad)
+
+
+def test_slowdown_debt_is_the_extra_time_and_is_paid_by_sleeping(monkeypatch):
+    """With a fake clock: an op of 2 ms on a 3x card owes 4 ms; sleeps pay it, their error carried."""
+    from polychip_simxpu import slowdown
+    clock = {"t": 0.0}
+    slept = []
+
+    def fake_sleep(s):
+        slept.append(s)
+        clock["t"] += s + 1e-4        # every sleep overshoots by 0.1 ms
+
+    monkeypatch.setattr(slowdown.time, "perf_counter", lambda: clock["t"])
+    monkeypatch.setattr(slowdown.time, "sleep", fake_sleep)
+
+    def op(x):
+        clock["t"] += 2e-3
+        return x + 1
+
+    sd = slowdown.Slowdown()
+    fast = sd.wrap(op, 1.0)
+    slow = sd.wrap(op, 3.0)
+    assert fast is op and slow(1) == 2
+    assert slept == [pytest.approx(4e-3)] and sd.debt == pytest.approx(-1e-4)
+    slow(1)
+    assert slept[-1] == pytest.approx(4e-3 - 1e-4)         # the overshoot is taken off the next debt
+    assert sd.slept == pytest.approx(8e-3 + 1e-4)

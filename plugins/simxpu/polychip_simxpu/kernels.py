@@ -2,10 +2,14 @@
 
 Implemented: embedding (any dtype), rms_norm, add_rms_norm and silu_mul (fp32, bf16),
 rotary_embedding (bf16 only). Not implemented: linear, attention -> native PyTorch.
+On a slowed card (``custom_attributes.slowdown``, see ``slowdown.py``) every op of the contract is
+registered, slowed: these kernels where they exist, the native ones elsewhere.
 """
 from __future__ import annotations
 
 import torch
+
+from polychip.devices.ops import OPS
 
 FLOATS = ("float32", "bfloat16")
 
@@ -53,3 +57,26 @@ def register(registry, plugin_dtypes) -> None:
             registry.register("silu_mul", 1, dtype, silu_mul)
     if "bfloat16" in plugin_dtypes:
         registry.register("rotary_embedding", 1, "bfloat16", rotary_embedding)
+
+
+class _Recorder:
+    """Collects what :func:`register` adds, keyed (name, version, dtype)."""
+
+    def __init__(self):
+        self.fns: dict[tuple[str, int, str], object] = {}
+
+    def register(self, name, version, dtype, fn):
+        self.fns[(name, version, dtype)] = fn
+
+
+def register_slowed(registry, plugin_dtypes, factor_of, slowdown) -> None:
+    """Every op of the contract for each compute dtype of the card, each slowed by ``factor_of(name)``."""
+    own = _Recorder()
+    register(own, plugin_dtypes)
+    for (name, version) in OPS:
+        for dtype in FLOATS:
+            if dtype not in plugin_dtypes:
+                continue
+            fn = own.fns.get((name, version, dtype)) or own.fns.get((name, version, "*")) \
+                or registry.native(name, version)
+            registry.register(name, version, dtype, slowdown.wrap(fn, factor_of(name)))

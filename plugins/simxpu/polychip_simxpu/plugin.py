@@ -13,7 +13,7 @@ import torch
 
 from polychip.devices.plugin import Availability, DeviceInfo, DevicePlugin, Event, Stream
 from polychip.errors import DeviceOutOfMemoryError, PluginError
-from polychip_simxpu import kernels
+from polychip_simxpu import kernels, slowdown
 from polychip_simxpu.allocator import Block, SimAllocator, SimOutOfMemory
 
 BOARD_CARDS = 4                       # cards on the simulated board
@@ -97,6 +97,8 @@ class SimXpuPlugin(DevicePlugin):
         self._streams = weakref.WeakSet([self._default_stream])
         self.bytes_copied = 0
         self._versions = dict(VERSIONS)
+        self.slowdown = slowdown.Slowdown()
+        self._factors: tuple[float, dict[str, float]] = (1.0, {})
 
     # discovery
     def is_available(self) -> Availability:
@@ -134,6 +136,10 @@ class SimXpuPlugin(DevicePlugin):
                                                      for k, v in versions.items()):
             raise PluginError(f"custom_attributes.versions must map names to version strings, got {versions!r}")
         self._versions = {**VERSIONS, **versions}
+        try:
+            self._factors = slowdown.parse(attrs)
+        except ValueError as e:
+            raise PluginError(f"simxpu:{index}: {e}") from None
         try:
             self.allocator = SimAllocator(spec.memory.total if spec else CARD_MEMORY, alignment, granularity)
         except ValueError as e:
@@ -228,6 +234,7 @@ class SimXpuPlugin(DevicePlugin):
     def synchronize(self) -> None:
         for s in list(self._streams):
             s.synchronize()
+        self.slowdown.pay()
 
     def stream(self) -> Stream:
         s = SimStream(self)
@@ -239,7 +246,12 @@ class SimXpuPlugin(DevicePlugin):
 
     # ops, communication
     def register_ops(self, registry) -> None:
-        kernels.register(registry, self.spec.supported_dtypes if self.spec else CARD_DTYPES)
+        dtypes = self.spec.supported_dtypes if self.spec else CARD_DTYPES
+        default, per_op = self._factors
+        if default == 1.0 and not per_op:
+            kernels.register(registry, dtypes)
+        else:       # a slowed card: every op it runs (its own kernels, else the native ones) is slowed
+            kernels.register_slowed(registry, dtypes, lambda name: per_op.get(name, default), self.slowdown)
 
     def versions(self) -> dict[str, str]:
         return dict(self._versions)
