@@ -146,7 +146,8 @@ class Agent:
 
     def status(self) -> dict:
         c = self.counters
-        return {"mode": self.role, "transfer_backend": self.settings.backend, "bootstrap_port": self.bootstrap_port,
+        return {"mode": self.role, "transfer_backend": self.settings.backend,
+                "bootstrap_port": self.bootstrap_port if self.role == "prefill" else None,
                 "side": self.side.describe(), "peers": [link.peer for link in list(self.links)],
                 "transfers_in_flight": self.open_transfers(),
                 **{k: int(c[k]) for k in ("transfers_started", "transfers_done", "transfers_failed",

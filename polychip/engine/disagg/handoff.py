@@ -70,6 +70,11 @@ class Disaggregation:
         self._active: list = []
         self._layers_staged = 0
 
+    def name_after(self, url: str) -> None:
+        """Name this side after the server's URL in what it tells its peers (and they log)."""
+        name = f"{self.agent.side.name} of {url}" if self.mode == "prefill" else url
+        self.agent.side = self.agent.side.model_copy(update={"name": name})
+
     def begin(self) -> None:
         """Start listening (prefill) or connecting (decode); the engine thread must be running."""
         self.agent.begin()
