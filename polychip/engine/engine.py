@@ -46,6 +46,9 @@ COUNTERS = ("requests_added", "requests_aborted", "preemptions", "steps", "promp
 class Engine:
     def __init__(self, config: EngineConfig | None = None, plugin=None):
         self.config = config = config or EngineConfig()
+        self._posted: deque = deque()      # work other threads posted for this engine's thread (post)
+        self._ready_outputs: list[RequestOutput] = []   # outputs made between steps (a landed hand-off)
+        self.wake = lambda: None            # set by the driver (AsyncEngine) to wake its idle thread
         if plugin is not None and config.num_threads is not None:
             raise ConfigError("num_threads is applied when the engine opens its device; for a plugin opened "
                               "by the caller, pass num_threads to open_device instead")
@@ -112,9 +115,6 @@ class Engine:
         self.stage_seconds: dict[str, float] = defaultdict(float)
         self._timer = StageTimer(self.stage_seconds, self._sync_device if config.profile_stages else None)
         self.counters: dict[str, int] = defaultdict(int)
-        self._posted: deque = deque()      # work other threads posted for this engine's thread (post)
-        self._ready_outputs: list[RequestOutput] = []   # outputs made between steps (a landed hand-off)
-        self.wake = lambda: None            # set by the driver (AsyncEngine) to wake its idle thread
         self.disagg = open_disaggregation(self, config)
         log.info("KV pool: %d pages x %d tokens in %s (%.1f MiB); step inputs %.1f MiB; activation reserve %.1f MiB",
                  num_pages, page, dtype_name(self.kv_dtype), num_pages * per_page / 2**20,
