@@ -21,6 +21,10 @@ from polychip.errors import KVTransferError, PolychipError
 
 log = logging.getLogger("polychip.disagg")
 
+# the decode side owns the request and gives up first (telling us); our own deadline, this much later
+# or our --disaggregation-transfer-timeout if shorter, is the backstop for a decode side gone silent
+ACK_GRACE = 2.0
+
 
 class PrefillLink(Link):
     """One decode side's session: its connections, the sender threads and the open hand-offs."""
@@ -142,7 +146,7 @@ class PrefillAgent(Agent):
             self.safe_send(link, wire.Refused(room=msg.room, reason=str(e)))
             return
         ob = Outbound(link, msg.room, f"pd-{link.session[:8]}-{msg.room}", msg.wire,
-                      min(msg.deadline, self.settings.transfer_timeout), self.max_chunk)
+                      min(msg.deadline + ACK_GRACE, self.settings.transfer_timeout), self.max_chunk)
         link.outbounds[msg.room] = ob
         self.counters["transfers_started"] += 1
 
