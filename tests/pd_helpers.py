@@ -99,3 +99,59 @@ def plain_tokens(eng: Engine, prompt: list[int], params: SamplingParams = GREEDY
             if o.request_id == rid:
                 out = o
     return out.token_ids
+
+
+class CuttingProxy:
+    """A TCP proxy in front of a prefill side's bootstrap port that cuts every connection once ``cut_after``
+    bytes went from the prefill side to the decode side (mid-chunk: a connection dropped mid-layer)."""
+
+    def __init__(self, target_port: int, cut_after: int):
+        import socket
+        self.target, self.cut_after, self.sent = target_port, cut_after, 0
+        self.cut = threading.Event()
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        self.socks: list = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+        while True:
+            try:
+                client, _ = self.server.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target))
+            self.socks += [client, upstream]
+            threading.Thread(target=self._pump, args=(client, upstream, False), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, True), daemon=True).start()
+
+    def _pump(self, src, dst, counted: bool) -> None:
+        import socket
+        try:
+            while not self.cut.is_set():
+                data = src.recv(65536)
+                if not data:
+                    break
+                if counted:
+                    self.sent += len(data)
+                    if self.sent > self.cut_after:
+                        dst.sendall(data[:len(data) // 2])
+                        self.drop()
+                        return
+                dst.sendall(data)
+        except OSError:
+            pass
+
+    def drop(self) -> None:
+        import socket
+        self.cut.set()
+        for s in self.socks:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self.drop()
+        self.server.close()

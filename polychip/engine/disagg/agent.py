@@ -151,7 +151,7 @@ class Agent:
                 "side": self.side.describe(), "peers": [link.peer for link in list(self.links)],
                 "transfers_in_flight": self.open_transfers(),
                 **{k: int(c[k]) for k in ("transfers_started", "transfers_done", "transfers_failed",
-                                          "fallbacks", "bytes")},
+                                          "fallbacks", "bytes", "chunks_written")},
                 "transfer_seconds": round(c["seconds"], 6), "refusals": self.refusals[-5:],
                 "faults": self.faults[-5:]}
 

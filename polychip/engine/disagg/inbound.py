@@ -84,6 +84,7 @@ class Inbound:
             event.synchronize()             # the bytes may be reused once this returns
             self.written += 1
             self.bytes += header.nbytes
+            agent.counters["chunks_written"] += 1
         finally:
             release()
         self.maybe_land(engine)
