@@ -127,7 +127,6 @@ class CuttingProxy:
             threading.Thread(target=self._pump, args=(upstream, client, True), daemon=True).start()
 
     def _pump(self, src, dst, counted: bool) -> None:
-        import socket
         try:
             while not self.cut.is_set():
                 data = src.recv(65536)
