@@ -102,11 +102,17 @@ def package_findings(path: str, store, trust, plugins: tuple[str, ...], device_c
 
 
 def device_findings(plugins: tuple[str, ...]) -> list[Finding]:
+    from polychip.devices import boundary
     from polychip.devices.discovery import discover_plugins
     out = []
     for rec in discover_plugins(plugins):
         if rec.ok and rec.available:
-            n = len(rec.plugin.discover())
+            try:
+                n = len(boundary.devices(rec.plugin))
+            except PolychipError as e:
+                out.append(Finding("FAIL", "devices", f"{rec.name} ({rec.source}): {_err(e)}",
+                                   "the plugin's vendor must fix what it reports (docs/plugin-guide.md, section 3)"))
+                continue
             out.append(Finding("ok" if n else "warn", "devices", f"{rec.name} ({rec.source}): {n} device(s)",
                                "" if n else f"check the {rec.name} driver"))
         elif rec.failed_step in ("import", "api_version", "register") or rec.explicit:

@@ -82,7 +82,7 @@ class _Live:
 class SimXpuPlugin(DevicePlugin):
     name = "simxpu"
     plugin_version = "0.1.0"
-    api_version = "1.1"
+    api_version = "1.2"
     torch_device_type = "cpu"            # host memory backs the simulated cards
     default_mem_fraction = 0.05
     priority = 1                         # a simulator: --device auto prefers the real CPU
