@@ -160,7 +160,10 @@ def main(argv: list[str]) -> int:
 def failures(records: list[PluginRecord], entries: list[dict], spec: DeviceSpec | None) -> list[str]:
     """What was asked for and failed: explicit plugins, the spec's plugin and devices, device inits."""
     out = [f"{r.describe_failure()}" for r in records if r.explicit and not r.ok]
+    explicit = {r.name for r in records if r.explicit and r.ok}
     for e in entries:
+        if e["name"] in explicit and e["status"] != "Ready":     # loaded, then failed to report its devices
+            out.append(f"plugin {e['name']!r} ({e['source']}) failed at {e['failed_step']}: {e['reason']}")
         named = spec is not None and e["name"] == spec.device_type
         if named and e["status"] != "Ready":
             out.append(f"{spec.source}: plugin {e['name']!r} failed at {e['failed_step']}: {e['reason']}")

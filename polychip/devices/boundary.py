@@ -14,7 +14,7 @@ from typing import Any, Callable, get_args
 
 from pydantic import BaseModel, ValidationError
 
-from polychip.devices.plugin import Availability, DeviceHealth, DeviceInfo
+from polychip.devices.plugin import Availability, DeviceHealth, DeviceInfo, DevicePlugin
 from polychip.devices.reported import (AvailabilityView, BytesView, DeviceInfoView, DtypesView, DtypeView, HealthView,
                                        MemInfoView, NamesView, VersionsView)
 from polychip.errors import PluginError, PluginValueError, PolychipError
@@ -116,6 +116,8 @@ def _device_info(value: Any, plugin, method: str, pos: int) -> DeviceInfo:
 
 def devices(plugin, spec: Any = None, for_spec: bool = False) -> list[DeviceInfo]:
     """``discover()`` (or ``discover_for(spec)`` with ``for_spec``): a list of DeviceInfo with unique indexes."""
+    # discover_for's default is discover(): name the method the plugin wrote
+    for_spec = for_spec and getattr(type(plugin), "discover_for", None) is not DevicePlugin.discover_for
     method = "discover_for(spec)" if for_spec else "discover()"
     value = _call(plugin, method, plugin.discover_for if for_spec else plugin.discover,
                   *((spec,) if for_spec else ()))
