@@ -31,8 +31,8 @@ SHA256 = {
     "plugins/v1_1_peerlist.py": "42b2c5d892f1cddff7aa43e04007647c76c087e0ff647ffd41b2bf03933546b4",
     "specs/hostchip.yaml": "24ecbc0ac798dacc54bbde11ade81987aeeabad0e1a2433e13d6d7739a3e3438",
     "specs/memchip.yaml": "f5f21395d968c7e3c4b1caabe623d2b0fb5a2bfe357e2188819ec091da6a738b",
-    "specs/ringchip.yaml": "6c401eab7ca529e71c4501b7b98ffac72eecbf4ed6ac20ae162c6ee5fee06d6d",
-    "specs/rowchip.yaml": "4026a24327e6a595e6ce886648899a80212474cba84ebb336f1a94c22bc1eb7c",
+    "specs/ringchip.yaml": "f6cb51c8efd62d530d02eabea76b8886b366a1396027e0edd7bf46539b8499e7",
+    "specs/rowchip.yaml": "a9ce1c353e897db5a9ed9608bbe8b7864df39241df1cdf33f91d0645d5eed25e",
 }
 
 

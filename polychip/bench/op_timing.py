@@ -68,8 +68,9 @@ def _calibrate(fn: Callable, sync: Callable, sample_s: float, limit: int = 10_00
 
 
 def _sample(fn: Callable, sync: Callable, n: int) -> float:
-    fn()        # one call first, untimed: what the previous item left (device work, caches) is not this one's
-    sync()
+    if n > 1:   # a short item: one call first, untimed, so what the previous item left (caches) is not its
+        fn()
+        sync()
     t0 = time.perf_counter()
     for _ in range(n):
         fn()
