@@ -4,7 +4,10 @@ One baseline on simxpu-driver 1.4.0, then RUNS runs of the same against it (each
 failure is a false positive), then one run on simxpu-driver 1.5.0 (linear 3x slower), whose report
 is printed. Each is a separate ``polychip bench ops`` process, as an operator's script would run it.
 
-    PYTHONPATH=$PWD WHO=me /work/bin/quiet .venv/bin/python benchmarks/op_gate.py [--runs 5] [--model-path M]
+    PYTHONPATH=$PWD WHO=me /work/bin/quiet .venv/bin/python benchmarks/op_gate.py [--runs 5] [--model-path M] \
+        [--flags "--prefill-chunk 64"]
+
+(SmolLM2's 256-token prefill takes ~2 s on a 2-core host: with 9 rounds one run is ~2 minutes there.)
 """
 import argparse
 import os
@@ -15,7 +18,7 @@ import time
 
 
 def bench_ops(args, extra: list[str], driver: str) -> tuple[int, str, float]:
-    cmd = [sys.executable, "-m", "polychip.cli", "bench", "ops", "--device", "simxpu", *extra]
+    cmd = [sys.executable, "-m", "polychip.cli", "bench", "ops", "--device", "simxpu", *args.flags.split(), *extra]
     if args.model_path:
         cmd += ["--model-path", args.model_path]
     t0 = time.perf_counter()
@@ -31,11 +34,13 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--model-path", default=None, help="default: the embedded SmolLM2-135M")
+    p.add_argument("--flags", default="", help="more bench ops flags, e.g. '--prefill-chunk 64'")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         base = os.path.join(tmp, "baseline.json")
         code, out, secs = bench_ops(args, ["--save", base], "simxpu-driver 1.4.0")
         assert code == 0, out
+        print(f"bench ops flags: {args.flags or '(defaults)'}; model {args.model_path or 'embedded SmolLM2-135M'}")
         print(f"baseline (simxpu-driver 1.4.0): {secs:.1f} s")
         false_positives = 0
         for i in range(args.runs):

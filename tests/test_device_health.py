@@ -134,3 +134,17 @@ def test_server_info_and_metrics_show_a_card_heating_under_load_and_cooling_when
         assert not cool["throttling"] and cool["temperature_c"] < 38 and cool["utilization"] < 0.05, cool
         health = ReplicaInfo.parse(info).device_health    # what the router reads
         assert len(health) == 1 and health[0].device == "simxpu:0" and not health[0].hot
+
+
+def test_the_router_reads_device_health_and_names_a_bad_field():
+    base = {"model": "m", "plugin": "simxpu"}
+    assert ReplicaInfo.parse(base).device_health == ()
+    hot = ReplicaInfo.parse({**base, "device_health": [
+        {"device": "simxpu:0", "rank": 0, "temperature_c": 61.5, "thermal_limit_c": 60, "throttling": False},
+        {"device": "simxpu:1", "rank": 1, "throttling": True, "utilization": 0.5},
+        {"device": "simxpu:2", "rank": 2, "error": "plugin 'simxpu': health() raised KeyError"}]}).device_health
+    assert [h.hot for h in hot] == [True, True, False] and hot[2].error.startswith("plugin 'simxpu'")
+    for bad, field in (({"device": 3}, "device_health.0.device"), ({"device": "x", "temperature_c": "hot"},
+                       "device_health.0.temperature_c"), ({"device": "x", "throttling": 1}, "device_health.0.throttling")):
+        with pytest.raises(ValueError, match=f"/server_info field '{field}'"):
+            ReplicaInfo.parse({**base, "device_health": [bad]})
