@@ -41,13 +41,13 @@ def main() -> None:
         code, out, secs = bench_ops(args, ["--save", base], "simxpu-driver 1.4.0")
         assert code == 0, out
         print(f"bench ops flags: {args.flags or '(defaults)'}; model {args.model_path or 'embedded SmolLM2-135M'}")
-        print(f"baseline (simxpu-driver 1.4.0): {secs:.1f} s")
+        print(f"baseline (simxpu-driver 1.4.0): {secs:.1f} s, load {os.getloadavg()[0]:.2f}")
         false_positives = 0
         for i in range(args.runs):
             code, out, secs = bench_ops(args, ["--baseline", base], "simxpu-driver 1.4.0")
             false_positives += code == 1
             assert code in (0, 1), out
-            print(f"self-compare {i + 1}: exit {code} ({secs:.1f} s): {verdict(out)}")
+            print(f"self-compare {i + 1}: exit {code} ({secs:.1f} s, load {os.getloadavg()[0]:.2f}): {verdict(out)}")
         print(f"false positives: {false_positives} of {args.runs}")
         code, out, secs = bench_ops(args, ["--baseline", base], "simxpu-driver 1.5.0")
         print(f"\nsimxpu-driver 1.5.0 against the baseline: exit {code} ({secs:.1f} s)")

@@ -51,8 +51,10 @@ def _fields_at(model: type[BaseModel], loc: tuple) -> list[str]:
     """The field names of the (sub)model holding the field at ``loc``."""
     for part in loc[:-1]:
         field = model.model_fields.get(str(part))
-        inner = [a for a in (field.annotation, *get_args(field.annotation)) if field is not None
-                 and isinstance(a, type) and issubclass(a, BaseModel)] if field is not None else []
+        if field is None:
+            return []
+        inner = [a for a in (field.annotation, *get_args(field.annotation))
+                 if isinstance(a, type) and issubclass(a, BaseModel)]
         if not inner:
             return []
         model = inner[0]
