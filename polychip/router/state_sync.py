@@ -77,12 +77,20 @@ class RouterState(SharedFigures):
         return self.session is not None and self.session.is_leader
 
     # lifecycle
+    def open(self) -> StateStore:
+        """Open the store (blocking; StoreError naming the store and the cause). The command calls it
+        before it serves, so that a store that refuses this router is one line, not a failed start."""
+        if self.store is None:
+            cfg = self.cfg
+            self.store = open_store(cfg.state, cfg.state_dir, cfg.port, cfg.etcd if cfg.etcd.given else None)
+            self.store.on_loop_failure = self._loop_failed
+        return self.store
+
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         cfg = self.cfg
-        self.store = await asyncio.to_thread(open_store, cfg.state, cfg.state_dir, cfg.port,
-                                             cfg.etcd if cfg.etcd.given else None)
-        self.store.on_loop_failure = self._loop_failed
+        if self.store is None:
+            await asyncio.to_thread(self.open)
         member = MemberRecord(started=time.time(), host=self.host).stored()
         self.session = Session(self.store, self.node_id, cfg.state_lease_ttl, member,
                                on_leader=self._leader_changed, on_failure=self._loop_failed)

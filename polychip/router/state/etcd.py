@@ -55,7 +55,10 @@ class EtcdStore(StateStore):
         self.members = [Member(h, p, scheme, access, timeout) for h, p in endpoints]
         self._current = 0
         self._watches: list[WatchRunner] = []
-        self._call(lambda c: c.status(), "read its status")       # fail at start, naming member and cause
+        # fail at start, naming the member and the cause: reach it (TLS), and read our keys (the user)
+        self._call(lambda c: c.status(), "read its status")
+        self._post("/kv/range", {"key": _encode(self.ns), "range_end": _encode(_increment_last_byte(self.ns)),
+                                 "count_only": True}, f"read the keys under {self.ns}")
 
     def _call(self, fn: Callable, what: str = "answer") -> Any:
         deadline = time.monotonic() + FAILOVER_WINDOW

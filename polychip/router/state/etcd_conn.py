@@ -23,9 +23,10 @@ from polychip.router.state.base import StoreError
 TRANSIENT = (etcd_errors.ConnectionFailedError, etcd_errors.ConnectionTimeoutError,
              etcd_errors.InternalServerError)
 # what a TLS handshake failure says, and what it means for the operator
+NO_CERT = "it asks for a client certificate and this router gives none (--etcd-cert, --etcd-key)"
 TLS_CAUSES = (
     ("CERTIFICATE_VERIFY_FAILED", "its certificate does not chain to the CA bundle (--etcd-ca {ca})"),
-    ("certificate required", "it asks for a client certificate and this router gives none (--etcd-cert/--etcd-key)"),
+    ("CERTIFICATE_REQUIRED", "it refused this router's client certificate {cert}"),
     ("BAD_CERTIFICATE", "it refused this router's client certificate {cert} (not signed by a CA it trusts)"),
     ("UNKNOWN_CA", "it refused this router's client certificate {cert} (signed by a CA it does not know)"),
     ("WRONG_VERSION_NUMBER", "it does not speak TLS: use etcd://"),
@@ -96,9 +97,11 @@ class Member:
         text = cause(e)
         if is_tls_failure(e):
             access = self.access
-            why = next((m.format(ca=getattr(access, "ca", None) or "(the system's)",
-                                 cert=getattr(access, "cert", None)) for k, m in TLS_CAUSES if k in text),
-                       "the TLS handshake failed")
+            cert = getattr(access, "cert", None)
+            why = next((m.format(ca=getattr(access, "ca", None) or "(the system's)", cert=cert)
+                        for k, m in TLS_CAUSES if k in text.upper()), "the TLS handshake failed")
+            if cert is None and "client certificate" in why:
+                why = NO_CERT
             return StoreError(f"etcd at {self.where}: {why} ({text})", layer="config", retryable=False)
         if "invalid user ID or password" in text:
             return StoreError(f"etcd at {self.where}: user {self.user!r} was refused: wrong password (read "

@@ -35,7 +35,8 @@ class WatchRunner:
         self._streams = 0
         self.loop = ThreadLoop(f"watch {prefix or '(all keys)'}", self._stream,
                                lambda: 0.0 if self._streams == 0 else 0.1,
-                               lambda name, e: store.on_loop_failure and store.on_loop_failure(name, e))
+                               lambda name, e: store.on_loop_failure and store.on_loop_failure(name, e),
+                               max_backoff=1.0)      # a member back is watched again within a second
         self.stopped = self.loop.stopping
         self.loop.start()
 
@@ -103,6 +104,7 @@ class WatchRunner:
             if self.response.status_code != 200:
                 raise StoreError(f"etcd at {member.where}: watch of {self.prefix!r} answered HTTP "
                                  f"{self.response.status_code}: {self.response.text[:300]}")
+            self.loop.working()
             self._read(self.response)
             log.info("etcd watch on %s ended; resuming from revision %d", member.where, self.next_rev)
         except CompactedError as e:

@@ -54,15 +54,23 @@ class LoopStatus:
 
 class ThreadLoop:
     """``step()`` again and again on a thread of its own (the store's calls block), ``pause()``
-    seconds apart; a step that raises is logged, counted, and tried again after a growing backoff."""
+    seconds apart; a step that raises is logged, counted, and tried again after a backoff that
+    doubles from 0.1 s up to ``max_backoff``."""
 
     def __init__(self, name: str, step: Callable[[], None], pause: Callable[[], float],
-                 on_failure: FailureHook | None = None, stopping: threading.Event | None = None):
-        self.name, self.step, self.pause = name, step, pause
+                 on_failure: FailureHook | None = None, stopping: threading.Event | None = None,
+                 max_backoff: float = MAX_BACKOFF):
+        self.name, self.step, self.pause, self.max_backoff = name, step, pause, max_backoff
         self.status = LoopStatus(name, on_failure)
         self.stopping = stopping or threading.Event()      # shared by loops that stop together
         self._thread: threading.Thread | None = None
         self._died: BaseException | None = None
+        self._working = False
+
+    def working(self) -> None:
+        """A long step (a watch stream) says it works now: the loop shows running, its backoff resets."""
+        self._working = True
+        self.status.ok()
 
     def start(self) -> None:
         if self._thread is None or not self._thread.is_alive():
@@ -81,14 +89,14 @@ class ThreadLoop:
                 except Exception as e:
                     if self.stopping.is_set():
                         break
-                    backoff = min(MAX_BACKOFF, max(0.1, backoff * 2))
+                    backoff, self._working = (0.0 if self._working else backoff), False
+                    backoff = min(self.max_backoff, max(0.1, backoff * 2))
                     if self.status.failures % 50 == 0 or self.status.failing_since is None:
                         log.warning("state loop %s failed (trying again in %.1fs): %s: %s", self.name, backoff,
                                     type(e).__name__, e)
                     self.status.failed(e)
-        except BaseException as e:          # not an Exception: the thread ends, and says so
+        except BaseException as e:          # not an Exception: the thread ends, and says so (below)
             self._died = e
-            raise
         finally:
             self.status.state = "stopped" if self.stopping.is_set() else "dead"
             if self.status.state == "dead":

@@ -43,7 +43,8 @@ class Session:
         self._watch = None
         self.valid_until = 0.0                   # monotonic time the lease surely lives until
         self.term: int | None = None             # the leader key's revision when it last named this router
-        self._loops = [ThreadLoop("session keep-alive", self._keepalive, lambda: self.ttl / 3, on_failure, self._stop),
+        self._loops = [ThreadLoop("session keep-alive", self._keepalive, lambda: self.ttl / 3, on_failure, self._stop,
+                                  max_backoff=ttl / 3),
                        ThreadLoop("session fence", self._fence, lambda: self.ttl / 20, on_failure, self._stop)]
 
     def loops(self) -> list[ThreadLoop]:
