@@ -2,17 +2,18 @@
 the leader key it won) and the store applies it only while the leader key still has that revision,
 in the same transaction (etcd's Txn; SQLite's and memory's under the store's one lock). A router cut
 off from etcd while its canary guard's rollback is queued loses that write when it reconnects: the
-new leader's weights stand."""
+new leader's weights stand; a deposed batch runner's write of its batch object is dropped too."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 
+from polychip.router.batch.shared import SharedBatches
+from polychip.router.batch.store import BatchStore
 from polychip.router.rollout import ModelRoute, Rollout
 from polychip.router.settings import GuardConfig, RouterConfig
-from polychip.router.state import Deposed, MemoryStore, Session, SqliteStore, open_store
+from polychip.router.state import MemoryStore, Session, open_store
 from polychip.router.state_sync import RouterState
 from tests.etcd_cluster import EtcdCluster, Partition
 
@@ -25,57 +26,6 @@ def etcd1():
     cluster = EtcdCluster(1)
     yield cluster
     cluster.stop()
-
-
-@pytest.fixture(params=["memory", "sqlite", "etcd"])
-def store(request, tmp_path):
-    if request.param == "memory":
-        s = MemoryStore()
-    elif request.param == "sqlite":
-        s = SqliteStore(str(tmp_path / "state.sqlite3"))
-    else:
-        s = open_store(request.getfixturevalue("etcd1").spec)
-        for e in s.list("")[0]:
-            s.delete(e.key)
-    yield s
-    s.close()
-
-
-def wait_for(cond, timeout=10.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.02)
-    raise TimeoutError(what)
-
-
-def test_a_write_in_an_ended_term_fails_and_changes_nothing(store):
-    a, b = Session(store, "router-a", ttl=TTL), Session(store, "router-b", ttl=TTL)
-    a.start()
-    b.start()
-    try:
-        assert a.is_leader and a.term == store.get("leader").revision
-        term = a.term
-        store.put("models/m", {"by": "a"}, term=term)
-        assert store.compare_and_set("batches/b", {"by": "a"}, expect=0, term=term)
-        assert store.delete("batches/b", term=term)
-        a._stop.set()                                   # router-a stops refreshing (it froze) ...
-        store.revoke_lease(a.lease)                     # ... its lease ends; router-b campaigns and wins
-        wait_for(lambda: b.is_leader, what="router-b leads")
-        assert b.term != term
-        store.put("models/x", {"by": "b"}, term=b.term)
-        with pytest.raises(Deposed):
-            store.put("models/m", {"by": "a, late"}, term=term)
-        with pytest.raises(Deposed):
-            store.compare_and_set("models/m", {"by": "a, late"}, expect=store.get("models/m").revision, term=term)
-        with pytest.raises(Deposed):
-            store.delete("models/m", term=term)
-        assert store.get("models/m").value == {"by": "a"} and store.get("models/x").value == {"by": "b"}
-        assert store.get("leader").value == "router-b"
-    finally:
-        a.close()
-        b.close()
 
 
 class _Dispatcher:
@@ -137,3 +87,35 @@ def test_a_leader_cut_off_from_etcd_loses_its_queued_rollback_and_the_new_leader
         asyncio.run(run())
     finally:
         relay.close()
+
+
+def test_a_deposed_batch_runner_does_not_overwrite_the_new_leaders_batch_object(caplog):
+    store = MemoryStore()
+    a, b = Session(store, "router-a", ttl=TTL), Session(store, "router-b", ttl=TTL)
+    a.start()
+    b.start()
+    batch = {"id": "batch_1", "object": "batch", "endpoint": "/v1/completions", "input_file_id": "file-1",
+             "completion_window": "24h", "status": "in_progress", "created_at": 1, "expires_at": 2}
+    runner = SharedBatches(BatchStore(store), is_leader=lambda: False, term=lambda: a.term)
+
+    async def run():
+        await runner._save(dict(batch))                              # router-a runs it as the leader
+        a._stop.set()
+        store.revoke_lease(a.lease)                                  # router-a is gone from the store's view
+        for _ in range(200):
+            if b.is_leader:
+                break
+            await asyncio.sleep(0.02)
+        assert b.is_leader
+        store.put("batches/batch_1", {**batch, "status": "cancelling"}, term=b.term)    # the new leader's
+        await runner._save({**batch, "status": "completed"})           # router-a's late write
+        await runner._save({**batch, "id": "batch_2"}, as_leader=False)  # a create is no leader's write
+    try:
+        asyncio.run(run())
+        assert store.get("batches/batch_1").value["status"] == "cancelling"
+        assert store.get("batches/batch_2") is not None
+        assert "batch batch_1: [framework] write of 'batches/batch_1' refused" in caplog.text
+    finally:
+        a.close()
+        b.close()
+        store.close()
