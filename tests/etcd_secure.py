@@ -117,8 +117,8 @@ class SecureEtcd(EtcdCluster):
     def _admin(self, calls, as_root: bool = False) -> None:
         with self.http() as c:
             if as_root:
-                token = c.post("/v3/auth/authenticate", json={"name": "root", "password": ROOT_PASSWORD}).json()["token"]
-                c.headers["Authorization"] = token
+                root = {"name": "root", "password": ROOT_PASSWORD}
+                c.headers["Authorization"] = c.post("/v3/auth/authenticate", json=root).json()["token"]
             for path, body in calls:
                 r = c.post(path, json=body)
                 assert r.status_code == 200, (path, r.status_code, r.text)
