@@ -45,7 +45,7 @@ def regression_named(capsys, model: str, host, upgraded: str) -> tuple[bool, str
     code, out = bench_ops(capsys, model, "--device-config", upgraded, "--baseline", "--save")
     verdict = next((line for line in out.splitlines() if line.startswith("REGRESSION: ")), "")
     ratios = [re.search(rf"linear @ {p} ([\d.]+)x", verdict) for p in ("prefill-256", "decode-1", "decode-16")]
-    return (code == 1 and all(r and float(r.group(1)) > 2 for r in ratios)
+    return (code == 1 and all(r and float(r.group(1)) > 1.5 for r in ratios)
             and set(re.findall(r"(\w+) @ ", verdict)) == {"linear"}
             and verdict.endswith("(changed: driver: 'simxpu-driver 1.4.0' -> 'simxpu-driver 1.5.0')")), out
 
@@ -55,7 +55,8 @@ def test_a_driver_that_slows_linear_is_caught_and_named(host, capsys):
     upgraded = driver_spec(host / "upgrade.yaml", "simxpu-driver 1.5.0")
     # Times on a machine other jobs share move by up to 2x between runs (a competing process takes half the
     # core): up to three attempts for linear, 3x slower, to be the one op named. A gate that named nothing,
-    # named every op or lost the driver fails all three.
+    # named every op or lost the driver fails all three. Linear's ratio must pass 1.5x, not 3x: its added time is
+    # a sleep, which a busy host does not stretch as it stretches the computing part.
     outs = []
     for _ in range(3):
         ok, out = regression_named(capsys, model, host, upgraded)

@@ -1,13 +1,15 @@
 """How ``polychip bench ops`` times: repeated rounds, interleaved, each sample long enough to read.
 
 Every item (a captured op call, a step) is calibrated once to the number of calls that takes at least
-``sample_s``; then ``rounds`` rounds each time every item once, in the same order, so a burst of load
-on the host lands on one round of every item rather than on all samples of one item. An op's figure
+``sample_s``; then ``rounds`` rounds each time every item once, each round in its own shuffled order
+(seeded: runs repeat), so a burst of load on the host lands on one round of every item rather than on all
+samples of one item, and a competing process's time slices cannot line up with one item round after round. An op's figure
 per phase is its time per forward: the sum over its signatures of (time per call x calls per forward),
 one figure per round. The report keeps every round's figure; comparisons use their median and spread.
 """
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from collections import defaultdict
@@ -86,11 +88,13 @@ def measure(work: Workload, sync: Callable[[], None], rounds: int = 9, sample_s:
     step_n = [_calibrate(fn, sync, sample_s) for _, fn in steps]
     per_call: list[list[float]] = [[] for _ in items]
     per_step: list[list[float]] = [[] for _ in steps]
+    order = [(per_call[i], fn, n) for i, (fn, n) in enumerate(items)]
+    order += [(per_step[i], fn, n) for i, ((_, fn), n) in enumerate(zip(steps, step_n))]
+    shuffle = random.Random(0).shuffle
     for _ in range(rounds):
-        for i, (fn, n) in enumerate(items):
-            per_call[i].append(_sample(fn, sync, n))
-        for i, ((_, fn), n) in enumerate(zip(steps, step_n)):
-            per_step[i].append(_sample(fn, sync, n))
+        shuffle(order)
+        for samples, fn, n in order:
+            samples.append(_sample(fn, sync, n))
     grouped: dict[tuple[str, str], list[int]] = defaultdict(list)
     for i, c in enumerate(work.calls):
         grouped[(c.op, c.phase)].append(i)

@@ -36,6 +36,8 @@ def add_parser(sub) -> None:
     p.add_argument("--decode-batches", default="1,16", help="decode batch sizes (default 1,16)")
     p.add_argument("--decode-context", type=int, default=256, help="tokens each decode sequence attends to")
     p.add_argument("--rounds", type=int, default=9, help="interleaved rounds per measure (default 9)")
+    p.add_argument("--sample-ms", type=float, default=4.0,
+                   help="the shortest timed sample of a measure in a round (default 4; longer on a busy host)")
     p.add_argument("--save", nargs="?", const=SAVE_DEFAULT, default=None, metavar="FILE",
                    help="write the run as a baseline (no FILE: the host's baseline directory); with --baseline, "
                         "only when no regression was found")
@@ -63,15 +65,17 @@ def measure_run(args) -> dict:
     from polychip.errors import ConfigError
     from polychip.ops.passes import dtype_name
     from polychip.package.compat import current_versions
-    if min(args.prefill_chunk, args.decode_context, args.rounds) < 1 or not 0 < args.threshold < 10:
-        raise ConfigError("--prefill-chunk, --decode-context and --rounds must be >= 1, --threshold in (0, 10)")
+    if (min(args.prefill_chunk, args.decode_context, args.rounds) < 1 or not 0 < args.threshold < 10
+            or not 0 < args.sample_ms <= 10_000):
+        raise ConfigError("--prefill-chunk, --decode-context and --rounds must be >= 1, --threshold in (0, 10), "
+                          "--sample-ms in (0, 10000]")
     batches = _batches(args.decode_batches)
     plugin = open_device(args.device, tuple(args.plugins), args.device_config, num_threads=args.num_threads)
     try:
         work = op_capture.capture(plugin, args.model_path, args.dtype, args.prefill_chunk, batches,
                                   args.decode_context)
         try:
-            measures = op_timing.measure(work, plugin.synchronize, args.rounds)
+            measures = op_timing.measure(work, plugin.synchronize, args.rounds, args.sample_ms / 1e3)
         finally:
             op_capture.release(plugin, work)
         model = {"path": args.model_path, "architecture": work.model.config.architecture,
