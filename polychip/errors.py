@@ -43,6 +43,19 @@ class PluginError(PolychipError):
     layer = PLUGIN
 
 
+class PluginValueError(PluginError, ValueError):
+    """A value a plugin handed the framework has the wrong shape (``polychip.devices.boundary``). The
+    message names the plugin, the method, the field, what came and what was expected; so do the
+    attributes, for tools."""
+
+    def __init__(self, plugin: str, method: str, field: str, got: str, expected: str, more: int = 0):
+        at = f" at {field}" if field else ""
+        extra = f" (and {more} more problem{'s' * (more > 1)} in the same value)" if more else ""
+        super().__init__(f"plugin {plugin!r}: {method} returned a bad value{at}: got {got}; expected {expected}"
+                         f"{extra}")
+        self.plugin, self.method, self.field, self.got, self.expected = plugin, method, field, got, expected
+
+
 class DeviceOutOfMemoryError(PluginError, MemoryError):
     """A device cannot satisfy an allocation. Plugins raise it from ``alloc`` (a plain ``MemoryError``
     or ``torch.OutOfMemoryError`` is taken as the same); the engine re-raises it as one message

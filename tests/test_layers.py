@@ -54,10 +54,6 @@ LAYER_OF = {
     "polychip.errors": "leaves",
     "polychip.dtypes": "leaves",            # the dtype vocabulary
     "polychip.yaml_file": "leaves",         # reading a YAML file (specs, deployments)
-    # the kit's API 1.0 paths, aliases of polychip.pluginkit for one minor version: the kit's layer
-    "polychip.devices.conformance": "pluginkit",
-    "polychip.devices.probe": "pluginkit",
-    "polychip.ops.numerics": "pluginkit",
 }
 
 TOP = {"commands", "server", "router", "library", "edge"}

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from polychip.bench import roofline as rl
+from polychip.devices import boundary
 from polychip.bench.peer_engines import LlamaCppPeer, PolychipPeer, TransformersPeer, WorkloadRun
 
 log = logging.getLogger("polychip.bench")
@@ -101,7 +102,7 @@ def storage_of(name: str, cfg: PeersConfig, gguf_path: str | None) -> rl.Storage
 def device_label(plugin) -> str:
     """'cuda:0 (NVIDIA H200)': the torch device and, where the plugin names it, the hardware."""
     handle = str(plugin.device_handle())
-    names = [i.name for i in plugin.discover() if i.index == plugin.index]
+    names = [i.name for i in boundary.devices(plugin) if i.index == plugin.index]
     return f"{handle} ({names[0]})" if names and names[0] else handle
 
 

@@ -1,9 +1,11 @@
-"""polychip bench serving | compare | peers | plot
+"""polychip bench serving | compare | peers | plot | ops
 
   serving  drive any OpenAI-compatible server over a concurrency sweep (JSON, markdown, PNG)
   compare  flag regressions of a new serving result against a baseline
   peers    polychip, transformers and llama.cpp on the same prompts, against the rooflines
   plot     one PNG from several serving results (one line per engine)
+  ops      each op of a model's plan timed on a device, saved as a baseline or compared with one
+           (the driver-upgrade gate, docs/upgrades.md)
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import os
 import sys
 import time
 
+from polychip.commands import bench_ops
 from polychip.dtypes import KV_CACHE_DTYPES
 
 
@@ -202,6 +205,7 @@ def main(argv: list[str]) -> int:
     pl.add_argument("results", nargs="+")
     pl.add_argument("-o", "--output", required=True)
     pl.add_argument("--title", default="")
+    bench_ops.add_parser(sub)
     args = p.parse_args(argv)
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     logging.getLogger("httpx").setLevel(logging.WARNING)      # one line per request otherwise
@@ -211,6 +215,8 @@ def main(argv: list[str]) -> int:
         return run_compare(args)
     if args.cmd == "peers":
         return run_peers_cmd(args)
+    if args.cmd == "ops":
+        return bench_ops.run_ops(args)
     from polychip.bench import report
     from polychip.bench.plot import plot_sweeps
     print(plot_sweeps([report.load_json(f) for f in args.results], args.output, args.title))

@@ -12,6 +12,7 @@ import argparse
 import json
 import sys
 
+from polychip.devices import boundary
 from polychip.devices.discovery import PluginRecord, discover_plugins, init_plugin
 from polychip.devices.plugin import VERSION_KEYS
 from polychip.devices.spec import DeviceSpec, check_against_devices, fmt_bytes, load_spec
@@ -24,10 +25,11 @@ def _device_row(cls, spec: DeviceSpec | None, index: int) -> dict:
     plugin = cls()
     try:
         init_plugin(plugin, spec, index)
-        info = next(i for i in plugin.discover() if i.index == index)
-        free, total = plugin.mem_info()
+        info = next(i for i in boundary.devices(plugin) if i.index == index)
+        free, total = boundary.mem_info(plugin)
         row.update(name=info.name, total_memory=total, free_memory=free, dtypes=list(info.dtypes),
-                   compute=info.compute, topology=info.topology, versions=dict(plugin.versions()))
+                   compute=info.compute, topology=info.topology, versions=boundary.versions(plugin),
+                   health=boundary.health_dict(boundary.health(plugin) or info.health))
     except Exception as e:  # the point is to show it, whatever it is
         row.update(status="Error", reason=str(e) if isinstance(e, PolychipError) else f"{type(e).__name__}: {e}")
     finally:
@@ -48,7 +50,7 @@ def describe(rec: PluginRecord, spec: DeviceSpec | None) -> dict:
         return out
     spec = spec if spec is not None and spec.device_type == rec.name else None
     try:
-        infos = p.discover_for(spec)
+        infos = boundary.devices(p, spec, for_spec=True)
         if spec is not None:
             out["spec"] = spec.source
             check_against_devices(spec, rec.name, infos)
@@ -75,6 +77,8 @@ def _text(entry: dict) -> list[str]:
         lines.append(f"  [{d['index']}] {d['name']}  Ready  memory {fmt_bytes(d['free_memory'])} free / "
                      f"{fmt_bytes(d['total_memory'])}  dtypes {','.join(d['dtypes'])}")
         lines.append(f"      compute {compute or '-'}  topology {topo or '-'}")
+        if d.get("health"):
+            lines.append("      health " + " ".join(f"{k}={v}" for k, v in d["health"].items()))
     return lines
 
 
@@ -105,7 +109,7 @@ def rank_rows(args) -> list[dict]:
     for rank, device in zip(world.local_ranks, local_devices(config, world)):
         plugin = open_device(device, tuple(args.plugins), args.device_config)
         try:
-            free, total = plugin.mem_info()
+            free, total = boundary.mem_info(plugin)
         finally:
             plugin.destroy()
         rows.append({"rank": rank, "node": world.node_rank, "device": device, "backend": plugin.communicator_backend(),
@@ -156,7 +160,10 @@ def main(argv: list[str]) -> int:
 def failures(records: list[PluginRecord], entries: list[dict], spec: DeviceSpec | None) -> list[str]:
     """What was asked for and failed: explicit plugins, the spec's plugin and devices, device inits."""
     out = [f"{r.describe_failure()}" for r in records if r.explicit and not r.ok]
+    explicit = {r.name for r in records if r.explicit and r.ok}
     for e in entries:
+        if e["name"] in explicit and e["status"] != "Ready":     # loaded, then failed to report its devices
+            out.append(f"plugin {e['name']!r} ({e['source']}) failed at {e['failed_step']}: {e['reason']}")
         named = spec is not None and e["name"] == spec.device_type
         if named and e["status"] != "Ready":
             out.append(f"{spec.source}: plugin {e['name']!r} failed at {e['failed_step']}: {e['reason']}")

@@ -1,12 +1,14 @@
 """polychip doctor [--package PKG] [--device-config SPEC ...] [--trust-store S] [--port N ...]:
 check this host before serving, one finding a line with its fix: the trust store (keys expired
 or expiring within 30 days), the specs' signatures, the package's signature, release, plugin pin
-and version matrix, the device plugins and their devices, seccomp, and the ports. Exit status 1
+and version matrix, the device plugins and their devices, the op baselines this host holds (and
+whether each device's version matrix now has one: `polychip bench ops`), seccomp, and the ports. Exit status 1
 when any finding is a FAIL."""
 from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import socket
 from dataclasses import dataclass
 
@@ -102,11 +104,17 @@ def package_findings(path: str, store, trust, plugins: tuple[str, ...], device_c
 
 
 def device_findings(plugins: tuple[str, ...]) -> list[Finding]:
+    from polychip.devices import boundary
     from polychip.devices.discovery import discover_plugins
     out = []
     for rec in discover_plugins(plugins):
         if rec.ok and rec.available:
-            n = len(rec.plugin.discover())
+            try:
+                n = len(boundary.devices(rec.plugin))
+            except PolychipError as e:
+                out.append(Finding("FAIL", "devices", f"{rec.name} ({rec.source}): {_err(e)}",
+                                   "the plugin's vendor must fix what it reports (docs/plugin-guide.md, section 3)"))
+                continue
             out.append(Finding("ok" if n else "warn", "devices", f"{rec.name} ({rec.source}): {n} device(s)",
                                "" if n else f"check the {rec.name} driver"))
         elif rec.failed_step in ("import", "api_version", "register") or rec.explicit:
@@ -114,6 +122,57 @@ def device_findings(plugins: tuple[str, ...]) -> list[Finding]:
         else:
             out.append(Finding("warn" if rec.name != "cuda" else "ok", "devices",
                                f"{rec.name}: not available here ({rec.reason or rec.failed_step})"))
+    return out
+
+
+def _matrix(versions: dict) -> str:
+    dev = versions.get("device") or {}
+    return ", ".join(f"{k} {v}" for k, v in dev.items()) + f"; {versions.get('plugin')}, polychip {versions.get('polychip')}"
+
+
+def _spec_type(path: str) -> str | None:
+    from polychip.devices.spec import load_spec
+    try:
+        return load_spec(path).device_type
+    except PolychipError:
+        return None
+
+
+def baseline_findings(plugins: tuple[str, ...], specs: list[str]) -> list[Finding]:
+    """The op baselines this host holds (polychip bench ops --save), and for each device they were made on,
+    whether its version matrix now has one: a driver upgrade since the last baseline is not yet gated."""
+    from polychip.bench import op_baseline
+    from polychip.devices.discovery import open_device
+    from polychip.package.compat import current_versions
+    stored, where = op_baseline.stored(), op_baseline.baseline_dir()
+    if not stored:
+        return [Finding("ok", "op baselines", f"none in {where}",
+                        "before a driver or SDK upgrade: polychip bench ops --device D --save (docs/upgrades.md)")]
+    out = [Finding("ok", "op baseline", f"{data['device']}, model {data['model'].get('path') or 'embedded'}: "
+                                        f"{_matrix(data['versions'])} (saved {data.get('created')}, {path})")
+           for path, data in stored]
+    for device in dict.fromkeys(data["device"] for _, data in stored):
+        mine = [(p, d) for p, d in stored if d["device"] == device]
+        spec = next((s for s in specs if _spec_type(s) == device.partition(":")[0]), None) or mine[0][1].get("spec")
+        try:
+            plugin = open_device(device, plugins, spec if spec and os.path.exists(spec) else None)
+            try:
+                now = current_versions(plugin)
+            finally:
+                plugin.destroy()
+        except PolychipError as e:
+            out.append(Finding("warn", "op baselines", f"{device}: cannot open it to read its version matrix: {_err(e)}"))
+            continue
+        match = next((p for p, d in mine if op_baseline.matrix_id(d["versions"]) == op_baseline.matrix_id(now)), None)
+        if match is not None:
+            out.append(Finding("ok", "op baselines", f"{device}: its version matrix now has a baseline ({match})"))
+        else:
+            _, newest = mine[0]
+            was, has = op_baseline.flat_versions(newest["versions"]), op_baseline.flat_versions(now)
+            changed = "; ".join(f"{k} {was.get(k)} -> {has.get(k)}" for k in sorted(set(was) | set(has))
+                                if was.get(k) != has.get(k))
+            out.append(Finding("warn", "op baselines", f"{device}: no baseline for its version matrix now ({changed})",
+                               f"gate it: polychip bench ops --device {device} --baseline (docs/upgrades.md)"))
     return out
 
 
@@ -153,7 +212,8 @@ def main(argv: list[str]) -> int:
     findings += spec_findings(args.specs, store, trust)
     if args.package:
         findings += package_findings(args.package, store, trust, plugins, args.specs[0] if args.specs else None)
-    findings += device_findings(plugins) + [seccomp_finding()] + port_findings(args.host, args.ports or [30000])
+    findings += device_findings(plugins) + baseline_findings(plugins, args.specs) + [seccomp_finding()] + \
+        port_findings(args.host, args.ports or [30000])
     for f in findings:
         print(f.line())
     bad = sum(f.status == "FAIL" for f in findings)

@@ -1,13 +1,4 @@
-"""Deprecated (API 1.0 path): the kit's ``conformance`` moved to ``polychip.pluginkit.conformance`` in API 1.1.
-
-This alias keeps 1.0 vendor tests importing for one minor version (removed in API 1.2); it warns
-once on import. It belongs to the kit's layer (tests/test_layers.py), not to the plugin layer.
-"""
-import sys
-import warnings
-
-from polychip.pluginkit import conformance as _moved
-
-warnings.warn("polychip.devices.conformance is deprecated since plugin API 1.1 and goes in 1.2: import "
-              "polychip.pluginkit.conformance", DeprecationWarning, stacklevel=2)
-sys.modules[__name__] = _moved
+"""Removed in plugin API 1.2: API 1.0's path of the kit, an alias with a DeprecationWarning through 1.1
+(docs/plugin-guide.md, "How public modules move"). Importing it says where the module went."""
+raise ImportError("polychip.devices.conformance was removed in plugin API 1.2 (deprecated since 1.1): "
+                  "import polychip.pluginkit.conformance")

@@ -28,9 +28,10 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from polychip.devices import boundary
 from polychip.devices.plugin import DevicePlugin, api_mismatch
 from polychip.devices.spec import DeviceSpec, check_against_devices, load_spec
-from polychip.errors import ConfigError, DeviceSpecError, PluginError
+from polychip.errors import ConfigError, DeviceSpecError, PluginError, PolychipError
 
 log = logging.getLogger("polychip.devices")
 
@@ -177,11 +178,13 @@ def check_available(record: PluginRecord) -> PluginRecord:
     if record.available is not None or record.failed_step is not None:
         return record
     try:
-        avail = record.plugin.is_available()
+        avail = boundary.availability(record.plugin)
+    except PolychipError as e:    # what it raised, or a value of the wrong shape
+        ok, why = False, e.args[0]
     except Exception as e:
         ok, why = False, f"is_available() raised {type(e).__name__}: {e}"
     else:
-        ok, why = bool(avail), getattr(avail, "reason", "") or "is_available() returned False"
+        ok, why = avail.ok, avail.reason or "is_available() returned False"
     record.available = ok
     if not ok:
         record.failed_step, record.reason = "is_available", why
@@ -296,7 +299,7 @@ def get_plugin(device: str = "auto", plugins: tuple[str, ...] = ()) -> DevicePlu
 
 def resolve_spec(plugin: DevicePlugin, spec: DeviceSpec | None, index: int | None) -> int:
     """Check ``spec`` against the devices the plugin reports; return the device index to open."""
-    infos = plugin.discover_for(spec)
+    infos = boundary.devices(plugin, spec, for_spec=True)
     if spec is not None:
         check_against_devices(spec, plugin.name, infos)
         if index is None:

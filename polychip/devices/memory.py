@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import torch
 
+from polychip.devices import boundary
 from polychip.devices.plugin import DevicePlugin
 from polychip.devices.spec import fmt_bytes
-from polychip.errors import DeviceOutOfMemoryError
+from polychip.errors import DeviceOutOfMemoryError, PolychipError
 
 #: what a failed allocation may raise; the engine maps each to one DeviceOutOfMemoryError
 OOM_ERRORS = (MemoryError, torch.OutOfMemoryError)
@@ -25,12 +26,13 @@ def nbytes_of(shape: tuple[int, ...], dtype: torch.dtype) -> int:
 def free_report(plugin) -> str:
     """'81.3 MiB free of 600.0 MiB, largest free block 8.9 MiB' (what the plugin can still tell)."""
     try:
-        free, total = plugin.mem_info()
+        free, total = boundary.mem_info(plugin)
     except Exception as e:  # the report must not hide the original failure
-        return f"free memory unknown (mem_info() raised {type(e).__name__}: {e})"
+        why = e.args[0] if isinstance(e, PolychipError) else f"mem_info() raised {type(e).__name__}: {e}"
+        return f"free memory unknown ({why})"
     text = f"{fmt_bytes(free)} free of {fmt_bytes(total)}"
     try:
-        largest = plugin.largest_free_block()
+        largest = boundary.largest_free_block(plugin)
     except Exception:  # optional figure; the free bytes were already said
         return text
     return f"{text}, largest free block {fmt_bytes(largest)}" if largest != free else text
@@ -70,8 +72,8 @@ def holds_reserve(plugin) -> bool:
 def pool_budget(plugin) -> tuple[int, int]:
     """(free bytes, largest allocatable block) left for the KV pool, after the activation reserve:
     excluded by the plugin if it holds the reserve, else subtracted here."""
-    free, _total = plugin.mem_info()
-    largest = min(plugin.largest_free_block(), free)
+    free, _total = boundary.mem_info(plugin)
+    largest = min(boundary.largest_free_block(plugin), free)
     if not holds_reserve(plugin):
         reserve = getattr(plugin, "activation_reserve", 0)
         free, largest = max(0, free - reserve), max(0, largest - reserve)

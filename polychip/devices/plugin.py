@@ -1,4 +1,4 @@
-"""The device-plugin contract, API version 1.1.
+"""The device-plugin contract, API version 1.2.
 
 A chip vendor implements :class:`DevicePlugin`. The engine allocates, copies, synchronises and
 picks its ``torch.device`` only through such an object. ``docs/plugin-guide.md`` tells the whole
@@ -7,9 +7,11 @@ the memory contract.
 
 Versions: a plugin declares ``api_version`` as ``"MAJOR.MINOR"`` (an int ``1`` means ``"1.0"``).
 polychip loads a plugin whose major version equals its own and whose minor version is not newer
-(:func:`api_mismatch`). A minor version only adds methods, each with a default here, so a 1.0
-plugin runs on a 1.1 polychip unchanged; what 1.1 added is marked "(1.1)" below. A plugin that
-inherits ``api_version`` from this class declares the current version.
+(:func:`api_mismatch`). A minor version only adds methods and optional fields, each with a default
+here, so a 1.0 or 1.1 plugin runs on a 1.2 polychip unchanged; what 1.1 and 1.2 added is marked
+"(1.1)" or "(1.2)" below. A plugin that inherits ``api_version`` from this class declares the current
+version. Every value a plugin hands back is validated where the framework reads it
+(:mod:`polychip.devices.boundary`): a wrong shape is one PluginError naming plugin, method and field.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from typing import Any, Callable
 
 import torch
 
-API_VERSION = "1.1"
+API_VERSION = "1.2"
 
 
 def parse_api_version(value: Any) -> tuple[int, int]:
@@ -57,15 +59,29 @@ VERSION_KEYS = ("driver", "runtime", "collective", "firmware")
 
 
 @dataclass
+class DeviceHealth:
+    """(1.2) A device's health figures, every one optional (None: not reported). A router lowers the
+    weight of a replica whose device runs past its thermal limit or throttles (issue 34)."""
+
+    temperature_c: float | None = None       # degrees Celsius, now
+    thermal_limit_c: float | None = None     # where the device starts to throttle (its declared limit)
+    throttling: bool | None = None           # clocks are held down now (heat, power)
+    correctable_errors: int | None = None    # corrected memory (ECC) errors since the driver loaded
+    utilization: float | None = None         # fraction of recent time busy, 0..1
+
+
+@dataclass
 class DeviceInfo:
     """What ``discover()`` reports for one device.
 
     ``topology`` is the hardware's view of this device's links, every key optional (a spec's
     ``topology`` is checked against it by ``check_against_devices`` and ``polychip probe``):
-    ``p2p_enabled`` (bool: direct copies to every peer), ``peers`` ({peer index: bool}, per-peer P2P,
-    overrides ``p2p_enabled``), ``bandwidth_gbps`` (float: per-link bandwidth), ``distance``
-    ({device index: int}: hops or NUMA distance, 0 for itself). Other keys are shown, not checked.
+    ``p2p_enabled`` (bool: direct copies to every peer), ``peers`` (per-peer P2P, overrides
+    ``p2p_enabled``: ``{peer index: bool}``, or a list of the peer indexes reached), ``bandwidth_gbps``
+    (float: per-link bandwidth), ``distance`` (hops or NUMA distance, 0 for itself: ``{device index:
+    int}``, or this device's row of the matrix, as a spec writes it). Other keys are shown, not checked.
     A key the plugin leaves out cannot back a spec that declares it: such a spec is refused.
+    ``health`` (1.2) is optional: :class:`DeviceHealth` or a dict of its fields.
     """
 
     index: int
@@ -75,6 +91,7 @@ class DeviceInfo:
     dtypes: tuple[str, ...]           # e.g. ("float32", "bfloat16")
     compute: dict[str, float] = field(default_factory=dict)    # e.g. {"tflops_fp32": 1.2}
     topology: dict[str, Any] = field(default_factory=dict)     # e.g. {"p2p_enabled": False}
+    health: DeviceHealth | None = None                         # (1.2) e.g. DeviceHealth(temperature_c=61.0)
 
 
 @dataclass
@@ -339,6 +356,12 @@ class DevicePlugin(abc.ABC):
         ``{"driver": ..., "runtime": ..., "collective": ..., "firmware": ...}`` (any subset, plus
         other names). Packages record it when built and compare it at load. Call after ``init``."""
         return {}
+
+    def health(self) -> DeviceHealth | dict | None:
+        """(1.2) Optional: the initialised device's health figures now (:class:`DeviceHealth`, or a dict
+        of its fields), or None when the plugin reports none (the default). Called between steps on
+        the engine's thread, like ``mem_info()``, for ``/server_info`` and ``/metrics``: keep it cheap."""
+        return None
 
     def fusions(self) -> tuple[str, ...]:
         """Fusion patterns (from :data:`polychip.devices.ops.FUSIONS`) the rewrite pass applies."""

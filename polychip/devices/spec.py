@@ -11,6 +11,7 @@ from typing import Annotated, Any
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, NonNegativeInt, PositiveFloat,
                       ValidationError, field_validator, model_validator)
 
+from polychip.devices import boundary
 from polychip.dtypes import DTYPE_ALIASES, KNOWN_DTYPES
 from polychip.errors import DeviceSpecError
 from polychip.yaml_file import read_yaml_file
@@ -238,7 +239,7 @@ def supported_dtypes(plugin) -> tuple[str, ...]:
     spec = getattr(plugin, "spec", None)
     if isinstance(spec, DeviceSpec):
         return tuple(spec.supported_dtypes)
-    infos = {i.index: i for i in plugin.discover()}
+    infos = {i.index: i for i in boundary.devices(plugin)}
     info = infos.get(getattr(plugin, "index", 0))
     return tuple(info.dtypes) if info else ()
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from polychip.config import EngineConfig, parse_host_port
+from polychip.devices import boundary
 from polychip.devices.discovery import discover_plugins, parse_device, select
 from polychip.devices.spec import load_spec
 from polychip.errors import ConfigError
@@ -63,7 +64,7 @@ def local_devices(config: EngineConfig, world: World) -> list[str]:
     rec, _ = select(discover_plugins(tuple(config.plugins)), name if index is None else f"{name}:{index}")
     plugin = rec.plugin
     ids = list(spec.device_ids) if spec is not None and spec.device_type == plugin.name \
-        else [i.index for i in plugin.discover()]
+        else [i.index for i in boundary.devices(plugin)]
     if index is not None:
         if index not in ids:
             raise ConfigError(f"--device {config.device}: {plugin.name} has no device {index} here; it has {ids}")

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import time
 from collections import Counter, defaultdict, deque
 
@@ -30,7 +29,7 @@ from polychip.engine.spec_decode import NgramProposer, NgramSettings, SpecState,
 from polychip.engine.static_decode import static_decode_limit
 from polychip.engine.stats import STAGES, EngineStats, RankDevice, StageTimer
 from polychip.engine.stop import streamable_len
-from polychip.engine.tp import TensorParallel, TPModelRunner
+from polychip.engine.tp import TensorParallel, TPModelRunner, device_status
 from polychip.errors import ConfigError, InvalidRequestError
 from polychip.models.loader import load_model
 from polychip.models.tokenizer import IncrementalDetokenizer
@@ -369,9 +368,8 @@ class Engine:
         """Every rank's device and memory (one entry without tensor parallelism)."""
         if self.tp is not None:
             return tuple(RankDevice(**d) for d in self.tp.statuses())
-        free, total = self.plugin.mem_info()
-        return (RankDevice(0, 0, self.plugin.name, self.plugin.index, free, total,
-                           self.pool.num_bytes if self.pool.storage is not None else 0, os.getpid()),)
+        return (RankDevice(**device_status(self.plugin, 0, 0, self.pool.num_bytes if self.pool.storage is not None
+                                           else 0)),)
 
     def shutdown(self) -> None:
         if self.disagg is not None:

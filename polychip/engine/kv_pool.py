@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from polychip.devices import memory
+from polychip.devices import boundary, memory
 from polychip.dtypes import FP8_DTYPES, KV_CACHE_DTYPES
 from polychip.errors import ConfigError, IntegrityError, OutOfPagesError
 
@@ -34,7 +34,7 @@ def resolve_kv_dtype(kv_cache_dtype: str, plugin, compute: torch.dtype) -> torch
     name, compute_name = KV_CACHE_DTYPES[kv_cache_dtype], dtype_name(compute)
     if name is None or name == compute_name:
         return compute
-    supported = tuple(plugin.kv_cache_dtypes(compute_name))
+    supported = boundary.kv_cache_dtypes(plugin, compute_name)
     if name not in supported:
         raise ConfigError(f"--kv-cache-dtype {kv_cache_dtype}: device {plugin.name}:{plugin.index} cannot keep the "
                           f"KV cache in {name} for a {compute_name} model; plugin {plugin.name!r} supports "

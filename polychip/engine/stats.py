@@ -45,6 +45,7 @@ class RankDevice:
     total_memory: int
     kv_pool_bytes: int
     pid: int
+    health: dict | None = None        # the plugin's health figures (API 1.2), None when it reports none
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ import time
 from typing import Callable
 
 from polychip.config import EngineConfig
+from polychip.devices import boundary
 from polychip.devices.discovery import open_device
 from polychip.distributed import secret as dist_secret
 from polychip.distributed.communicator import Communicator
@@ -139,9 +140,20 @@ def agree_on_pool(comm: Communicator, pages: int, signature: dict, status: dict)
 
 
 def device_status(plugin, rank: int, node: int, kv_bytes: int = 0) -> dict:
-    free, total = plugin.mem_info()
+    """One rank's device, memory and health figures (JSON-ready: workers send it in their heartbeat)."""
+    free, total = boundary.mem_info(plugin)
     return {"rank": rank, "node": node, "plugin": plugin.name, "device": plugin.index, "free_memory": free,
-            "total_memory": total, "kv_pool_bytes": kv_bytes, "pid": os.getpid()}
+            "total_memory": total, "kv_pool_bytes": kv_bytes, "pid": os.getpid(), "health": device_health(plugin)}
+
+
+def device_health(plugin) -> dict | None:
+    """The figures the plugin's ``health()`` reports (API 1.2), None when it reports none; a plugin
+    whose health() fails or answers in the wrong shape shows that as ``{"error": why}``, and the
+    memory figures beside it stay."""
+    try:
+        return boundary.health_dict(boundary.health(plugin))
+    except PolychipError as e:
+        return {"error": e.args[0]}
 
 
 class TensorParallel:

@@ -19,7 +19,7 @@ from typing import Iterable, Iterator
 import torch
 from safetensors import safe_open
 
-from polychip.devices import memory
+from polychip.devices import boundary, memory
 from polychip.devices.spec import require_dtypes
 from polychip.errors import ConfigError, ModelLoadError
 from polychip.models.config import ModelConfig
@@ -237,7 +237,7 @@ def model_dtype(plugin, cfg, dtype: str, plan: dict | None) -> str:
     """The dtype the weights load in: the request, else the package's planned one, else the plugin's default."""
     if dtype == "auto" and plan is not None and plan.get("dtype"):
         dtype = plan["dtype"]            # the dtype the package was planned (and checked) in
-    dname = plugin.default_dtype(cfg.torch_dtype) if dtype == "auto" else dtype
+    dname = boundary.default_dtype(plugin, cfg.torch_dtype) if dtype == "auto" else dtype
     require_dtypes(plugin, [dname], "model dtype")
     return dname
 
@@ -257,7 +257,7 @@ def weight_quantization(plugin, model_dir: str, quantization: str | None, shard)
 def rewrite(model, plugin, registry, torch_dtype, ops, plan: dict | None, enable_fusion: bool):
     """Expand, replace and fuse the meta model: (resolutions, merges, fusions, plan warnings)."""
     resolutions = passes.replace(passes.expand(model), registry, torch_dtype, ops)
-    patterns, warnings = plugin.fusions(), []
+    patterns, warnings = boundary.fusions(plugin), []
     if plan is not None:
         patterns, warnings = planned_fusions(plan, patterns)
     patterns = patterns if enable_fusion else ()

@@ -20,8 +20,10 @@ def _api(version) -> tuple[int, int] | str:
 def current_versions(plugin) -> dict:
     """The version matrix of this process on ``plugin`` (initialised), as a manifest records it."""
     import torch        # here, so that verifying a file (`polychip verify --skip-device`) never loads torch
+
+    from polychip.devices import boundary
     return {"polychip": polychip.__version__, "torch": torch.__version__, "plugin_api": plugin.api_version,
-            "plugin": f"{plugin.name} {plugin.plugin_version}", "device": dict(plugin.versions())}
+            "plugin": f"{plugin.name} {plugin.plugin_version}", "device": boundary.versions(plugin)}
 
 
 def version_mismatches(built: dict, now: dict) -> list[str]:

@@ -78,7 +78,7 @@ def parse_manifest(raw: bytes, source: str) -> dict:
     versions = data.get("versions")
     api = versions.get("plugin_api") if isinstance(versions, dict) else None
     if isinstance(api, bool) or not isinstance(api, (int, str)):
-        raise PackageError(f"{where}: 'versions.plugin_api' must be a plugin API version such as \"1.1\" (or 1)")
+        raise PackageError(f"{where}: 'versions.plugin_api' must be a plugin API version such as \"1.2\" (or 1)")
     _check_trust_fields(data, where)
     return data
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+from polychip.devices import boundary
 from polychip.engine.coverage import one_forward, op_rows
 from polychip.devices.spec import DeviceSpec, fmt_bytes
 from polychip.engine.kv_pool import KVPool
@@ -30,7 +31,7 @@ def kv_defaults(lm: LoadedModel, plugin, weights: int) -> dict:
     cfg = lm.config
     per_token = KVPool.bytes_per_page(cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim, lm.dtype)
     spec = plugin.spec if isinstance(plugin.spec, DeviceSpec) else None
-    total = spec.memory.total if spec is not None else plugin.mem_info()[1]
+    total = spec.memory.total if spec is not None else boundary.mem_info(plugin)[1]
     free = max(0, total - weights)
     pages = int(free * plugin.default_mem_fraction) // (per_token * PAGE_SIZE)
     return {"page_size": PAGE_SIZE, "bytes_per_token": per_token, "memory_total": total,
@@ -48,7 +49,7 @@ def build_op_plan(model_path: str | None, plugin, dtype: str = "auto", quantizat
                     quantization=quantization)
     one_forward(lm, plugin)
     weights = weight_bytes(lm)
-    infos = [i for i in plugin.discover() if i.index == plugin.index]
+    infos = [i for i in boundary.devices(plugin) if i.index == plugin.index]
     plan = {
         "format_version": PLAN_FORMAT,
         "target": {"device_type": plugin.name, "device_name": infos[0].name if infos else "",

@@ -38,11 +38,12 @@ from typing import Callable, Iterator
 
 import torch
 
+from polychip.devices import boundary
 from polychip.devices.discovery import open_device
 from polychip.devices.ops import ALLOC_DTYPES, FUSIONS
-from polychip.devices.plugin import Availability, DeviceInfo, DevicePlugin, Event, Stream, api_mismatch
+from polychip.devices.plugin import DevicePlugin, Event, Stream, api_mismatch
 from polychip.devices.spec import supported_dtypes
-from polychip.dtypes import FLOAT_DTYPES, KNOWN_DTYPES
+from polychip.dtypes import FLOAT_DTYPES
 from polychip.engine.llm import LLM
 from polychip.engine.sampling_params import SamplingParams
 from polychip.models.config import ModelConfig
@@ -85,13 +86,13 @@ def check_identity(target: Target) -> str:
         _require(not api_mismatch(p.api_version), f"api_version: {api_mismatch(p.api_version)}")
         _require(isinstance(p.plugin_version, str) and p.plugin_version, "plugin_version must be a non-empty string")
         _require(isinstance(p.torch_device_type, str), "torch_device_type must be a string")
-        avail = p.is_available()
-        _require(isinstance(avail, Availability) and bool(avail), f"is_available() returned {avail!r}")
+        avail = boundary.availability(p)
+        _require(avail.ok, f"is_available() says no: {avail.reason}")
         handle = p.device_handle()
         _require(isinstance(handle, torch.device) and handle.type == p.torch_device_type,
                  f"device_handle() returned {handle!r}, expected a torch.device of type {p.torch_device_type!r}")
         _require(isinstance(p.communicator_backend(), str), "communicator_backend() must name a backend")
-        _require(set(p.fusions()) <= set(FUSIONS), f"fusions() {p.fusions()} are not all in {FUSIONS}")
+        _require(set(boundary.fusions(p)) <= set(FUSIONS), f"fusions() {p.fusions()} are not all in {FUSIONS}")
         _require(p.default_dtype("float32") in supported_dtypes(p),
                  f"default_dtype('float32') = {p.default_dtype('float32')!r} is not a supported dtype")
         return f"{p.name} {p.plugin_version}, API {p.api_version}, device {handle}"
@@ -100,18 +101,16 @@ def check_identity(target: Target) -> str:
 
 
 def check_discover(target: Target) -> str:
+    """What the plugin reports, in the shapes of the plugin boundary (``polychip.devices.boundary``):
+    discover()'s devices (topology and the optional health figures included), versions() and health()."""
     p = target.open()
     try:
-        infos = p.discover()
-        _require(isinstance(infos, list) and infos, "discover() must return a non-empty list of DeviceInfo")
-        _require(all(isinstance(i, DeviceInfo) for i in infos), "discover() must return DeviceInfo objects")
-        _require(len({i.index for i in infos}) == len(infos), "device indexes must be unique")
-        for i in infos:
-            _require(isinstance(i.total_memory, int) and 0 <= i.free_memory <= i.total_memory,
-                     f"device {i.index}: need 0 <= free_memory <= total_memory, got {i.free_memory}, {i.total_memory}")
-            unknown = set(i.dtypes) - set(KNOWN_DTYPES)
-            _require(not unknown, f"device {i.index}: unknown dtypes {sorted(unknown)}")
-        return f"{len(infos)} device(s)"
+        infos = boundary.devices(p)
+        _require(bool(infos), "discover() reports no device on an available plugin")
+        versions, health = boundary.versions(p), boundary.health(p)
+        figures = boundary.health_dict(health)
+        return (f"{len(infos)} device(s); versions() reports {sorted(versions) or 'nothing'}; health() reports "
+                + (", ".join(f"{k}={v}" for k, v in figures.items()) if figures else "nothing (optional)"))
     finally:
         p.destroy()
 
@@ -122,9 +121,7 @@ def check_lifecycle(target: Target) -> str:
         p = target.open()
         _require(isinstance(p.stream(), Stream) and isinstance(p.event(), Event),
                  "stream() and event() must return polychip Stream and Event objects")
-        free, total = p.mem_info()
-        _require(isinstance(free, int) and isinstance(total, int) and 0 <= free <= total,
-                 f"mem_info() must return (free, total) ints with free <= total, got {(free, total)}")
+        boundary.mem_info(p)
         p.destroy()
     return "init, destroy and init again"
 
@@ -138,7 +135,7 @@ def check_allocator(target: Target) -> str:
                  f"alloc((3, 5), float32) returned {tuple(t.shape)} {t.dtype} on {t.device}")
         p.free(t)
         check_alloc_free(p)
-        free, total = p.mem_info()
+        free, total = boundary.mem_info(p)
         try:
             huge = p.alloc((2 * total + 2**30,), torch.uint8)
         except Exception as e:   # any clear error is fine; silently succeeding is not
@@ -353,7 +350,7 @@ def check_collective(target: Target) -> str:
     from polychip.distributed.collective_check import run_collective_check
     p = target.open()
     try:
-        name, found = p.name, [i.index for i in p.discover()]
+        name, found = p.name, [i.index for i in boundary.devices(p)]
     finally:
         p.destroy()
     spec = load_spec(target.device_config) if target.device_config else None

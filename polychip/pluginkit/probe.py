@@ -11,6 +11,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from polychip.devices import boundary
 from polychip.devices.discovery import candidates, init_plugin, select
 from polychip.devices.spec import check_against_devices, fmt_bytes, from_dict, read_yaml
 from polychip.errors import PolychipError
@@ -77,13 +78,13 @@ def _each(devices: list, check: Callable) -> list[str]:
 
 def check_alloc_free(p) -> list[str]:
     """Allocate and free the KV pool's size (the default fraction of free memory)."""
-    free0, total = p.mem_info()
+    free0, total = boundary.mem_info(p)
     nbytes = max(1, int(free0 * p.default_mem_fraction))
     t = p.alloc((nbytes,), torch.uint8)
-    free1, _ = p.mem_info()
+    free1, _ = boundary.mem_info(p)
     p.free(t)
     del t
-    free2, _ = p.mem_info()
+    free2, _ = boundary.mem_info(p)
     line = (f"{p.name}:{p.index}: pool {fmt_bytes(nbytes)}; free {fmt_bytes(free0)} -> {fmt_bytes(free1)} "
             f"after alloc -> {fmt_bytes(free2)} after free")
     if free2 < free0 - LEAK_SLACK * total:
@@ -137,7 +138,7 @@ def check_ops(p, dtypes: tuple[str, ...]) -> tuple[list, object]:
     registry = OpRegistry(p.name)
     register_native(registry)
     p.register_ops(registry)
-    return check_registered_ops(registry, dtypes, p.to_device, p.kv_cache_dtypes), registry
+    return check_registered_ops(registry, dtypes, p.to_device, lambda d: boundary.kv_cache_dtypes(p, d)), registry
 
 
 
@@ -168,10 +169,10 @@ class _Probe:
         p = rec.plugin
         return (f"{p.name} {p.plugin_version} (API {p.api_version}) from {rec.source}",
                 [f"torch device type: {p.torch_device_type}", f"collectives: {p.communicator_backend()}",
-                 f"fusions: {list(p.fusions())}"])
+                 f"fusions: {list(boundary.fusions(p))}"])
 
     def device_check(self):
-        infos = self.record.plugin.discover_for(self.spec)
+        infos = boundary.devices(self.record.plugin, self.spec, for_spec=True)
         check_against_devices(self.spec, self.record.plugin.name, infos)
         declared = [i for i in infos if i.index in self.spec.device_ids]
         return f"the declared devices are among the {len(infos)} that {self.record.plugin.name} reports", [
@@ -183,7 +184,7 @@ class _Probe:
             self.devices.append(init_plugin(cls(), self.spec, dev))
         details = []
         for p in self.devices:
-            free, total = p.mem_info()
+            free, total = boundary.mem_info(p)
             details.append(f"{p.name}:{p.index}: {fmt_bytes(free)} free of {fmt_bytes(total)}")
         return f"{len(self.devices)} device(s) initialised", details
 

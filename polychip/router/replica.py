@@ -7,6 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from polychip.router.device_health import DeviceHealth, parse_device_health
+
 log = logging.getLogger("polychip.router")
 
 
@@ -34,6 +36,8 @@ class ReplicaInfo:
     bootstrap_port: int | None = None
     transfer_backend: str | None = None
     handoffs: tuple[tuple[str, float], ...] = ()
+    # what each rank's plugin reports about its device (temperature, throttling, ...); () when none
+    device_health: tuple[DeviceHealth, ...] = ()
 
     @classmethod
     def parse(cls, data: dict) -> "ReplicaInfo":
@@ -54,6 +58,7 @@ class ReplicaInfo:
                    num_waiting=get("num_waiting", int, 0), num_running=get("num_running", int, 0),
                    kv_usage=float(get("kv_usage", (int, float), 0.0)),
                    prefix_cache_hit_rate=float(get("prefix_cache_hit_rate", (int, float), 0.0)),
+                   device_health=parse_device_health(data.get("device_health")),
                    **_disaggregation(data.get("disaggregation")))
 
 

@@ -108,7 +108,25 @@ class _EngineCollector:
             kv.add_metric(m + where, r.kv_pool_bytes)
         yield mem
         yield kv
+        yield from self._health(s.ranks)
         yield from self._disaggregation()
+
+    @staticmethod
+    def _health(ranks):
+        """The health figures plugins report (API 1.2), one gauge per figure, only where reported."""
+        rows = (("polychip_device_temperature_celsius", "Device temperature", "temperature_c"),
+                ("polychip_device_thermal_limit_celsius", "The device's declared thermal limit", "thermal_limit_c"),
+                ("polychip_device_throttling", "1 while the device throttles", "throttling"),
+                ("polychip_device_correctable_errors", "Corrected memory errors since the driver loaded",
+                 "correctable_errors"),
+                ("polychip_device_utilization", "Fraction of recent time the device was busy", "utilization"))
+        for name, doc, key in rows:
+            f = GaugeMetricFamily(name, doc, labels=["plugin", "device", "rank", "node"])
+            for r in ranks:
+                if r.health and r.health.get(key) is not None:
+                    f.add_metric([r.plugin, str(r.device), str(r.rank), str(r.node)], float(r.health[key]))
+            if f.samples:
+                yield f
 
     def _disaggregation(self):
         d = self.disagg

@@ -2,7 +2,10 @@
 about this replica — model id and version label, plugin and device, dtypes, tp size, its
 ``startup`` times (``load``, ``compile``, ``warmup`` seconds, with ``*_at`` wall clocks), and the
 live figures of ``Engine.stats()`` (queue lengths, KV usage, prefix-cache hit rate, pool pages),
-with the pool's integrity check, and ``disaggregation``: a prefill or decode side's role, bootstrap
+with the pool's integrity check, ``device_health`` (what each rank's plugin reports through
+``health()``, plugin API 1.2: temperature_c, thermal_limit_c, throttling, correctable_errors,
+utilization; ``error`` when the plugin's answer was unusable; empty when no plugin reports any),
+and ``disaggregation``: a prefill or decode side's role, bootstrap
 port, transfers in flight and done, bytes and seconds (None for plain serving).
 
 SGLang's fields (its ``ServerArgs`` names, ``status``, ``internal_states``; server/sglang_api.py)
@@ -44,6 +47,8 @@ def build_server_info(ident: dict[str, Any], s: EngineStats, integrity_check: st
                         "page_size": s.page_size, "integrity": integrity_check},
             "counters": {k: getattr(s, k) for k in COUNTERS},
             "device_memory": [{"device": d, "free": free, "total": total} for d, free, total in s.device_memory],
+            "device_health": [{"device": f"{r.plugin}:{r.device}", "rank": r.rank, **r.health}
+                              for r in s.ranks if r.health],
             "devices": [dataclasses.asdict(r) for r in s.ranks]}     # every tensor-parallel rank
 
 

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from polychip.devices.plugin import Availability, DeviceInfo, DevicePlugin, Event, Stream
+from polychip.devices.plugin import Availability, DeviceHealth, DeviceInfo, DevicePlugin, Event, Stream
 from polychip.errors import DeviceOutOfMemoryError, PluginError
-from polychip_simxpu import kernels, slowdown
+from polychip_simxpu import drivers, kernels, slowdown, thermal
 from polychip_simxpu.allocator import Block, SimAllocator, SimOutOfMemory
 
 BOARD_CARDS = 4                       # cards on the simulated board
@@ -22,8 +22,9 @@ CARD_DTYPES = ("float32", "bfloat16", "int8")
 BOARD_LINK_GBPS = 64.0                # the board's card-to-card links: a ring, P2P between every pair
 COMPUTE = {"tflops_fp32": 25.0, "tflops_bf16": 100.0, "tops_int8": 200.0}
 DEFAULT_ALIGNMENT, DEFAULT_GRANULARITY = 256, 2 * 2**20
-# the simulated software stack; a spec's custom_attributes.versions overrides any entry
-VERSIONS = {"driver": "simxpu-driver 1.4.0", "runtime": "simxpu-rt 2.1.0", "collective": "gloo",
+# the simulated software stack; a spec's custom_attributes.versions overrides any entry, and the driver
+# may also come from $SIMXPU_DRIVER (drivers.py: some releases slow a kernel)
+VERSIONS = {"driver": drivers.DEFAULT_DRIVER, "runtime": "simxpu-rt 2.1.0", "collective": "gloo",
             "firmware": "simxpu-fw 0.9.3"}
 
 
@@ -82,7 +83,7 @@ class _Live:
 class SimXpuPlugin(DevicePlugin):
     name = "simxpu"
     plugin_version = "0.1.0"
-    api_version = "1.1"
+    api_version = "1.2"
     torch_device_type = "cpu"            # host memory backs the simulated cards
     default_mem_fraction = 0.05
     priority = 1                         # a simulator: --device auto prefers the real CPU
@@ -99,6 +100,7 @@ class SimXpuPlugin(DevicePlugin):
         self._versions = dict(VERSIONS)
         self.slowdown = slowdown.Slowdown()
         self._factors: tuple[float, dict[str, float]] = (1.0, {})
+        self.thermal: thermal.Thermal | None = None
 
     # discovery
     def is_available(self) -> Availability:
@@ -116,7 +118,7 @@ class SimXpuPlugin(DevicePlugin):
                                     free_memory=free,
                                     dtypes=tuple(spec.supported_dtypes) if spec else CARD_DTYPES,
                                     compute=dict(spec.compute) if spec and spec.compute else dict(COMPUTE),
-                                    topology=topology))
+                                    topology=topology, health=self.health() if i == self.index else None))
         return infos
 
     # lifecycle
@@ -135,11 +137,16 @@ class SimXpuPlugin(DevicePlugin):
         if not isinstance(versions, dict) or not all(isinstance(k, str) and isinstance(v, str)
                                                      for k, v in versions.items()):
             raise PluginError(f"custom_attributes.versions must map names to version strings, got {versions!r}")
-        self._versions = {**VERSIONS, **versions}
+        self._versions = {**VERSIONS, **versions, "driver": drivers.installed(versions)}
         try:
-            self._factors = slowdown.parse(attrs)
+            default, per_op = slowdown.parse(attrs)
+            heat = thermal.parse(attrs)
         except ValueError as e:
             raise PluginError(f"simxpu:{index}: {e}") from None
+        slower = drivers.regressions(self._versions["driver"])     # a driver release that slows some kernels
+        self._factors = default, {**per_op, **{op: per_op.get(op, default) * f for op, f in slower.items()}}
+        self.thermal = thermal.Thermal(heat) if heat is not None else None
+        self.slowdown.thermal = self.thermal
         try:
             self.allocator = SimAllocator(spec.memory.total if spec else CARD_MEMORY, alignment, granularity)
         except ValueError as e:
@@ -248,13 +255,17 @@ class SimXpuPlugin(DevicePlugin):
     def register_ops(self, registry) -> None:
         dtypes = self.spec.supported_dtypes if self.spec else CARD_DTYPES
         default, per_op = self._factors
-        if default == 1.0 and not per_op:
+        if default == 1.0 and not per_op and self.thermal is None:
             kernels.register(registry, dtypes)
-        else:       # a slowed card: every op it runs (its own kernels, else the native ones) is slowed
+        else:       # a slowed or heating card: every op it runs (its own kernels, else the native ones) is wrapped
             kernels.register_slowed(registry, dtypes, lambda name: per_op.get(name, default), self.slowdown)
 
     def versions(self) -> dict[str, str]:
         return dict(self._versions)
+
+    def health(self) -> DeviceHealth | None:
+        """Temperature, limit, throttling and utilisation of a card that heats (``custom_attributes.thermal``)."""
+        return DeviceHealth(**self.thermal.figures()) if self.thermal is not None else None
 
     def communicator_backend(self) -> str:
         return "gloo"

@@ -1,7 +1,8 @@
 """A slower card, simulated: every kernel of the plugin takes ``factor`` times its measured time.
 
 A spec sets it with ``custom_attributes.slowdown: 3`` (every op three times slower) or per op with
-``custom_attributes.op_slowdown: {linear: 3}``. The card then plays an unlike chip in a room of one
+``custom_attributes.op_slowdown: {linear: 3}``; a simulated driver release may slow ops too
+(``drivers.py``), and a hot card throttles through it (``thermal.py``). The card then plays an unlike chip in a room of one
 machine: a pipeline stage, a replica or a prefill side that is several times slower than its peer.
 
 How. Each op runs as usual; its wall time ``t`` adds ``(factor - 1) * t`` to a debt, paid by sleeping
@@ -34,21 +35,28 @@ def _factor(key: str, value) -> float:
 
 
 class Slowdown:
-    """The debt of one card: ops wrapped by :meth:`wrap` add to it; it is paid by sleeping."""
+    """The debt of one card: ops wrapped by :meth:`wrap` add to it; it is paid by sleeping. With a
+    ``thermal`` model (``thermal.py``) every op is wrapped: it feeds the card's temperature, and while
+    the card throttles its kernels run ``thermal.throttle`` times slower still."""
 
-    def __init__(self):
+    def __init__(self, thermal=None):
         self.debt = 0.0
         self.slept = 0.0        # seconds slept so far (for tests and logs)
+        self.thermal = thermal
 
     def wrap(self, fn: Callable, factor: float) -> Callable:
-        if factor == 1.0:
+        if factor == 1.0 and self.thermal is None:
             return fn
-        extra = factor - 1.0
 
         def slowed(*args, **kwargs):
             t0 = time.perf_counter()
             out = fn(*args, **kwargs)
-            self.debt += extra * (time.perf_counter() - t0)
+            took = time.perf_counter() - t0
+            thermal = self.thermal
+            duration = took * factor * (thermal.throttle if thermal is not None else 1.0)
+            if thermal is not None:
+                thermal.ran(duration)
+            self.debt += duration - took
             if self.debt >= _PAY_AT:
                 self.pay()
             return out
