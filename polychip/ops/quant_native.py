@@ -23,8 +23,9 @@ def quantize_rows_int8(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def int8_matmul(xq: torch.Tensor, qweight: torch.Tensor) -> torch.Tensor:
     """The exact int32 product xq [M, K] @ qweight [N, K]^T."""
-    if _has_kernel("aten::_int_mm", xq.device.type):
-        return torch._int_mm(xq, qweight.t())
+    if xq.device.type == "cpu" or (_has_kernel("aten::_int_mm", xq.device.type) and xq.shape[0] > 16
+                                   and xq.shape[1] % 8 == 0 and qweight.shape[0] % 8 == 0):
+        return torch._int_mm(xq, qweight.t())     # CUDA's takes M > 16 and multiples of 8 only
     return (xq.double() @ qweight.double().t()).to(torch.int32)
 
 

@@ -6,8 +6,8 @@ matcher assigns each layer its config group, its compressors name the stored ten
 * int8 weights per channel + dynamic per-token int8 activations (W8A8) -> ``linear_w8a8``;
 * int8 weights alone (W8A16): per channel symmetric -> ``linear_int8``, grouped or asymmetric ->
   ``linear_w8a16``; an int8 per-channel Embedding -> ``embedding_int8``;
-* 4-bit pack-quantized weights per group or channel, symmetric or not, with ``weight_g_idx``
-  (actorder) or without -> ``linear_w4a16``;
+* 4-bit pack-quantized weights per group or channel, symmetric or not -> ``linear_w4a16``
+  (compressed-tensors 0.20 no longer writes ``weight_g_idx``: actorder "group" is refused, naming it);
 * fp8 (float-quantized) weights per channel or tensor -> ``linear_fp8``, per block -> ``linear_fp8_block``
   (fp8 activations, dynamic or static, run in the compute dtype, as vLLM does on chips without fp8 math).
 """
@@ -81,11 +81,12 @@ def _int_layer(w, act, group: str, fmt: str) -> LayerPlan:
         return LayerPlan("int8", ("weight", "weight_scale"))
     if w.strategy == "tensor":
         refuse(SOURCE, f"{where}.strategy", "per-tensor 4-bit or asymmetric weights are not supported")
-    gidx = ("weight_g_idx",) if w.actorder == "group" else ()
+    if w.actorder == "group":
+        refuse(SOURCE, f"{where}.actorder", "'group' (weights stored with weight_g_idx) is not supported; "
+               "'weight' is (its groups stay contiguous)")
     group_size = None if per_row else w.group_size      # None: one group of all the inputs
     stored = (("weight_packed", "weight_shape") if fmt == "pack-quantized" else ("weight",)) + ("weight_scale",)
-    return LayerPlan("group", stored + zp + gidx, {"bits": w.num_bits, "group_size": group_size,
-                                                   "act_order": bool(gidx)})
+    return LayerPlan("group", stored + zp, {"bits": w.num_bits, "group_size": group_size, "act_order": False})
 
 
 def _float_layer(w, group: str) -> LayerPlan:
@@ -130,8 +131,9 @@ def make_plan(qc: dict, stored: dict[str, torch.Tensor], tie: bool) -> QuantPlan
         else:
             layers[path] = plan
     head = None
-    if embedding is not None and tie:
-        head = "w8a8" if any(p.kind == "w8a8" for p in layers.values()) else "int8"
+    if embedding is not None and tie:     # the tied lm_head reads the int8 embedding; its activations are
+        lm = _scheme_of(config, "lm_head")  # quantised only when the config targets the lm_head with W8A8
+        head = "w8a8" if lm is not None and _layer(lm[1], lm[0], fmt).kind == "w8a8" else "int8"
     return QuantPlan(SOURCE, layers, convert_layer(layers, embedding), embedding, head)
 
 

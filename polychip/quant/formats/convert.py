@@ -81,10 +81,7 @@ def ct_group(t: dict, options: dict) -> dict:
         zeros = zp.to(torch.int32) + offset
     else:
         zeros = torch.full(scales.shape, offset, dtype=torch.int32)
-    perm = None
-    if "weight_g_idx" in t:
-        perm = perm_from_g_idx(t["weight_g_idx"], -(-q.shape[1] // scales.shape[1]))
-    return _finish(q.to(torch.int32) + offset, scales, zeros, bits, perm)
+    return _finish(q.to(torch.int32) + offset, scales, zeros, bits, None)
 
 
 def _unpack_rows(packed: torch.Tensor, bits: int) -> torch.Tensor:

@@ -76,7 +76,7 @@ def gptq_plan(qc: dict, stored, tie: bool) -> QuantPlan:
     group = None if c.group_size == -1 else c.group_size      # None: one group per row
     act_order = c.desc_act and group is not None                # one group: the order cannot matter
     layers = _layers(stored, "qweight", lambda names: LayerPlan(
-        "group", ("qweight", "qzeros", "scales") + (("g_idx",) if act_order else ()),
+        "group", ("qweight", "qzeros", "scales") + (("g_idx",) if act_order or "g_idx" in names else ()),
         {"bits": c.bits, "group_size": group, "act_order": act_order}))
     minus_one = c.checkpoint_format == "gptq"       # v1 stores each zero point less one
     return QuantPlan("gptq", layers, _converter("gptq", layers, lambda t, o: convert.gptq(t, o, minus_one)))
