@@ -31,7 +31,7 @@ from polychip.ops.native import register_native
 from polychip.ops.registry import OpRegistry
 from polychip.models import quant_load
 from polychip.quant import int8
-from polychip.quant.plan import QuantPlan, apply_plan, fixed_dtypes, tied_head_aliases
+from polychip.quant.plan import QuantPlan, fixed_dtypes
 
 log = logging.getLogger("polychip.loader")
 
@@ -138,29 +138,6 @@ def stored_meta(files: list[str]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _keep(key: str, cfg: ModelConfig, packed_head: bool) -> bool:
-    """A tied lm_head stored beside the embedding is skipped, unless it is an int8 package's head."""
-    return not (key == "lm_head.weight" and cfg.tie_word_embeddings and not packed_head)
-
-
-def quantized_meta(stored: dict[str, torch.Tensor], cfg: ModelConfig, quantize: str | None,
-                   packed_head: bool) -> dict[str, torch.Tensor]:
-    """What ``read_tensors`` will yield, as meta tensors: for int8, the structure pass
-    (``int8.apply_int8``) needs every quantised weight's shape before any data is read."""
-    out = {}
-    for key, t in stored.items():
-        if not _keep(key, cfg, packed_head):
-            continue
-        out[key] = t
-        if quantize and int8.is_quantizable(key, t):
-            out[key] = torch.empty(t.shape, dtype=torch.int8, device="meta")
-            out[int8.scale_key(key)] = torch.empty(t.shape[0], device="meta")
-        if quantize and key == int8.EMBEDDING_KEY and cfg.tie_word_embeddings:
-            out[int8.LM_HEAD_KEY] = torch.empty(t.shape, dtype=torch.int8, device="meta")
-            out[int8.scale_key(int8.LM_HEAD_KEY)] = torch.empty(t.shape[0], device="meta")
-    return out
-
-
 def read_tensors(files: list[str], cfg: ModelConfig, packed_head: bool, shard: tp_shard.ShardLayout | None = None,
                  quantize: str | None = None, plan: QuantPlan | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """As :func:`stored_tensors`, with each layer of a quantisation ``plan`` converted into its layer's tensors."""
@@ -178,7 +155,7 @@ def stored_tensors(files: list[str], cfg: ModelConfig, packed_head: bool, shard:
             with safe_open(path, framework="pt") as f:
                 for name in f.keys():
                     key = name.removeprefix("model.")
-                    if not _keep(key, cfg, packed_head):
+                    if not quant_load.keep_key(key, cfg, packed_head):
                         continue
                     t = f.get_tensor(name) if shard is None else tp_shard.slice_weight(shard, key, f.get_slice(name))
                     entries = int8.quantized_entries(key, t) if quantize else [(key, t)]
@@ -269,8 +246,9 @@ def load_model(model_path: str | None, plugin, dtype: str = "auto", enable_fusio
                strict: bool = False) -> LoadedModel:
     """Weights stored quantised (a checkpoint's ``quantization_config``, an int8 package) load as they
     are; ``quantization`` may name their scheme, or on a float model "int8" or "w8a8" quantises while
-    loading. ``strict`` refuses a scheme op the plugin lacks (quant_load.check_strict). A folder with a ``plan.json`` (an opened package) gets
-    the plan's fusions and a warning per op this device resolves differently. ``comm``: a
+    loading; ``strict`` refuses a scheme op the plugin lacks (quant_load.check_strict). A folder with
+    a ``plan.json`` (an opened package) gets the plan's fusions and a warning per op this device
+    resolves differently. ``comm``: a
     distributed Communicator; with more than one rank, this rank's shard is loaded."""
     t0 = time.perf_counter()
     model_dir, from_cache = resolve_model_dir(model_path, cache_dir)
@@ -301,19 +279,13 @@ def load_model(model_path: str | None, plugin, dtype: str = "auto", enable_fusio
     if shard is not None:
         tp_shard.shard_modules(model, shard, comm)
     quantize = "int8" if choice.self_int8 else None
-    if choice.int8_legacy:
-        int8.apply_int8(model, quantized_meta(stored_state, cfg, quantize, packed_head))
-    if choice.plan is not None:
-        apply_plan(model, choice.plan, torch_dtype)
-    aliases = tied_head_aliases(model, choice.plan)
-    meta_state = model.state_dict()                       # once: it walks the whole tree
-    shapes = {k: t.shape for k, t in meta_state.items() if k not in aliases}
-    fixed = fixed_dtypes(model)
+    aliases = quant_load.fit_model(model, choice, stored_state, cfg, torch_dtype, packed_head)
+    shapes = {k: t.shape for k, t in model.state_dict().items() if k not in aliases}   # walks the tree once
     resolutions, merges, fusions, warnings = rewrite(model, plugin, registry, torch_dtype, ops, plan, enable_fusion)
     quant_load.check_strict(strict, choice.scheme, resolutions, plugin)
     # then the weights, each placed once on the device (fused ones merged on the host first)
     tensors = read_tensors(files, cfg, packed_head, shard, quantize, choice.plan)
-    state = place_weights(tensors, shapes, merges, torch_dtype, plugin, fixed)
+    state = place_weights(tensors, shapes, merges, torch_dtype, plugin, fixed_dtypes(model))
     state.update({alias: state[source] for alias, source in aliases.items()})
     model.load_state_dict(state, assign=True, strict=True)
     place_rope(model, cfg, max_model_len or cfg.max_position_embeddings, torch_dtype, plugin)

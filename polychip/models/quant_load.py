@@ -17,9 +17,10 @@ from polychip.devices.ops import QUANT_OPS
 from polychip.devices.spec import require_dtypes
 from polychip.dtypes import quantization_dtype
 from polychip.errors import ConfigError, ModelLoadError
+from polychip.models.config import ModelConfig
 from polychip.quant import int8
 from polychip.quant.formats import checkpoint_plan
-from polychip.quant.plan import QuantPlan
+from polychip.quant.plan import QuantPlan, apply_plan, tied_head_aliases
 from polychip.quant.self_quant import SELF_SCHEMES, w8a8_plan
 
 log = logging.getLogger("polychip.loader")
@@ -85,6 +86,40 @@ def choose(plugin, hf: dict, stored: dict[str, torch.Tensor], tie: bool, quantiz
     return choice
 
 
+def keep_key(key: str, cfg: ModelConfig, packed_head: bool) -> bool:
+    """A tied lm_head stored beside the embedding is skipped, unless it is an int8 package's head."""
+    return not (key == "lm_head.weight" and cfg.tie_word_embeddings and not packed_head)
+
+
+def quantized_meta(stored: dict[str, torch.Tensor], cfg: ModelConfig, quantize: str | None,
+                   packed_head: bool) -> dict[str, torch.Tensor]:
+    """What ``read_tensors`` will yield, as meta tensors: for int8, the structure pass
+    (``int8.apply_int8``) needs every quantised weight's shape before any data is read."""
+    out = {}
+    for key, t in stored.items():
+        if not keep_key(key, cfg, packed_head):
+            continue
+        out[key] = t
+        if quantize and int8.is_quantizable(key, t):
+            out[key] = torch.empty(t.shape, dtype=torch.int8, device="meta")
+            out[int8.scale_key(key)] = torch.empty(t.shape[0], device="meta")
+        if quantize and key == int8.EMBEDDING_KEY and cfg.tie_word_embeddings:
+            out[int8.LM_HEAD_KEY] = torch.empty(t.shape, dtype=torch.int8, device="meta")
+            out[int8.scale_key(int8.LM_HEAD_KEY)] = torch.empty(t.shape[0], device="meta")
+    return out
+
+
+def fit_model(model, choice: QuantChoice, stored: dict, cfg, compute_dtype: torch.dtype,
+              packed_head: bool) -> dict[str, str]:
+    """Fit the meta model to the choice (int8 layers, or the plan's); returns the tied-head aliases
+    ({lm_head tensor: embedding tensor}) that share the embedding's placed tensors."""
+    if choice.int8_legacy:
+        int8.apply_int8(model, quantized_meta(stored, cfg, "int8" if choice.self_int8 else None, packed_head))
+    if choice.plan is not None:
+        apply_plan(model, choice.plan, compute_dtype)
+    return tied_head_aliases(model, choice.plan)
+
+
 def converted(entries: Iterable[tuple[str, torch.Tensor]], plan: QuantPlan) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's (key, tensor) stream with each quantised layer's stored tensors gathered
     (they may span shards) and converted into its layer's tensors once all have arrived."""
@@ -114,8 +149,8 @@ def check_strict(strict: bool, scheme: str | None, resolutions: dict, plugin) ->
     """With ``--strict``, refuse a quantised model whose scheme the plugin does not run natively."""
     fallbacks = scheme_fallbacks(resolutions) if scheme else {}
     if strict and fallbacks:
-        name, why = next(iter(fallbacks.items()))
         raise ConfigError(f"--strict: quantization scheme {scheme} is not run natively by device "
-                          f"{plugin.name}:{plugin.index}: its op {name} would run the native reference ({why})")
+                          f"{plugin.name}:{plugin.index}: its op(s) {', '.join(fallbacks)} would run the native "
+                          f"reference ({'; '.join(dict.fromkeys(fallbacks.values()))})")
     for name, why in fallbacks.items():
         log.info("quantization %s: %s runs the native reference on %s (%s)", scheme, name, plugin.name, why)

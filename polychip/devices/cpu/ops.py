@@ -118,7 +118,7 @@ def make_int8_ops(kernels, native: Callable[[str], Callable]) -> dict:
 
 
 OPS = ("linear", "attention", "linear_int8", "linear_w8a8", "linear_w4a16", "linear_fp8",
-       "linear_fp8_block") + row_ops.ROW_OPS
+       "linear_fp8_block", "embedding_int8") + row_ops.ROW_OPS
 
 
 def register(registry: OpRegistrar) -> KernelTable | None:

@@ -8,8 +8,9 @@
 * ``linear_fp8`` / ``linear_fp8_block``: the same tiles reading fp8 e4m3, per-row or block scales.
 
 Anything the kernels do not take (another dtype, K or a group not a multiple of 32 / 16) goes to
-the native reference. ``linear_w8a16`` (grouped 8-bit) and ``embedding_int8`` stay native: the
-first is rare, the second a row gather.
+the native reference. ``embedding_int8`` is a row gather: torch's own CPU ops, registered as the
+plugin's. ``linear_w8a16`` (grouped or asymmetric 8-bit, rare) is not registered: it runs the native
+reference, which dequantises the whole weight per call, and ``--strict`` refuses it on the CPU.
 """
 from __future__ import annotations
 
@@ -66,4 +67,6 @@ def make_quant_ops(kernels, native: Callable[[str], Callable]) -> dict:
                     lambda: n_fp8b(x, qweight, scale_inv, block_n, block_k, bias))
 
     return {"linear_w8a8": linear_w8a8, "linear_w4a16": linear_w4a16, "linear_fp8": linear_fp8,
-            "linear_fp8_block": linear_fp8_block}
+            "linear_fp8_block": linear_fp8_block,
+            # a row gather and a multiply: torch's CPU ops are the kernel, so the plugin takes them as its own
+            "embedding_int8": native("embedding_int8")}

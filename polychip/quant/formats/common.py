@@ -2,6 +2,7 @@
 own typed model, and the stored tensors grouped by layer."""
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 
 from pydantic import BaseModel, ValidationError
@@ -23,7 +24,11 @@ def validated(model_cls: type[BaseModel], data, source: str, root: str = "quanti
     except ValidationError as e:
         problems = []
         for err in e.errors():
-            where = ".".join(str(p) for p in (root, *err["loc"]))
+            # a union's branches show in the path as type names ("list[str]", "function-after[...]"):
+            # keep the field names, and drop the branch that only says "not a list"
+            if str(err["loc"][-1]).startswith("list[") and len(e.errors()) > 1:
+                continue
+            where = ".".join(str(p) for p in (root, *err["loc"]) if not re.search(r"[\[(]", str(p)))
             problems.append(f"{where}: {err['msg'].removeprefix('Value error, ')}")
         raise ModelLoadError(f"{source} checkpoint: " + "; ".join(problems[:4])) from None
     except (ValueError, TypeError) as e:       # a library validator that raises outside pydantic

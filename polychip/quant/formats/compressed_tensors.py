@@ -72,7 +72,9 @@ def _int_layer(w, act, group: str, fmt: str) -> LayerPlan:
         if problem:
             refuse(SOURCE, problem.split(":")[0], problem.split(": ", 1)[1])
         if w.num_bits != 8 or not per_row or not w.symmetric:
-            refuse(SOURCE, f"{where}", "int8 activations need symmetric 8-bit weights per channel (W8A8)")
+            refuse(SOURCE, f"quantization_config.config_groups.{group}.input_activations",
+                   f"int8 activations with {w.num_bits}-bit {w.strategy} weights are not supported: int8 "
+                   "activations need symmetric 8-bit weights per channel (W8A8)")
         return LayerPlan("w8a8", ("weight", "weight_scale"))
     if w.num_bits not in (4, 8):
         refuse(SOURCE, f"{where}.num_bits", f"{w.num_bits}-bit int weights are not supported (4 or 8)")
