@@ -49,6 +49,7 @@ class LoadedModel:
     load_seconds: float = 0.0
     from_cache: bool | None = None
     quantization: str | None = None
+    quantization_format: str | None = None     # where quantised weights came from: compressed-tensors, gptq, ...
     plan_warnings: list[str] = field(default_factory=list)    # where the device differs from plan.json
     shard: tp_shard.ShardLayout | None = None     # this rank's part under tensor parallelism
 
@@ -291,7 +292,7 @@ def load_model(model_path: str | None, plugin, dtype: str = "auto", enable_fusio
     place_rope(model, cfg, max_model_len or cfg.max_position_embeddings, torch_dtype, plugin)
     model.eval()
     lm = LoadedModel(model, cfg, tokenizer, torch_dtype, model_dir, registry, resolutions, fusions,
-                     time.perf_counter() - t0, from_cache, choice.scheme, warnings, shard)
+                     time.perf_counter() - t0, from_cache, choice.scheme, choice.format, warnings, shard)
     log.info("loaded %s (%s, %s%s) in %.2fs", model_dir, cfg.architecture, dname,
              f", {choice.scheme} weights" + (f" ({choice.plan.source})" if choice.plan else "") if choice.scheme
              else "", lm.load_seconds)

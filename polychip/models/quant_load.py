@@ -34,6 +34,11 @@ class QuantChoice:
     scheme: str | None = None          # what the model is served as (LoadedModel.quantization)
 
     @property
+    def format(self) -> str | None:
+        """compressed-tensors, gptq, awq, fp8 (block), polychip (its own w8a8 or int8), or None."""
+        return self.plan.source if self.plan is not None else ("polychip" if self.scheme else None)
+
+    @property
     def int8_legacy(self) -> bool:
         return self.stored_int8 or self.self_int8
 

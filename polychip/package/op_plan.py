@@ -58,6 +58,7 @@ def build_op_plan(model_path: str | None, plugin, dtype: str = "auto", quantizat
                   "hidden_size": lm.config.hidden_size, "vocab_size": lm.config.vocab_size},
         "dtype": dtype_name(lm.dtype),
         "quantization": lm.quantization,
+        "quantization_format": lm.quantization_format,
         "weight_dtypes": sorted({dtype_name(p.dtype) for p in lm.model.parameters()}),
         "fusions": list(lm.fusions),
         "ops": op_rows(registry),
