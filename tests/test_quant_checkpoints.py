@@ -120,3 +120,24 @@ def test_quantised_checkpoint_follows_its_dequantised_weights_in_transformers(ch
           f"{POSITIONS} positions; greedy identical on {same}/{PROMPTS} prompts")
     assert agree >= (0.98 if scheme == "w8a8" else 0.99)
     assert same >= PROMPTS * 3 // 4
+
+
+@pytest.mark.parametrize("case", ["ct-w8a8", "gptq-4-desc-act", "fp8-block-qwen3"])
+def test_engine_greedy_follows_the_quantised_model(checkpoints, case):
+    """Batched prefill (row blocks + BLAS, or the int8 GEMM) and the compiled decode step (its
+    replay calls the kernels as torch operators) pick what one teacher-forced forward ranks first."""
+    from polychip import LLM, SamplingParams
+    path, _, quantization = checkpoints(case)
+    prompts = [random_ids(70, seed=7), random_ids(30, seed=8)]
+    llm = LLM(path, device="cpu", quantization=quantization, max_total_tokens=1024)
+    try:
+        outs = [o.token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8,
+                                                                            ignore_eos=True))]
+        llm.engine.check_integrity()
+    finally:
+        llm.shutdown()
+    plugin = open_device("cpu")
+    lm = load_model(path, plugin, "float32", quantization=quantization)
+    for prompt, out in zip(prompts, outs):
+        logits = forward_logits(lm, plugin, prompt + out)
+        assert out == logits[len(prompt) - 1:-1].argmax(-1).tolist()
