@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from quant_checkpoints import CT_CASES, W4A16, awq_checkpoint, ct_checkpoint, gptq_checkpoint
+from quant_checkpoints import CT_CASES, awq_checkpoint, ct_checkpoint, gptq_checkpoint
 from polychip.devices.discovery import open_device
 from polychip.errors import ConfigError, DeviceSpecError, ModelLoadError
 from polychip.models.loader import load_model

@@ -20,6 +20,7 @@ import torch
 from safetensors import safe_open
 
 from polychip.devices import memory
+from polychip.devices.ops import ALLOC_DTYPES
 from polychip.devices.spec import require_dtypes
 from polychip.errors import ModelLoadError
 from polychip.models.config import ModelConfig
@@ -106,18 +107,6 @@ def weight_files(model_dir: str) -> list[str]:
     return files
 
 
-def stored_keys(files: list[str]) -> dict[str, str]:
-    """{tensor name: safetensors dtype} from the files' headers, reading no tensor data."""
-    keys = {}
-    for path in files:
-        try:
-            with safe_open(path, framework="pt") as f:
-                keys.update((name, f.get_slice(name).get_dtype()) for name in f.keys())
-        except Exception as e:  # safetensors raises its own error types for corrupt files
-            raise ModelLoadError(f"{path}: cannot read safetensors ({e})") from None
-    return keys
-
-
 # safetensors header dtype names -> torch dtypes (for the meta tensors that describe what is stored)
 _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
               "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -181,8 +170,14 @@ def place_weights(tensors: Iterable[tuple[str, torch.Tensor]], shapes: dict[str,
     pending: dict[str, torch.Tensor] = {}
     state, unexpected = {}, []
     require_dtypes(plugin, [str(dtype).removeprefix("torch.")], "model dtype")
+    checked = {dtype}
     for key, t in tensors:
         want = fixed.get(key) or (dtype if t.is_floating_point() else t.dtype)
+        if want not in checked:     # a stored quantised dtype (the index dtypes every plugin allocates)
+            name = str(want).removeprefix("torch.")
+            if name not in ALLOC_DTYPES:
+                require_dtypes(plugin, [name], "quantised weight dtype")
+            checked.add(want)
         if key not in shapes:
             unexpected.append(key)
             continue

@@ -43,7 +43,8 @@ def describe_text(d: dict) -> str:
              f"devices    {', '.join(target['device_types'])} ({target.get('device_name') or '?'}"
              f"{', spec ' + target['spec'] if target.get('spec') else ''})",
              f"quantize   {model.get('quantization') or 'none'} ("
-             + (f"{model['quantization_format']} checkpoint, " if model.get("quantization_format") else "")
+             + (f"{model['quantization_format']} checkpoint, "
+                if model.get("quantization_format") not in (None, "polychip") else "")
              + f"compute dtype {model.get('dtype')})",
              f"memory     weights {mem.get('weights', '?')} minimum ({mem.get('weights_bytes')} bytes)",
              "plan"]

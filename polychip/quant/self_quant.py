@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from polychip.quant.int8 import EMBEDDING_KEY, quantize_int8
-from polychip.quant.plan import EMBEDDING, LayerPlan, QuantPlan
+from polychip.quant.plan import LayerPlan, QuantPlan
 
 #: what polychip quantises a float model into by itself (besides the weight-only "int8")
 SELF_SCHEMES = ("w8a8",)
