@@ -19,9 +19,10 @@ PAGE_SIZE = 16
 
 
 def weight_bytes(lm: LoadedModel) -> int:
-    """Bytes of every parameter and buffer as placed on the device (after quantisation and fusion)."""
+    """Bytes of every parameter and buffer as placed on the device (after quantisation and fusion),
+    each storage once (a tied lm_head that reads the int8 embedding shares its tensors)."""
     tensors = list(lm.model.parameters()) + list(lm.model.buffers())
-    return sum(t.numel() * t.element_size() for t in tensors)
+    return sum({t.data_ptr(): t.numel() * t.element_size() for t in tensors}.values())
 
 
 def kv_defaults(lm: LoadedModel, plugin, weights: int) -> dict:
