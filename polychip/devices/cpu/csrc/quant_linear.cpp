@@ -10,6 +10,8 @@
 //   then one single-threaded BLAS call each (as linear_int8_blocks).
 #include "common.h"
 
+#include <type_traits>
+
 using namespace polychip_cpu;
 
 namespace {
@@ -137,7 +139,7 @@ struct Fp8 {
 // y[MR rows (stride N), NR] = x[MR rows, K] . dequant(weight rows n0 .. n0 + NR)^T (+ b)
 template <class P, int MR, int NR>
 void dq_tile(const float* __restrict x, const P& p, int64_t n0, float* __restrict y, const float* b, int64_t K,
-             int64_t N) {
+             int64_t N, const float*) {
   __m512 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
@@ -160,14 +162,78 @@ void dq_tile(const float* __restrict x, const P& p, int64_t n0, float* __restric
     for (int j = 0; j < NR; ++j) y[i * N + n0 + j] = _mm512_reduce_add_ps(acc[i][j]) + (b ? b[n0 + j] : 0.f);
 }
 
+// 4-bit groups without dequantising each weight: per group, sums of x * q in registers, then
+// y += scale * sum - zero * scale * sum(x over the group) (the x sums computed once per call)
+template <int MR, int NR>
+void w4_tile(const float* __restrict x, const W4& p, int64_t n0, float* __restrict y, const float* b, int64_t K,
+             int64_t N, const float* xsum) {
+  __m512 acc[MR][NR], ag[MR][NR];
+  float corr[MR][NR] = {};
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi32(15);
+  for (int64_t g = 0, k0 = 0; k0 < K; ++g, k0 += p.seg) {
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) ag[i][j] = _mm512_setzero_ps();
+    const int64_t k1 = std::min(K, k0 + p.seg);
+    for (int64_t k = k0; k < k1; k += 32) {
+      __m512 w0[NR], w1[NR];
+      for (int j = 0; j < NR; ++j) {
+        const __m512i v = _mm512_cvtepu8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(p.q + (n0 + j) * (K / 2) + k / 2)));
+        w0[j] = _mm512_cvtepi32_ps(_mm512_and_si512(v, low));
+        w1[j] = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+      }
+      for (int i = 0; i < MR; ++i) {
+        const __m512 x0 = _mm512_loadu_ps(x + i * K + k), x1 = _mm512_loadu_ps(x + i * K + k + 16);
+        for (int j = 0; j < NR; ++j) ag[i][j] = _mm512_fmadd_ps(x1, w1[j], _mm512_fmadd_ps(x0, w0[j], ag[i][j]));
+      }
+    }
+    for (int j = 0; j < NR; ++j) {
+      const float sc = p.s[(n0 + j) * p.G + g], zs = static_cast<float>(p.z[(n0 + j) * p.G + g]) * sc;
+      for (int i = 0; i < MR; ++i) {
+        acc[i][j] = _mm512_fmadd_ps(ag[i][j], _mm512_set1_ps(sc), acc[i][j]);
+        corr[i][j] += zs * xsum[i * p.G + g];
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j)
+      y[i * N + n0 + j] = _mm512_reduce_add_ps(acc[i][j]) - corr[i][j] + (b ? b[n0 + j] : 0.f);
+}
+
 template <class P>
 struct DqTiles {
-  using Fn = void (*)(const float*, const P&, int64_t, float*, const float*, int64_t, int64_t);
+  using Fn = void (*)(const float*, const P&, int64_t, float*, const float*, int64_t, int64_t, const float*);
 #define POLYCHIP_DQ(MR) {dq_tile<P, MR, 1>, dq_tile<P, MR, 2>, dq_tile<P, MR, 3>, dq_tile<P, MR, 4>, \
                          dq_tile<P, MR, 5>, dq_tile<P, MR, 6>}
   static constexpr Fn fns[4][6] = {POLYCHIP_DQ(1), POLYCHIP_DQ(2), POLYCHIP_DQ(3), POLYCHIP_DQ(4)};
 #undef POLYCHIP_DQ
+  static constexpr int NR1 = 6, NR = 3;        // registers: MR*NR accumulators + NR*V weights + x
 };
+
+template <>
+struct DqTiles<W4> {
+  using Fn = void (*)(const float*, const W4&, int64_t, float*, const float*, int64_t, int64_t, const float*);
+#define POLYCHIP_W4(MR) {w4_tile<MR, 1>, w4_tile<MR, 2>, w4_tile<MR, 3>, w4_tile<MR, 4>, w4_tile<MR, 5>, \
+                         w4_tile<MR, 6>}
+  static constexpr Fn fns[4][6] = {POLYCHIP_W4(1), POLYCHIP_W4(2), POLYCHIP_W4(3), POLYCHIP_W4(4)};
+#undef POLYCHIP_W4
+  static constexpr int NR1 = 6, NR = 2;        // 2 * MR*NR accumulators + 2 * NR weights + x
+};
+
+// x's sums over each group of inputs, [M, G] (what the zero points multiply)
+template <class P>
+std::vector<float> group_sums(const float* x, int64_t M, int64_t K, const P& p) {
+  if constexpr (std::is_same_v<P, W4>) {
+    std::vector<float> out(M * p.G, 0.f);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t k = 0; k < K; ++k) out[m * p.G + k / p.seg] += x[m * K + k];
+    return out;
+  } else {
+    return {};
+  }
+}
 
 template <class P>
 torch::Tensor dq_tiles(const torch::Tensor& x, const P& p, int64_t N, const float* bp) {
@@ -177,7 +243,9 @@ torch::Tensor dq_tiles(const torch::Tensor& x, const P& p, int64_t N, const floa
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int MR = static_cast<int>(std::min<int64_t>(M, 4));
-  const int NR = M == 1 ? 6 : 3;       // registers: MR*NR accumulators + NR*V weights + x
+  const int NR = M == 1 ? DqTiles<P>::NR1 : DqTiles<P>::NR;
+  const std::vector<float> xsum = group_sums(xp, M, K, p);
+  const int64_t xsum_stride = xsum.empty() ? 0 : static_cast<int64_t>(xsum.size()) / M;
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   int64_t rows = std::max<int64_t>(NR, (N / (8 * threads)) / NR * NR);
   rows = std::min<int64_t>(rows, std::max<int64_t>(NR, 96 / NR * NR));
@@ -187,7 +255,8 @@ torch::Tensor dq_tiles(const torch::Tensor& x, const P& p, int64_t N, const floa
       const int nr = static_cast<int>(std::min<int64_t>(NR, r1 - n));
       for (int64_t m = 0; m < M; m += MR) {
         const int mr = static_cast<int>(std::min<int64_t>(MR, M - m));
-        DqTiles<P>::fns[mr - 1][nr - 1](xp + m * K, p, n, yp + m * N, bp, K, N);
+        DqTiles<P>::fns[mr - 1][nr - 1](xp + m * K, p, n, yp + m * N, bp, K, N,
+                                        xsum.empty() ? nullptr : xsum.data() + m * xsum_stride);
       }
     }
   });
