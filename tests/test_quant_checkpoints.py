@@ -17,7 +17,7 @@ from polychip.quant.int8 import quantize_int8
 pytestmark = pytest.mark.device_independent
 
 POSITIONS = 200
-PROMPTS, NEW_TOKENS = 8, 12
+PROMPTS, NEW_TOKENS = 8, 10
 
 #: case -> (scheme served, the op its linear layers call, tied embeddings)
 CASES = {
