@@ -167,32 +167,33 @@ void dq_tile(const float* __restrict x, const P& p, int64_t n0, float* __restric
 template <int MR, int NR>
 void w4_tile(const float* __restrict x, const W4& p, int64_t n0, float* __restrict y, const float* b, int64_t K,
              int64_t N, const float* xsum) {
-  __m512 acc[MR][NR], ag[MR][NR];
+  // two partial sums per (row, weight row), for the low and the high nibbles: twice the independent
+  // FMA chains (one chain would wait on the FMA latency)
+  __m512 acc[MR][NR], lo[MR][NR], hi[MR][NR];
   float corr[MR][NR] = {};
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
-  const __m512i low = _mm512_set1_epi32(15);
+  const __m512i mask = _mm512_set1_epi32(15);
   for (int64_t g = 0, k0 = 0; k0 < K; ++g, k0 += p.seg) {
     for (int i = 0; i < MR; ++i)
-      for (int j = 0; j < NR; ++j) ag[i][j] = _mm512_setzero_ps();
+      for (int j = 0; j < NR; ++j) lo[i][j] = hi[i][j] = _mm512_setzero_ps();
     const int64_t k1 = std::min(K, k0 + p.seg);
     for (int64_t k = k0; k < k1; k += 32) {
-      __m512 w0[NR], w1[NR];
       for (int j = 0; j < NR; ++j) {
         const __m512i v = _mm512_cvtepu8_epi32(
             _mm_loadu_si128(reinterpret_cast<const __m128i*>(p.q + (n0 + j) * (K / 2) + k / 2)));
-        w0[j] = _mm512_cvtepi32_ps(_mm512_and_si512(v, low));
-        w1[j] = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
-      }
-      for (int i = 0; i < MR; ++i) {
-        const __m512 x0 = _mm512_loadu_ps(x + i * K + k), x1 = _mm512_loadu_ps(x + i * K + k + 16);
-        for (int j = 0; j < NR; ++j) ag[i][j] = _mm512_fmadd_ps(x1, w1[j], _mm512_fmadd_ps(x0, w0[j], ag[i][j]));
+        const __m512 w0 = _mm512_cvtepi32_ps(_mm512_and_si512(v, mask));
+        const __m512 w1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+        for (int i = 0; i < MR; ++i) {
+          lo[i][j] = _mm512_fmadd_ps(_mm512_loadu_ps(x + i * K + k), w0, lo[i][j]);
+          hi[i][j] = _mm512_fmadd_ps(_mm512_loadu_ps(x + i * K + k + 16), w1, hi[i][j]);
+        }
       }
     }
     for (int j = 0; j < NR; ++j) {
       const float sc = p.s[(n0 + j) * p.G + g], zs = static_cast<float>(p.z[(n0 + j) * p.G + g]) * sc;
       for (int i = 0; i < MR; ++i) {
-        acc[i][j] = _mm512_fmadd_ps(ag[i][j], _mm512_set1_ps(sc), acc[i][j]);
+        acc[i][j] = _mm512_fmadd_ps(_mm512_add_ps(lo[i][j], hi[i][j]), _mm512_set1_ps(sc), acc[i][j]);
         corr[i][j] += zs * xsum[i * p.G + g];
       }
     }
@@ -219,7 +220,7 @@ struct DqTiles<W4> {
                          w4_tile<MR, 6>}
   static constexpr Fn fns[4][6] = {POLYCHIP_W4(1), POLYCHIP_W4(2), POLYCHIP_W4(3), POLYCHIP_W4(4)};
 #undef POLYCHIP_W4
-  static constexpr int NR1 = 6, NR = 2;        // 2 * MR*NR accumulators + 2 * NR weights + x
+  static constexpr int NR1 = 6, NR = 2;        // 3 * MR*NR accumulators + weights + x
 };
 
 // x's sums over each group of inputs, [M, G] (what the zero points multiply)
