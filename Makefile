@@ -10,6 +10,8 @@ $(STAMP):
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	# serve --seccomp loads libseccomp (pyseccomp is its ctypes binding)
 	ldconfig -p | grep -q libseccomp.so.2 || apt-get install -y libseccomp2
+	# the mooncake backend's library loads libibverbs (even for TCP, without an RDMA device)
+	ldconfig -p | grep -q libibverbs.so.1 || { apt-get update -q && apt-get install -y -q libibverbs1; }
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'

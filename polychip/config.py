@@ -25,6 +25,9 @@ DECODE_GROUP = "compiled decode (SGLang's flags)"
 SPEC_GROUP = "speculative decoding (SGLang's flags)"
 SPEC_ALGORITHMS = ("NGRAM",)    # prompt lookup: drafts from the request's own prompt and output
 TP_GROUP = "tensor parallelism (SGLang's flags; --tp-size counts ranks on all nodes)"
+PD_GROUP = "prefill/decode disaggregation (SGLang's flags; docs/disaggregation.md)"
+DISAGGREGATION_MODES = ("null", "prefill", "decode")
+TRANSFER_BACKENDS = ("local", "tcp", "mooncake")
 
 
 def parse_host_port(text: str, what: str = "address") -> tuple[str, int]:
@@ -167,6 +170,28 @@ class EngineConfig(_FromKwargs):
     dist_secret_file: str | None = option(None, "file holding the shared secret of --dist-secret", group=TP_GROUP)
     allreduce_fp32: bool = option(True, "sum bfloat16/float16 all-reduces in their own dtype, not float32",
                                   group=TP_GROUP, flag="--disable-allreduce-fp32")
+    # prefill/decode disaggregation (SGLang's flags; engine/disagg)
+    disaggregation_mode: str = option("null", "null: plain serving; prefill: run prompts for decode sides and hand "
+                                              "their KV over; decode: take requests whose prompt a prefill side "
+                                              "runs (bootstrap_host / bootstrap_port in the request)",
+                                      group=PD_GROUP, choices=DISAGGREGATION_MODES)
+    disaggregation_transfer_backend: str = option("tcp", "how the KV moves: local (shared memory, one host), tcp "
+                                                         "(several connections per peer), mooncake (Mooncake's "
+                                                         "transfer engine, TCP protocol)",
+                                                  group=PD_GROUP, choices=TRANSFER_BACKENDS)
+    disaggregation_bootstrap_port: int = option(8998, "prefill side: the port decode sides connect to (0: a free "
+                                                      "one, named in /server_info)", group=PD_GROUP)
+    disaggregation_host: str = option("127.0.0.1", "prefill side: the address the bootstrap port listens on; "
+                                                   "decode side: the address its Mooncake engine uses",
+                                      group=PD_GROUP)
+    disaggregation_tcp_connections: int = option(4, "tcp backend: connections per prefill/decode pair",
+                                                 group=PD_GROUP)
+    disaggregation_transfer_timeout: float = option(60.0, "seconds a hand-off may take from the decode side's "
+                                                          "request to its ack; then both sides give up (the "
+                                                          "decode side prefills the request itself)",
+                                                    group=PD_GROUP)
+    disaggregation_buffer_mb: int = option(64, "MiB of host memory for the prefill side's staging and each "
+                                               "decode side's receive ring", group=PD_GROUP)
 
     def __post_init__(self):
         _check_choice("dtype", self.dtype, MODEL_DTYPES)
@@ -190,6 +215,7 @@ class EngineConfig(_FromKwargs):
             raise ConfigError("plugins must be a tuple of module paths or files")
         self._check_parallel()
         self._check_speculative()
+        self._check_disaggregation()
         if self.enable_hierarchical_cache and self.disable_radix_cache:
             raise ConfigError("enable_hierarchical_cache keeps the radix cache's evicted pages; it cannot be used "
                               "with disable_radix_cache")
@@ -197,6 +223,16 @@ class EngineConfig(_FromKwargs):
         if self.enable_hierarchical_cache and self.tp_size > 1:
             raise ConfigError("enable_hierarchical_cache copies rank 0's KV pool only; it cannot be used with "
                               f"tp_size {self.tp_size} yet")
+
+    def _check_disaggregation(self) -> None:
+        _check_choice("disaggregation_mode", self.disaggregation_mode, DISAGGREGATION_MODES)
+        _check_choice("disaggregation_transfer_backend", self.disaggregation_transfer_backend, TRANSFER_BACKENDS)
+        if not 0 <= self.disaggregation_bootstrap_port < 65536:
+            raise ConfigError(f"disaggregation_bootstrap_port must be in 0..65535, got {self.disaggregation_bootstrap_port}")
+        _check_min(self, ("disaggregation_tcp_connections", "disaggregation_buffer_mb"), 1)
+        if not self.disaggregation_transfer_timeout > 0:
+            raise ConfigError(f"disaggregation_transfer_timeout must be > 0 seconds, got "
+                              f"{self.disaggregation_transfer_timeout}")
 
     def _check_speculative(self) -> None:
         if self.speculative_algorithm is not None:

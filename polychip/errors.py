@@ -67,3 +67,13 @@ class OutOfPagesError(PolychipError):
 
 class IntegrityError(PolychipError):
     """The page allocator or the prefix cache broke one of its own invariants (a framework bug)."""
+
+
+class KVTransferError(PolychipError):
+    """A KV hand-off between a prefill and a decode engine failed: the message names both sides and
+    the phase (handshake, reserve, send, ack)."""
+
+
+class KVMismatchError(KVTransferError):
+    """The two sides of a KV hand-off cannot work together (another model, tokenizer or layer count);
+    refused at the handshake, before any byte moves."""

@@ -26,22 +26,24 @@ def _free_port() -> int:
 class EtcdCluster:
     """``size`` members; ``kill(i)`` SIGKILLs one, ``spec`` is the --state value for the router."""
 
-    def __init__(self, size: int = 1):
+    def __init__(self, size: int = 1, scheme: str = "http", extra_args=None):
+        """``extra_args(dir)`` gives more etcd flags (TLS: etcd_secure.py); ``scheme`` is the clients' one."""
         self.dir = tempfile.mkdtemp(prefix="/tmp/state-etcd-")
+        self.scheme = scheme
+        more = extra_args(self.dir) if extra_args else []
         self.names = [f"m{i}" for i in range(size)]
         self.client_ports = [_free_port() for _ in self.names]
         self.peer_ports = [_free_port() for _ in self.names]
         cluster = ",".join(f"{n}=http://127.0.0.1:{p}" for n, p in zip(self.names, self.peer_ports))
-        self.procs: list[subprocess.Popen | None] = []
-        for name, cp, pp in zip(self.names, self.client_ports, self.peer_ports):
-            log = open(os.path.join(self.dir, f"{name}.log"), "w")
-            self.procs.append(subprocess.Popen(
-                [etcd_binary(), "--name", name, "--data-dir", os.path.join(self.dir, name),
-                 "--listen-client-urls", f"http://127.0.0.1:{cp}", "--advertise-client-urls", f"http://127.0.0.1:{cp}",
-                 "--listen-peer-urls", f"http://127.0.0.1:{pp}", "--initial-advertise-peer-urls", f"http://127.0.0.1:{pp}",
-                 "--initial-cluster", cluster, "--initial-cluster-state", "new",
-                 "--heartbeat-interval", "100", "--election-timeout", "1000"],
-                stdout=log, stderr=subprocess.STDOUT))
+        self.argv = [[etcd_binary(), "--name", name, "--data-dir", os.path.join(self.dir, name),
+                      "--listen-client-urls", f"{scheme}://127.0.0.1:{cp}",
+                      "--advertise-client-urls", f"{scheme}://127.0.0.1:{cp}",
+                      "--listen-peer-urls", f"http://127.0.0.1:{pp}",
+                      "--initial-advertise-peer-urls", f"http://127.0.0.1:{pp}",
+                      "--initial-cluster", cluster, "--initial-cluster-state", "new",
+                      "--heartbeat-interval", "100", "--election-timeout", "1000", *more]
+                     for name, cp, pp in zip(self.names, self.client_ports, self.peer_ports)]
+        self.procs: list[subprocess.Popen | None] = [self._spawn(i) for i in range(size)]
         self.wait_healthy()
 
     @property
@@ -57,13 +59,27 @@ class EtcdCluster:
         while time.monotonic() < deadline:
             try:
                 live = [p for p, proc in zip(self.client_ports, self.procs) if proc is not None]
-                if all(httpx.get(f"http://127.0.0.1:{p}/health", timeout=1).json().get("health") == "true"
-                       for p in live):
+                if all(self._health(p) for p in live):
                     return
             except (httpx.HTTPError, ValueError):
                 pass
             time.sleep(0.2)
         raise RuntimeError(f"etcd did not become healthy; logs in {self.dir}")
+
+    def _health(self, port: int) -> bool:
+        if self.scheme == "http":
+            return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).json().get("health") == "true"
+        with self.http() as c:
+            return c.get("/health").json().get("health") == "true"
+
+    def _spawn(self, i: int) -> subprocess.Popen:
+        log = open(os.path.join(self.dir, f"{self.names[i]}.log"), "a")
+        return subprocess.Popen(self.argv[i], stdout=log, stderr=subprocess.STDOUT)
+
+    def restart(self, i: int) -> None:
+        """Start a killed member again on its data and ports (its clients' connections were dropped)."""
+        self.procs[i] = self._spawn(i)
+        self.wait_healthy()
 
     def kill(self, i: int) -> None:
         proc = self.procs[i]

@@ -75,7 +75,19 @@ def test_router_args_parse_and_its_deployment_file_loads():
     args = router["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[0] == "router"
     cfg = settings_from_args(build_parser().parse_args(args[1:]))
-    assert cfg.state.startswith("etcd://") and cfg.state.count(",") == 2 and cfg.port == 30000
+    assert cfg.state.startswith("etcds://") and cfg.state.count(",") == 2 and cfg.port == 30000
+    # etcd over TLS as its user: certificates and the password file mounted read-only from Secrets,
+    # the password itself nowhere in the manifest
+    pod = router["spec"]["template"]["spec"]
+    secrets = {v["name"]: v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v}
+    mounts = {m["mountPath"]: m for m in pod["containers"][0]["volumeMounts"]}
+    for path in (cfg.etcd.ca, cfg.etcd.cert, cfg.etcd.key, cfg.etcd.password_file):
+        mount = next(m for p, m in mounts.items() if path.startswith(p + "/"))
+        assert mount["readOnly"] and mount["name"] in secrets, path
+    assert cfg.etcd.user == "polychip" and not any("password=" in a for a in args)
+    etcd = next(d for _, d in resources() if d["kind"] == "StatefulSet" and d["metadata"]["name"] == "etcd")
+    command = " ".join(etcd["spec"]["template"]["spec"]["containers"][0]["args"])
+    assert "--client-cert-auth" in command and "--listen-client-urls https://" in command
     cm = next(d for _, d in resources() if d["kind"] == "ConfigMap")
     dep = from_dict(yaml.safe_load(cm["data"]["deployment.yaml"]), "k8s ConfigMap")
     assert {r.name for r in dep.replicas} == {"gpu-0", "gpu-1", "npu-0", "tp2-0"}

@@ -58,18 +58,34 @@ def nested(path, value) -> dict:
 
 
 # settings valid only together: each is given with its partner
-PARTNERS = {"replica_client_cert": "replica_client_key", "replica_client_key": "replica_client_cert"}
+PARTNERS = {"replica_client_cert": "replica_client_key", "replica_client_key": "replica_client_cert",
+            "cert": "key", "key": "cert", "user": "password_file", "password_file": "user"}
+
+
+def partners(path) -> tuple[list[str], dict]:
+    """The flags and the router-section keys that must come with the setting at ``path``: its
+    partner, and for the etcd access settings a --state etcds://..."""
+    partner = PARTNERS.get(path[-1])
+    if path[0] != "etcd":
+        return (["--" + partner.replace("_", "-"), "/tmp/polychip-partner"], {partner: "/tmp/polychip-partner"}) \
+            if partner else ([], {})
+    flags, etcd = ["--state", "etcds://h:2379"], {}
+    if partner:
+        flags += ["--etcd-" + partner.replace("_", "-"), "/tmp/polychip-partner"]
+        etcd[partner] = "/tmp/polychip-partner"
+    return flags, {"state": "etcds://h:2379", "etcd": etcd}
 
 
 @pytest.mark.parametrize("path,flag,field", SETTINGS, ids=[".".join(p) for p, _, _ in SETTINGS])
 def test_every_setting_is_a_flag_and_a_file_key(path, flag, field):
     value, text = other_value(path, field)
     assert get(RouterConfig(), path) != value
-    partner = PARTNERS.get(path[-1])
-    extra_args = ["--" + partner.replace("_", "-"), "/tmp/polychip-partner"] if partner else []
+    extra_args, extra_keys = partners(path)
     args = router_cmd.build_parser().parse_args(["--replica", "http://x:1", flag, text] + extra_args)
     assert get(settings_from_args(args), path) == value                     # the flag
-    section = dict(nested(path, value), **({partner: "/tmp/polychip-partner"} if partner else {}))
+    section = nested(path, value)
+    for key, more in extra_keys.items():
+        section[key] = {**section.get(key, {}), **more} if isinstance(more, dict) else more
     dep = from_dict({"replicas": [{"name": "a", "model": "m", "url": "http://x:1"}],
                      "models": [{"name": "m", "versions": {"default": 1}}], "router": section})
     assert get(dep.router, path) == value                                   # the file's router section

@@ -27,6 +27,10 @@ class FakeEngine:
         self.tokenizer = SimpleNamespace(min_tokens=lambda text: len(text) // 4)
         self.max_model_len = 64
         self.counters, self.stage_seconds = {"steps": 0, "requests_aborted": 0}, {"forward": 0.0}
+        self.disagg, self.has_posted, self.wake = None, False, None     # plain serving: no hand-off work
+
+    def run_posted(self):
+        """Nothing is ever posted to a plain engine's thread here."""
 
     def stats(self):
         return SimpleNamespace(num_waiting=self.num_waiting, num_running=self.num_running)
@@ -38,7 +42,7 @@ class FakeEngine:
         if not prompt_ids:
             raise InvalidRequestError("prompt is empty")
 
-    def add_request(self, prompt, params, request_id, priority, arrival):
+    def add_request(self, prompt, params, request_id, priority, arrival, remote=None):
         if request_id in self.reqs:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         self.reqs[request_id] = [params.max_tokens, 0]

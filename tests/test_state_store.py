@@ -7,7 +7,7 @@ import time
 import httpx
 import pytest
 
-from polychip.router.state import MemoryStore, Session, SqliteStore, StoreError, open_store
+from polychip.router.state import Deposed, MemoryStore, Session, SqliteStore, StoreError, open_store
 from tests.etcd_cluster import EtcdCluster, Partition
 
 pytestmark = pytest.mark.device_independent
@@ -264,3 +264,31 @@ def test_an_etcd_watch_cut_off_across_a_compaction_lists_afresh_and_misses_nothi
         watched.close()
         direct.close()
         partition.close()
+
+
+def test_a_write_in_an_ended_term_fails_and_changes_nothing(store):
+    a, b = Session(store, "router-a", ttl=2), Session(store, "router-b", ttl=2)
+    a.start()
+    b.start()
+    try:
+        assert a.is_leader and a.term == store.get("leader").revision
+        term = a.term
+        store.put("models/m", {"by": "a"}, term=term)
+        assert store.compare_and_set("batches/b", {"by": "a"}, expect=0, term=term)
+        assert store.delete("batches/b", term=term)
+        a._stop.set()                                   # router-a stops refreshing (it froze) ...
+        store.revoke_lease(a.lease)                     # ... its lease ends; router-b campaigns and wins
+        assert wait_for(lambda: b.is_leader), "router-b leads"
+        assert b.term != term
+        store.put("models/x", {"by": "b"}, term=b.term)
+        with pytest.raises(Deposed):
+            store.put("models/m", {"by": "a, late"}, term=term)
+        with pytest.raises(Deposed):
+            store.compare_and_set("models/m", {"by": "a, late"}, expect=store.get("models/m").revision, term=term)
+        with pytest.raises(Deposed):
+            store.delete("models/m", term=term)
+        assert store.get("models/m").value == {"by": "a"} and store.get("models/x").value == {"by": "b"}
+        assert store.get("leader").value == "router-b"
+    finally:
+        a.close()
+        b.close()

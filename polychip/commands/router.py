@@ -78,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         from polychip.router.app import Router
         router = Router(cfg, args.replica, deployment, args.deployment, placed, inventory,
                         settings_from_file=lambda dep: settings_from_args(args, dep.router), trust=trust)
+        router.state.open()            # a store that refuses this router: one line, before it serves
         return run_router(router, sock)
     except PolychipError as e:
         return fail(e)

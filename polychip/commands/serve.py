@@ -96,6 +96,8 @@ def _serve(engine_config: EngineConfig, config: ServerConfig, sock: socket.socke
             shapes = warm_up(engine)
         engine.startup.update(warmup=time.time() - began, warmed_at=time.time())
         log.info("warm-up forwards: %s", ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in shapes.items()))
+    if engine.disagg is not None:
+        engine.disagg.name_after(edge.socket_url(sock, "https" if config.ssl_certfile else "http"))
     app, state = build_app(engine, config)
     # uvicorn's own timeout is only a backstop: EngineServer ends streams cleanly after `grace`
     uv_config = edge.uvicorn_config(app, log_level=config.log_level, graceful_timeout=grace + 5,

@@ -44,6 +44,7 @@ class SubRequest:
     prompt_ids: list[int]
     params: SamplingParams
     priority: int = 0
+    remote: Any = None          # a decode side's RemotePrefill: the prompt runs there (engine/disagg)
 
 
 # the engine thread's inbox
@@ -189,8 +190,20 @@ class AsyncEngine:
     # lifecycle
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         self._loop = loop or asyncio.get_running_loop()
+        self.engine.wake = self._wake
         self._thread = threading.Thread(target=self._run, name="polychip-engine", daemon=True)
         self._thread.start()
+        if self.engine.disagg is not None:     # its threads post to the engine thread: start them after it
+            self.engine.disagg.begin()
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify()
+
+    def disaggregation(self) -> dict | None:
+        """The prefill or decode side's state and figures (None when the server serves plainly)."""
+        d = self.engine.disagg
+        return None if d is None else d.status()
 
     @property
     def alive(self) -> bool:
@@ -294,12 +307,13 @@ class AsyncEngine:
             eng.bind_thread()
             while True:
                 with self._cond:
-                    while not self._inbox and not eng.has_unfinished() and not self._stopping:
+                    while not self._inbox and not eng.has_unfinished() and not eng.has_posted and not self._stopping:
                         self._cond.wait()
                     cmds, self._inbox = self._inbox, []
                     stopping = self._stopping
                 for cmd in cmds:
                     self._handle(cmd)
+                eng.run_posted()
                 if stopping:
                     break
                 if eng.has_unfinished():
@@ -341,7 +355,7 @@ class AsyncEngine:
                     eng.check_request(s.prompt_ids, s.params)
                     checked.add(id(s.prompt_ids))
             for s in subs:
-                added.append(eng.add_request(s.prompt_ids, s.params, s.request_id, s.priority, arrival))
+                added.append(eng.add_request(s.prompt_ids, s.params, s.request_id, s.priority, arrival, s.remote))
         except Exception as e:  # InvalidRequestError or a bug: admit none of the group
             for rid in added:
                 eng.abort(rid)

@@ -10,11 +10,12 @@ import itertools
 import logging
 import os
 import time
-from collections import Counter, defaultdict
+from collections import Counter, defaultdict, deque
 
 from polychip.config import EngineConfig
 from polychip.devices.discovery import open_from_config
 from polychip.engine.grammar import GrammarBackend
+from polychip.engine.disagg.handoff import open_disaggregation
 from polychip.engine.host_cache import HostTier
 from polychip.engine.kv_pool import KVPool, dtype_name, resolve_kv_dtype
 from polychip.engine.memory_plan import activation_bytes, size_pool
@@ -45,6 +46,9 @@ COUNTERS = ("requests_added", "requests_aborted", "preemptions", "steps", "promp
 class Engine:
     def __init__(self, config: EngineConfig | None = None, plugin=None):
         self.config = config = config or EngineConfig()
+        self._posted: deque = deque()      # work other threads posted for this engine's thread (post)
+        self._ready_outputs: list[RequestOutput] = []   # outputs made between steps (a landed hand-off)
+        self.wake = lambda: None            # set by the driver (AsyncEngine) to wake its idle thread
         if plugin is not None and config.num_threads is not None:
             raise ConfigError("num_threads is applied when the engine opens its device; for a plugin opened "
                               "by the caller, pass num_threads to open_device instead")
@@ -111,6 +115,7 @@ class Engine:
         self.stage_seconds: dict[str, float] = defaultdict(float)
         self._timer = StageTimer(self.stage_seconds, self._sync_device if config.profile_stages else None)
         self.counters: dict[str, int] = defaultdict(int)
+        self.disagg = open_disaggregation(self, config)
         log.info("KV pool: %d pages x %d tokens in %s (%.1f MiB); step inputs %.1f MiB; activation reserve %.1f MiB",
                  num_pages, page, dtype_name(self.kv_dtype), num_pages * per_page / 2**20,
                  self.runner.buffer_bytes / 2**20, self.activation_reserve / 2**20)
@@ -124,8 +129,11 @@ class Engine:
 
     # requests
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, priority: int = 0, arrival: float | None = None) -> str:
-        """Queue one sequence. ``params.n`` is handled by the caller (LLM / server) as n requests."""
+                    request_id: str | None = None, priority: int = 0, arrival: float | None = None,
+                    remote=None) -> str:
+        """Queue one sequence. ``params.n`` is handled by the caller (LLM / server) as n requests.
+        ``remote`` (a decode side's ``RemotePrefill``): its KV comes from that prefill side into pages
+        reserved now; KVTransferError at once when they cannot be."""
         params = params or SamplingParams()
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.check_request(ids, params)
@@ -140,7 +148,13 @@ class Engine:
         req.matcher = matcher
         if self.proposer is not None and speculable(req):
             req.spec = SpecState()
-        self.scheduler.add(req)
+        if remote is not None:
+            if self.disagg is None:
+                raise InvalidRequestError("bootstrap_host / bootstrap_port name a prefill side; this server is not "
+                                          "a decode side (--disaggregation-mode decode)")
+            self.disagg.receive(req, remote)
+        else:
+            self.scheduler.add(req)
         self.counters["requests_added"] += 1
         return rid
 
@@ -170,13 +184,39 @@ class Engine:
         req = self.scheduler.find(request_id)
         if req is None:
             return False
+        receiving = request_id in self.scheduler.receiving
         req.finish_reason = "abort"
         self.scheduler.finish(req)
+        if receiving:
+            self.disagg.agent.cancelled(request_id)
         self.counters["requests_aborted"] += 1
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._ready_outputs)
+
+    def emit(self, req: Request) -> None:
+        """Report ``req``'s progress made between steps (a landed hand-off) with the next step's outputs."""
+        self._ready_outputs.append(self._output(req))
+
+    # work from other threads (a KV hand-off's links)
+    def post(self, fn) -> None:
+        """Run ``fn(engine)`` on the engine's thread before its next step (any thread may call this)."""
+        self._posted.append(fn)
+        self.wake()
+
+    @property
+    def has_posted(self) -> bool:
+        return bool(self._posted)
+
+    def run_posted(self) -> None:
+        """Engine thread: run what was posted, in order; a failure is logged, never raised into the loop."""
+        while self._posted:
+            fn = self._posted.popleft()
+            try:
+                fn(self)
+            except Exception:
+                log.exception("work posted to the engine thread failed")
 
     @property
     def num_waiting(self) -> int:
@@ -203,6 +243,8 @@ class Engine:
             with timer("forward"):
                 if self.host_tier is not None:    # pages it copied back are read, pages it evicted rewritten
                     self.host_tier.wait()
+                if self.disagg is not None:       # a prefill side stages each layer as it completes
+                    self.disagg.before_forward(sched.scheduled)
                 logits = self.runner.execute(batch)
             with timer("sample"):
                 sampled = batch.sample_reqs
@@ -210,6 +252,10 @@ class Engine:
                     tokens, logprobs = self._sample(logits, sampled)
         with timer("detokenize"):
             outputs = [self._output(r) for r in self.scheduler.update(sched, sampled, tokens, logprobs)]
+        if self.disagg is not None:
+            self.disagg.after_step(sched.unservable)
+        if self._ready_outputs:
+            outputs, self._ready_outputs = self._ready_outputs + outputs, []
         c = self.counters
         c["preemptions"] += len(sched.preempted)
         if sched.scheduled:
@@ -304,8 +350,10 @@ class Engine:
         return self.pages.flush()
 
     def check_integrity(self) -> None:
-        """Raise ``IntegrityError`` if the page accounting is broken."""
-        self.pages.check_integrity()
+        """Raise ``IntegrityError`` if the page accounting is broken: an invariant of the allocator or
+        the cache, or a page whose count is not its holders' (a leak)."""
+        s = self.scheduler
+        self.pages.check_integrity(s.running + s.waiting + list(s.held.values()) + list(s.receiving.values()))
 
     @property
     def fault(self) -> str | None:
@@ -326,6 +374,8 @@ class Engine:
                            self.pool.num_bytes if self.pool.storage is not None else 0, os.getpid()),)
 
     def shutdown(self) -> None:
+        if self.disagg is not None:
+            self.disagg.stop()
         self.runner.release_compiled()     # graphs and recorded steps hold the pool's caches
         self.pool.release()
         if self.host_tier is not None:

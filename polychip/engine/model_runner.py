@@ -130,6 +130,7 @@ class ModelRunner:
             if static_max_bs > 0 else None
         self.copy_stream = plugin.stream()
         self._turn = 0
+        self.after_layer = None       # set for one step by a prefill side's KV hand-off (engine/disagg)
 
     def attach_pool(self, pool) -> None:
         """Run every step on ``pool`` (an ``engine.kv_pool.KVPool``): its caches and fp8 scales."""
@@ -239,7 +240,8 @@ class ModelRunner:
         return Batch(bucket.input_ids, bucket.positions, bucket.meta, bucket.sample_rows[:sampled], [], bucket, host)
 
     def _run(self, input_ids, positions, meta, rows):
-        hidden = self.model(input_ids, positions, ForwardContext(meta, self.kv_caches, self.kv_scales))
+        hidden = self.model(input_ids, positions, ForwardContext(meta, self.kv_caches, self.kv_scales,
+                                                                 self.after_layer))
         return self.model.compute_logits(hidden[rows])
 
     @torch.inference_mode()

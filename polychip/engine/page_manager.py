@@ -11,6 +11,7 @@ from polychip.engine.kv_pool import PageAllocator
 from polychip.engine.prefix_cache import NoPrefixCache, PrefixCache
 from polychip.engine.radix_cache import RadixCache
 from polychip.engine.request import Request
+from polychip.errors import IntegrityError
 
 
 class PageManager:
@@ -118,7 +119,20 @@ class PageManager:
         """Evict every cached page no request holds; returns how many were released."""
         return self.cache.evict(self.cache.evictable_pages())
 
-    def check_integrity(self) -> None:
-        """Raise ``IntegrityError`` if the allocator or the cache broke an invariant."""
+    def check_integrity(self, holders=None) -> None:
+        """Raise ``IntegrityError`` if the allocator or the cache broke an invariant; with ``holders``
+        (every request that may hold pages), also if a page's count is not its holders plus the cache:
+        a leaked page (counted, held by nobody) or a page freed under its holder."""
         self.allocator.check_integrity()
         self.cache.check_integrity()
+        if holders is None:
+            return
+        want = [0] * self.num_pages
+        for p in [p for r in holders for p in r.pages] + self.cache.page_ids():
+            want[p] += 1
+        wrong = [(p, r, w) for p, (r, w) in enumerate(zip(self.allocator.refs, want)) if r != w]
+        if wrong:
+            p, r, w = wrong[0]
+            raise IntegrityError(f"{len(wrong)} page(s) counted wrong, e.g. page {p}: refcount {r} but "
+                                 f"{w} holder(s) (requests and the prefix cache): "
+                                 f"{'leaked' if r > w else 'freed under its holder'}")

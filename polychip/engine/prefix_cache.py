@@ -57,6 +57,10 @@ class PrefixCache(abc.ABC):
         """Release unlocked pages, least recently used first, until ``num_pages`` are released
         or none is left (whole entries, so possibly more); returns how many. Changes the tree."""
 
+    def page_ids(self) -> list[int]:
+        """Every page the cache holds its reference on. Pure."""
+        return []
+
     def reset(self) -> None:
         """Release every unlocked page."""
         self.evict(self.num_pages)

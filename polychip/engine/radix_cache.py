@@ -196,6 +196,9 @@ class RadixCache(PrefixCache):
     def evictable_pages(self) -> int:
         return self._evictable
 
+    def page_ids(self) -> list[int]:
+        return [p for n in self._nodes() for p in n.pages]
+
     def evict(self, num_pages: int) -> int:
         """Free unlocked leaves, LRU first, until ``num_pages`` pages are released; returns that count."""
         heap = [(n.last_access, next(self._tick), n) for n in self._nodes() if self._device_leaf(n)]

@@ -69,6 +69,7 @@ class Request:
         self.grammar_failed = False         # the grammar refused a sampled token
         self.spec = None                    # spec_decode.SpecState when the request may speculate
         self.draft: list[int] = []          # draft tokens scheduled after its last token this step
+        self.handoff = None                 # engine.disagg: a prefill side's Outbound of this request's KV
         self.timings = Timings(arrival if arrival is not None else time.monotonic())
 
     @property

@@ -42,6 +42,10 @@ class Scheduler:
         self.proposer = proposer
         self.waiting: list[Request] = []
         self.running: list[Request] = []
+        # prefill/decode hand-offs (engine/disagg): a prefill side's finished requests whose pages stay
+        # until the decode side acknowledges, and a decode side's requests whose KV is on its way
+        self.held: dict[str, Request] = {}
+        self.receiving: dict[str, Request] = {}
 
     # queue management
     def add(self, req: Request) -> None:
@@ -52,17 +56,64 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def find(self, request_id: str) -> Request | None:
-        return next((r for r in self.running + self.waiting if r.request_id == request_id), None)
+        return next((r for r in self.running + self.waiting if r.request_id == request_id),
+                    self.receiving.get(request_id))
 
     def finish(self, req: Request) -> None:
-        """Drop a finished or aborted request and release what it holds."""
+        """Drop a finished or aborted request and release what it holds; a prefill side's request that
+        hands its KV over keeps its pages (``held``) until ``release_held``."""
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.pages.release(req)
+        self.receiving.pop(req.request_id, None)
+        if req.handoff is not None and req.finish_reason != "abort" and req.output_ids:
+            self.held[req.request_id] = req
+        else:
+            self.pages.release(req)
         req.status = Status.FINISHED
         req.timings.finished = time.monotonic()
+
+    # prefill/decode hand-offs (engine/disagg)
+    def release_held(self, request_id: str) -> bool:
+        """The decode side has the KV of held request ``request_id`` (or gave up): free its pages."""
+        req = self.held.pop(request_id, None)
+        if req is not None:
+            self.pages.release(req)
+        return req is not None
+
+    def reserve(self, req: Request) -> bool:
+        """Give ``req`` fresh pages for its whole prompt, to receive its KV into; False (nothing taken)
+        when the pool cannot give them now."""
+        need = self.pages.pages_for(len(req.prompt_ids))
+        if not self.pages.can_allocate(need):
+            return False
+        req.pages = self.pages.allocate(need)
+        self.receiving[req.request_id] = req
+        return True
+
+    def land(self, req: Request, first_token: int, logprob: TokenLogprob | None) -> None:
+        """``req``'s prompt KV is in its pages and the prefill side sampled ``first_token``: it decodes
+        from here as if it had run its prefill in this engine."""
+        del self.receiving[req.request_id]
+        req.num_computed_tokens = len(req.prompt_ids)
+        req.status = Status.RUNNING
+        self.running.append(req)
+        self.pages.cache_progress(req)
+        req.timings.first_scheduled = req.timings.first_token = time.monotonic()
+        if req.matcher is not None and not req.matcher.accept_token(first_token):
+            log.warning("%s: the grammar refused the prefill side's token %d; finishing", req.request_id,
+                        first_token)
+            req.grammar_failed = True
+        self._book(req, [first_token], logprob)
+
+    def fall_back(self, req: Request) -> None:
+        """The hand-off of ``req`` failed: give its reserved pages back (nothing of them is cached) and
+        queue it as a plain request, to be prefilled here."""
+        del self.receiving[req.request_id]
+        req.num_computed_tokens = 0
+        self.pages.release(req)
+        self.add(req)
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)

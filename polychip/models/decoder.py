@@ -23,6 +23,7 @@ class ForwardContext:
     meta: object                                   # devices.ops.AttentionMetadata
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     kv_scales: list[tuple[float, float]] | None = None   # per layer (k_scale, v_scale) of an fp8 pool
+    after_layer: object = None      # called with each layer's index once its K/V are written (a KV hand-off)
 
 
 class Linear(nn.Module):
@@ -199,8 +200,10 @@ class DecoderModel(nn.Module):
         h = self.embed_tokens(input_ids)
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         residual = None
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             h, residual = layer(h, residual, cos, sin, ctx)
+            if ctx.after_layer is not None:
+                ctx.after_layer(i)
         h, _ = self.norm(h, residual)
         return h
 

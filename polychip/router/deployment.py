@@ -8,11 +8,11 @@ cross-references. The ``router:`` section is the router's settings model itself.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from polychip.config import QUANTIZATIONS
+from polychip.config import QUANTIZATIONS, TRANSFER_BACKENDS
 from polychip.errors import ConfigError
 from polychip.router.settings import RouterConfig
 from polychip.router.workload_spec import WorkloadSpec
@@ -56,6 +56,17 @@ class ReplicaEntry(_Strict):
     device_config: str | None = None             # device spec YAML for the replica
     args: list[str] = Field(default_factory=list)            # more `polychip serve` flags
     env: dict[str, str] = Field(default_factory=dict)
+    # a side of a prefill/decode pair (docs/disaggregation.md): launched with --disaggregation-mode ROLE
+    role: Literal["prefill", "decode"] | None = None
+    transfer_backend: str = "tcp"                # --disaggregation-transfer-backend of a launched side
+    bootstrap_port: int | None = Field(default=None, ge=1, le=65535)   # a prefill side's; None: a free one
+
+    @field_validator("transfer_backend")
+    @classmethod
+    def _backend(cls, v):
+        if v not in TRANSFER_BACKENDS:
+            raise ValueError(f"expected one of {list(TRANSFER_BACKENDS)}, got {v!r}")
+        return v
 
     @field_validator("device")
     @classmethod
@@ -76,8 +87,11 @@ class ReplicaEntry(_Strict):
         if (self.device is None) == (self.url is None):
             raise ValueError("give device (a replica the router launches) or url (one run elsewhere), "
                              "exactly one of them")
-        if self.url is not None and (self.port is not None or self.args or self.model_path):
-            raise ValueError("a url replica is run elsewhere; port, args and model_path belong to launched ones")
+        if self.url is not None and (self.port is not None or self.args or self.model_path or self.role):
+            raise ValueError("a url replica is run elsewhere; port, args, model_path and role belong to launched "
+                             "ones (a url replica reports its role itself)")
+        if self.bootstrap_port is not None and self.role != "prefill":
+            raise ValueError("bootstrap_port belongs to a replica with role prefill")
         return self
 
 

@@ -101,6 +101,7 @@ class Dispatcher:
         route = self.rollout.models.get(model)
         return [r for r in self.replicas.values()
                 if r.up and not r.draining and r.name not in ticket_exclude and r.serving_model == model
+                and r.role != "prefill"             # a prefill side takes requests only through a decode side
                 and (version is None or r.serving_version == version) and capable(r, route) is None
                 and r.breaker.allows()]
 
@@ -150,6 +151,8 @@ class Dispatcher:
                 parts.append(f"{r.name}: draining")
             elif not r.up:
                 parts.append(f"{r.name}: down ({r.down_reason})")
+            elif r.role == "prefill":
+                parts.append(f"{r.name}: a prefill side (takes requests through a decode replica)")
             elif (why := capable(r, route)) is not None:
                 parts.append(f"{r.name}: {why}")
             elif not r.breaker.allows():

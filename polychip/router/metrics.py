@@ -36,6 +36,10 @@ class RouterMetrics:
         self.rollbacks_refused = Counter("polychip_router_canary_rollbacks_refused",
                                          "Rollbacks the guard refused: no other version would be left serving",
                                          ["model", "version"], registry=r)
+        self.pd_pairs = Counter("polychip_router_pd_pairs", "Requests sent to a decode replica naming a prefill "
+                                "replica", ["prefill", "decode"], registry=r)
+        self.pd_unpaired = Counter("polychip_router_pd_unpaired", "Requests a decode replica served plainly: no "
+                                   "prefill replica was up", ["decode"], registry=r)
         r.register(_StateCollector(dispatcher))
         self.live = LiveSeries()        # the same requests, kept as recent time series (/admin/live)
 
@@ -46,6 +50,20 @@ class RouterMetrics:
 class _StateCollector:
     def __init__(self, dispatcher):
         self.d = dispatcher
+
+    def _handoffs(self):
+        """Each prefill/decode replica's role and KV hand-off figures, as it last reported them."""
+        sides = [r for r in sorted(self.d.replicas.values(), key=lambda r: r.name) if r.role]
+        labels = ["replica", "role", "device_type", "model"]
+        names = {"transfers_in_flight": "KV hand-offs under way", "transfers_done": "KV hand-offs acknowledged",
+                 "transfers_failed": "KV hand-offs that failed", "fallbacks": "Requests a decode replica "
+                 "prefilled itself after a failed hand-off", "bytes": "KV bytes moved by finished hand-offs",
+                 "transfer_seconds": "Seconds of finished hand-offs, request to ack"}
+        for key, doc in names.items():
+            g = GaugeMetricFamily(f"polychip_router_replica_pd_{key}", doc + " (the replica's report)", labels=labels)
+            for r in sides:
+                g.add_metric([r.name, r.role, r.device_type, r.serving_model or ""], dict(r.info.handoffs)[key])
+            yield g
 
     def collect(self):
         labels = ["replica", "device_type", "model", "version"]
@@ -73,6 +91,7 @@ class _StateCollector:
         for cls, n in self.d.queue_lengths().items():
             queue.add_metric([cls], n)
         yield queue
+        yield from self._handoffs()
         weight = GaugeMetricFamily("polychip_router_version_weight", "Traffic weight of each model version",
                                    labels=["model", "version"])
         for name, route in sorted(self.d.rollout.models.items()):

@@ -34,6 +34,7 @@ from polychip.router.breaker import RetryBudget
 from polychip.router.settings import RouterConfig
 from polychip.router.dispatch import Dispatcher, NoReplicaError, QueueFullError, Ticket
 from polychip.router.metrics import RouterMetrics
+from polychip.router.pd import Pairing
 from polychip.router.replica import Replica
 from polychip.router.rollout import Rollout
 
@@ -97,6 +98,7 @@ class Proxy:
     def __init__(self, cfg: RouterConfig, dispatcher: Dispatcher, rollout: Rollout, metrics: RouterMetrics,
                  client: httpx.AsyncClient):
         self.cfg, self.d, self.rollout, self.metrics, self.client = cfg, dispatcher, rollout, metrics, client
+        self.pairing = Pairing(dispatcher, metrics)       # a decode replica's prefill side (router/pd.py)
         b = cfg.breaker
         self.budget = RetryBudget(b.retry_budget_ratio, b.retry_budget_min, b.window)
 
@@ -121,8 +123,9 @@ class Proxy:
             call.attempts += 1
             if retries:
                 self.metrics.retries.labels(call.model, replica.name, replica.device_type).inc()
+            body, prefill = self.pairing.body_for(call.body, replica)
             try:
-                return await (self._stream(call, replica) if call.stream else self._json(call, replica))
+                return await (self._stream(call, replica, body) if call.stream else self._json(call, replica, body))
             except Final as f:
                 return f.response
             except Retry as r:
@@ -143,6 +146,8 @@ class Proxy:
                 self.d.release(replica)
                 self._finish(call, replica, 499, None, ok=True, kind="client_gone")
                 raise
+            finally:
+                self.pairing.done(prefill)          # the first token came, or the attempt is over
 
     def _client_saw_failure(self, call: Call, last: Replica | None) -> None:
         """The router's own 5xx after failed attempts: the guard counts it against the version of the
@@ -193,11 +198,11 @@ class Proxy:
         return Final(Response(content, status_code=status, media_type=headers.get("content-type", "application/json"),
                               headers=self._where(replica, call, None)))
 
-    async def _json(self, call: Call, replica: Replica) -> Response:
+    async def _json(self, call: Call, replica: Replica, body: bytes) -> Response:
         limit = call.left(self.cfg.total_timeout)
         try:
             async with asyncio.timeout(None if math.isinf(limit) else limit):
-                resp = await self.client.post(replica.url + call.path, content=call.body, headers=self._headers(call))
+                resp = await self.client.post(replica.url + call.path, content=body, headers=self._headers(call))
         except BROKEN as e:
             raise self._broken(replica, e) from None
         except (httpx.TimeoutException, TimeoutError) as e:
@@ -214,11 +219,11 @@ class Proxy:
         return Response(resp.content, status_code=200, media_type=resp.headers.get("content-type", "application/json"),
                         headers=self._where(replica, call, e2e))
 
-    async def _stream(self, call: Call, replica: Replica) -> Response:
+    async def _stream(self, call: Call, replica: Replica, body: bytes) -> Response:
         limit = min(call.left(self.cfg.first_token_timeout), call.left(self.cfg.total_timeout))
         try:
             async with asyncio.timeout(limit):
-                resp, events, held = await self._until_first_token(call, replica)
+                resp, events, held = await self._until_first_token(call, replica, body)
         except TimeoutError as e:
             raise self._timed_out(call, replica, e) from None
         ttft = time.perf_counter() - call.t0
@@ -228,8 +233,8 @@ class Proxy:
         weakref.finalize(relay, self._release_once, replica, released)
         return StreamingResponse(relay, media_type="text/event-stream", headers=self._where(replica, call, None))
 
-    async def _until_first_token(self, call: Call, replica: Replica):
-        request = self.client.build_request("POST", replica.url + call.path, content=call.body,
+    async def _until_first_token(self, call: Call, replica: Replica, body: bytes):
+        request = self.client.build_request("POST", replica.url + call.path, content=body,
                                             headers=self._headers(call))
         try:
             resp = await self.client.send(request, stream=True)

@@ -28,6 +28,12 @@ class ReplicaInfo:
     num_running: int
     kv_usage: float
     prefix_cache_hit_rate: float
+    # a prefill/decode side (its /server_info "disaggregation" block): role, where decode sides reach
+    # a prefill side, and the hand-off figures; None / empty for plain serving
+    role: str | None = None
+    bootstrap_port: int | None = None
+    transfer_backend: str | None = None
+    handoffs: tuple[tuple[str, float], ...] = ()
 
     @classmethod
     def parse(cls, data: dict) -> "ReplicaInfo":
@@ -47,7 +53,31 @@ class ReplicaInfo:
                    max_running_requests=get("max_running_requests", int, 64),
                    num_waiting=get("num_waiting", int, 0), num_running=get("num_running", int, 0),
                    kv_usage=float(get("kv_usage", (int, float), 0.0)),
-                   prefix_cache_hit_rate=float(get("prefix_cache_hit_rate", (int, float), 0.0)))
+                   prefix_cache_hit_rate=float(get("prefix_cache_hit_rate", (int, float), 0.0)),
+                   **_disaggregation(data.get("disaggregation")))
+
+
+HANDOFF_FIGURES = ("transfers_in_flight", "transfers_done", "transfers_failed", "fallbacks", "bytes",
+                   "transfer_seconds")
+
+
+def _disaggregation(block) -> dict:
+    """A replica's role and hand-off figures from its "disaggregation" block; ValueError naming a bad field."""
+    if block is None:
+        return {}
+    if not isinstance(block, dict) or block.get("mode") not in ("prefill", "decode"):
+        raise ValueError(f"/server_info field 'disaggregation' should name mode prefill or decode, got {block!r}")
+    port = block.get("bootstrap_port")
+    if block["mode"] == "prefill" and (not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536):
+        raise ValueError(f"/server_info field 'disaggregation.bootstrap_port' should be a port, got {port!r}")
+    figures = []
+    for key in HANDOFF_FIGURES:
+        value = block.get(key, 0)
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise ValueError(f"/server_info field 'disaggregation.{key}' should be a number, got {value!r}")
+        figures.append((key, float(value)))
+    return {"role": block["mode"], "bootstrap_port": port if block["mode"] == "prefill" else None,
+            "transfer_backend": str(block.get("transfer_backend")), "handoffs": tuple(figures)}
 
 
 @dataclass
@@ -122,8 +152,14 @@ class Replica:
         self.down_reason = reason
         self.changed_at = time.monotonic()
 
+    @property
+    def role(self) -> str | None:
+        """"prefill" or "decode" for a side of a prefill/decode pair (as it reports itself), else None."""
+        return self.info.role if self.info else None
+
     def describe(self) -> dict:
-        return {"name": self.name, "url": self.url, "up": self.up, "draining": self.draining,
+        return {"name": self.name, "url": self.url, "up": self.up, "draining": self.draining, "role": self.role,
+                "handoffs": dict(self.info.handoffs) if self.info and self.info.role else None,
                 "down_reason": self.down_reason or None, "model": self.serving_model,
                 "version": self.serving_version, "device": self.device_name, "device_type": self.device_type,
                 "launched": self.launched, "inflight": self.inflight, "served": self.served,

@@ -121,6 +121,33 @@ class BatchConfig(_Settings):
                                  live=False)
 
 
+class EtcdAccess(_Settings):
+    """How the router reaches etcd over TLS (``--state etcds://...``) and who it is there. etcd's
+    gateway answers 400 to a client certificate that names a CommonName: the user is the etcd user."""
+
+    ca: str | None = setting(None, "CA bundle (PEM) the etcd members' certificates must chain to "
+                                   "(default: the system's)", live=False)
+    cert: str | None = setting(None, "client certificate (PEM) shown to etcd (--client-cert-auth); it must "
+                                     "name no CommonName", live=False)
+    key: str | None = setting(None, "the private key of --etcd-cert", live=False)
+    user: str | None = setting(None, "the etcd user (etcd's authentication on); its password is read from "
+                                     "--etcd-password-file", live=False)
+    password_file: str | None = setting(None, "a file whose first line is the etcd user's password (a mounted "
+                                              "Secret; never the password itself on a command line)", live=False)
+
+    @model_validator(mode="after")
+    def _pairs(self):
+        if (self.cert is None) != (self.key is None):
+            raise ValueError("etcd.cert and etcd.key go together")
+        if (self.user is None) != (self.password_file is None):
+            raise ValueError("etcd.user and etcd.password_file go together")
+        return self
+
+    @property
+    def given(self) -> bool:
+        return any(getattr(self, f) is not None for f in type(self).model_fields)
+
+
 class RouterConfig(_Settings):
     # listening and the edge (fixed while the router runs)
     host: str = setting("127.0.0.1", "address to listen on", live=False)
@@ -165,7 +192,7 @@ class RouterConfig(_Settings):
     # state (polychip/router/state): weights, rollbacks, the replica registry, the leader; and the
     # workloads' records and launched replicas' logs (state_dir)
     state: str = setting("sqlite", "the state store: sqlite (a file in --state-dir), etcd://h1:2379,h2:2379 "
-                         "(N routers share it) or memory://", live=False)
+                         "(N routers share it), etcds://... (TLS; --etcd-*) or memory://", live=False)
     state_dir: str | None = setting(None, "sqlite's directory (default: $POLYCHIP_STATE_DIR, else "
                                     "~/.local/state/polychip/router-PORT); also keeps workload records (relaunched "
                                     "after a restart) and the launched replicas' logs (unset: workload records in "
@@ -174,6 +201,9 @@ class RouterConfig(_Settings):
                                   "(default: HOST-PORT for the state, the hostname for workloads)", live=False)
     state_lease_ttl: float = setting(10.0, "seconds a dead router's leadership and replica registry outlive it",
                                      live=False, ge=1, le=300)
+    etcd: EtcdAccess = setting(default_factory=EtcdAccess)
+    workload_events: int = setting(100, "events kept per workload record (the oldest go first; the record "
+                                        "counts those dropped)", live=False, ge=5, le=10_000)
     replica_log_max_bytes: int = setting(10 * 2**20, "each launched replica's log file rotates at this size",
                                          live=False, ge=1024)
     replica_log_backups: int = setting(3, "rotated log files kept per launched replica", live=False, ge=1)
@@ -182,6 +212,13 @@ class RouterConfig(_Settings):
     def _client_cert_and_key(self):
         if (self.replica_client_cert is None) != (self.replica_client_key is None):
             raise ValueError("replica_client_cert and replica_client_key go together")
+        return self
+
+    @model_validator(mode="after")
+    def _etcd_access(self):
+        if self.etcd.given and not self.state.startswith("etcds://"):
+            raise ValueError(f"the etcd settings (TLS, user) apply to --state etcds://... only (state is "
+                             f"{self.state!r}): an etcd password never goes over plain HTTP")
         return self
 
     @field_validator("policy")
@@ -234,7 +271,8 @@ def _diff(old: _Settings, new: _Settings, prefix: str) -> tuple[list[str], list[
 
 
 # the command line
-FLAG_PREFIX = {"health": "health", "guard": "canary", "prefix": "prefix", "breaker": "cb", "batch": "batch"}
+FLAG_PREFIX = {"health": "health", "guard": "canary", "prefix": "prefix", "breaker": "cb", "batch": "batch",
+               "etcd": "etcd"}
 METAVARS = {int: "N", float: "X", str: "TEXT"}
 
 

@@ -8,8 +8,11 @@ Keys (under the store's namespace):
   members/NODE, leader   the Session's (a member's value names its host: the workloads' liveness)
   workloads/ID        a workload's record (workloads.py), written through ``put``
   batches/ID          an online batch object (router/batch/store.py); ``leader_hooks`` tell its runner
-Nothing here runs on a request's path: changes are queued to one writer task (a request that rolls
-a canary back only appends to a queue), and reads come from ``self.view``, which one watch keeps current.
+Nothing here runs on a request's path: changes are queued to one writer task (state/writer.py: a
+request that rolls a canary back only appends to a queue), and reads come from ``self.view``, which
+one watch keeps current; records are read through the typed repositories (state/repos.py), which skip
+what they cannot read instead of failing. The guard's rollbacks are leader writes: they carry the
+session's term, and the store drops them once another router leads.
 
 File vs store: each model's stored record carries a hash of the deployment file's entry it came
 from. At start and on reload, an unchanged entry means the stored weights and rollbacks win (they
@@ -24,12 +27,15 @@ import logging
 import socket
 import time
 
-from polychip.router.guard import JUDGED, Published
+from polychip.router.state_figures import STATS_EVERY, SharedFigures
 from polychip.router.state import Event, Session, StateStore, StoreError, open_store
+from polychip.router.state.loops import AsyncLoop
+from polychip.router.state.records import MemberRecord, ModelRecord, ReplicaRecord
+from polychip.router.state.repos import Repos
+from polychip.router.state.writer import DELETE, StateWriter, Write
 
 log = logging.getLogger("polychip.router.state")
-STATS_EVERY = 1.0          # seconds between a router's publications of its canary figures
-DELETE = object()
+
 
 
 def file_intent(weights: dict, baseline: str) -> str:
@@ -37,7 +43,7 @@ def file_intent(weights: dict, baseline: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-class RouterState:
+class RouterState(SharedFigures):
     def __init__(self, cfg, rollout, dispatcher):
         self.cfg, self.rollout, self.dispatcher = cfg, rollout, dispatcher
         self.node_id = cfg.node_id or f"{socket.gethostname()}-{cfg.port}"
@@ -45,10 +51,11 @@ class RouterState:
         self.store: StateStore | None = None
         self.session: Session | None = None
         self.view: dict[str, object] = {}            # key -> value, every key, kept by the watch
-        self.writes = self.write_errors = 0
-        self.write_seconds = 0.0
-        self._pending: dict[str, tuple[object, bool]] = {}    # key -> (value, leased): latest wins
-        self._wake = asyncio.Event()
+        self.repos = Repos()
+        self.loop_failures: dict[str, int] = {}       # loop name -> failures reported
+        self.on_loop_failure = None                   # a task supervisor's hook, when one is given
+        self.writer = StateWriter(self._write, self._loop_failed)
+        self.figures = AsyncLoop("canary figures", self.guard_tick, STATS_EVERY, self._loop_failed)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task] = []
         self._published: dict = {}
@@ -56,6 +63,10 @@ class RouterState:
         self._registry: dict[str, object] = {}       # what this router last wrote of its replicas
         self.last_adopted: dict | None = None         # the last change another router made: how late it came
         self.leader_hooks: list = []                  # called on the event loop when the leader changes
+
+    @property
+    def _pending(self) -> dict[str, Write]:
+        return self.writer.pending
 
     @property
     def leader(self) -> str | None:
@@ -66,12 +77,23 @@ class RouterState:
         return self.session is not None and self.session.is_leader
 
     # lifecycle
+    def open(self) -> StateStore:
+        """Open the store (blocking; StoreError naming the store and the cause). The command calls it
+        before it serves, so that a store that refuses this router is one line, not a failed start."""
+        if self.store is None:
+            cfg = self.cfg
+            self.store = open_store(cfg.state, cfg.state_dir, cfg.port, cfg.etcd if cfg.etcd.given else None)
+            self.store.on_loop_failure = self._loop_failed
+        return self.store
+
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         cfg = self.cfg
-        self.store = await asyncio.to_thread(open_store, cfg.state, cfg.state_dir, cfg.port)
-        self.session = Session(self.store, self.node_id, cfg.state_lease_ttl, {"started": time.time(), "host": self.host},
-                               on_leader=self._leader_changed)
+        if self.store is None:
+            await asyncio.to_thread(self.open)
+        member = MemberRecord(started=time.time(), host=self.host).stored()
+        self.session = Session(self.store, self.node_id, cfg.state_lease_ttl, member,
+                               on_leader=self._leader_changed, on_failure=self._loop_failed)
         entries, rev = await asyncio.to_thread(self.store.list, "")
         self.view = {e.key: e.value for e in entries}
         self._watch = await asyncio.to_thread(self.store.watch, "", self._on_event, rev + 1)   # etcd reads its keys
@@ -80,7 +102,37 @@ class RouterState:
         self.rollout.on_change = self.route_changed
         log.info("state: %s, node %s, %d stored models, leader %s", self.store.backend, self.node_id,
                  len(self.models_view()), self.leader)
-        self._tasks = [asyncio.ensure_future(self._writer()), asyncio.ensure_future(self._publish_stats())]
+        self._tasks = [self._run(self.writer), self._run(self.figures)]
+
+    def loops(self) -> list:
+        """Every background loop of the state layer (name, run(), stop(), status): the writer, the
+        session's keep-alive and fence, the store's watch streams or delivery and lease expiry."""
+        session = self.session.loops() if self.session is not None else []
+        return [self.writer, self.figures, *session, *(self.store.loops() if self.store is not None else [])]
+
+    def health(self) -> dict:
+        """/health's view: each loop's state; ``ok`` False when one is dead or failing."""
+        loops = [loop.status.snapshot() for loop in self.loops()]
+        return {"ok": all(lp["state"] in ("running", "starting") for lp in loops), "leader": self.leader,
+                "pending_writes": len(self.writer.pending), "loops": loops}
+
+    def _loop_failed(self, name: str, e: BaseException) -> None:
+        """Every state loop reports each failure here (each loop logs it with its cause)."""
+        self.loop_failures[name] = self.loop_failures.get(name, 0) + 1
+        if self.on_loop_failure is not None:
+            self.on_loop_failure(name, e)
+
+    def _run(self, loop) -> asyncio.Task:
+        """Run an asyncio loop object; its end other than by stop() is reported, never silent."""
+        task = asyncio.ensure_future(loop.run())
+
+        def ended(t: asyncio.Task) -> None:
+            if not t.cancelled() and t.exception() is not None:
+                loop.status.state = "dead"
+                log.error("state loop %s died: %r", loop.name, t.exception())
+                self._loop_failed(loop.name, t.exception())
+        task.add_done_callback(ended)
+        return task
 
     def _leader_changed(self, who: str | None) -> None:
         """On a store thread (or start's): log it, and run the hooks (batch jobs) on the event loop."""
@@ -90,6 +142,8 @@ class RouterState:
 
     async def stop(self) -> None:
         await self.flush()
+        self.writer.stop()
+        self.figures.stop()
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -101,9 +155,8 @@ class RouterState:
             await asyncio.to_thread(self.store.close)
 
     async def flush(self, timeout: float = 5.0) -> None:
-        deadline = time.monotonic() + timeout
-        while self._pending and time.monotonic() < deadline and self._tasks:
-            await asyncio.sleep(0.02)
+        if self._tasks:
+            await self.writer.flush(timeout)
 
     # the view
     def _on_event(self, ev: Event) -> None:
@@ -115,26 +168,26 @@ class RouterState:
             self.view.pop(ev.key, None)
             return
         self.view[ev.key] = ev.value
-        if ev.key.startswith("models/") and isinstance(ev.value, dict) and ev.value.get("by") != self.node_id:
-            self._adopt(ev.key[len("models/"):], ev.value, "another router")
+        if ev.key.startswith("models/"):
+            stored = self.repos.models.decode(ev.key, ev.value)
+            if stored is not None and stored.by != self.node_id:
+                self._adopt(ev.key[len("models/"):], stored, "another router")
 
-    def models_view(self) -> dict[str, dict]:
-        return {k[len("models/"):]: v for k, v in self.view.items() if k.startswith("models/")}
+    def models_view(self) -> dict[str, ModelRecord]:
+        return self.repos.models.all(self.view.items())
 
-    def _adopt(self, name: str, stored: dict, why: str) -> None:
+    def _adopt(self, name: str, stored: ModelRecord, why: str) -> None:
         route = self.rollout.models.get(name)
         if route is None:
             return                            # applied when the model appears (learn or declare)
-        weights = {v: float(w) for v, w in stored["weights"].items()}
-        if route.weights == weights and route.rolled_back == stored.get("rolled_back", {}):
+        if route.weights == stored.weights and route.rolled_back == stored.rolled_back:
             return
-        route.weights = {**route.weights, **weights}
-        route.rolled_back = dict(stored.get("rolled_back", {}))
+        route.weights = {**route.weights, **stored.weights}
+        route.rolled_back = dict(stored.rolled_back)
         route._current.clear()
-        if why == "another router" and stored.get("at"):
-            self.last_adopted = {"model": name, "by": stored.get("by"), "lag_s": round(time.time() - stored["at"], 4)}
-        log.info("state: %s weights now %s (from %s: %s by %s)", name, route.weights, why,
-                 stored.get("source"), stored.get("by"))
+        if why == "another router" and stored.at:
+            self.last_adopted = {"model": name, "by": stored.by, "lag_s": round(time.time() - stored.at, 4)}
+        log.info("state: %s weights now %s (from %s: %s by %s)", name, route.weights, why, stored.source, stored.by)
         self.dispatcher.pump()
 
     def adopt_learnt(self, name: str) -> None:
@@ -153,143 +206,60 @@ class RouterState:
             stored = stored_models.get(m.name)
             if stored is None:
                 self.route_changed(route, "file", intent)
-            elif stored.get("file_intent") != intent:
+            elif stored.file_intent != intent:
                 log.warning("state: model %s: the deployment file changed (a new intent), its weights %s win over "
-                            "the stored %s (%s by %s)", m.name, route.weights, stored["weights"],
-                            stored.get("source"), stored.get("by"))
+                            "the stored %s (%s by %s)", m.name, route.weights, stored.weights, stored.source, stored.by)
                 self.route_changed(route, "file", intent)
-            elif stored["weights"] != route.weights or stored.get("rolled_back", {}) != route.rolled_back:
+            elif stored.weights != route.weights or stored.rolled_back != route.rolled_back:
                 log.warning("state: model %s: the stored weights %s and rollbacks %s (%s by %s) win over the "
-                            "deployment file's %s, unchanged since they were set", m.name, stored["weights"],
-                            stored.get("rolled_back", {}), stored.get("source"), stored.get("by"), route.weights)
+                            "deployment file's %s, unchanged since they were set", m.name, stored.weights,
+                            stored.rolled_back, stored.source, stored.by, route.weights)
                 self._adopt(m.name, stored, "the store")
 
     # writes (queued; the writer task does them in order, the latest value of a key wins)
     def route_changed(self, route, source: str, intent: str | None = None) -> None:
-        old = self.models_view().get(route.name) or {}
-        value = {"weights": dict(route.weights), "baseline": route.baseline, "rolled_back": dict(route.rolled_back),
-                 "file_intent": intent or old.get("file_intent"), "source": source, "by": self.node_id,
-                 "at": time.time()}
-        self.view["models/" + route.name] = value
-        self._queue("models/" + route.name, value, leased=False)
+        """The rollout changed a model's weights. The guard's change is the leader's: it carries the
+        term, so if this router no longer leads when the write reaches the store, it is dropped."""
+        key = self.repos.models.key(route.name)
+        old = self.models_view().get(route.name)
+        value = ModelRecord(weights=route.weights, baseline=route.baseline, rolled_back=route.rolled_back,
+                            file_intent=intent or (old.file_intent if old else None), source=source,
+                            by=self.node_id, at=time.time()).stored()
+        self.view[key] = value
+        self.writer.queue(key, value, term=self.session.term if source == "guard" and self.session else None)
 
     def replica_changed(self, replica, gone: bool = False) -> None:
         """Called on every health check: writes only when what the others see would change."""
-        key = f"replicas/{self.node_id}/{replica.name}"
-        value = DELETE if gone else {"url": replica.url, "model": replica.serving_model, "launched": replica.launched,
-                                     "version": replica.serving_version, "up": replica.up}
+        key = self.repos.replicas.key(f"{self.node_id}/{replica.name}")
+        value = DELETE if gone else ReplicaRecord(url=replica.url, model=replica.serving_model,
+                                                  launched=replica.launched, version=replica.serving_version,
+                                                  up=replica.up).stored()
         if self._registry.get(key) != value:
             self._registry[key] = value
-            self._queue(key, value, leased=True)
+            self.writer.queue(key, value, leased=True)
 
     def put(self, key: str, value) -> None:
         """Store ``value`` (not leased) from the writer task; the view has it at once."""
         self.view[key] = value
-        self._queue(key, value, leased=False)
+        self.writer.queue(key, value)
 
     def routers_of(self, host: str) -> list[str]:
         """The live routers (node ids) other than this one that place workloads on ``host``."""
-        return sorted(k[len("members/"):] for k, v in self.view.items() if k.startswith("members/")
-                      and isinstance(v, dict) and v.get("host") == host and k != "members/" + self.node_id)
+        return sorted(node for node, m in self.repos.members.all(self.view.items()).items()
+                      if m.host == host and node != self.node_id)
 
     def live_hosts(self) -> set[str]:
         """The hosts that have a live router (its member key, under its lease), this one included."""
-        return {self.host} | {v.get("host") for k, v in self.view.items()
-                              if k.startswith("members/") and isinstance(v, dict)}
+        return {self.host} | {m.host for m in self.repos.members.all(self.view.items()).values()}
 
-    def _queue(self, key: str, value, leased: bool) -> None:
-        self._pending[key] = (value, leased)
-        self._wake.set()
-
-    async def _writer(self) -> None:
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            while self._pending:      # weights and rollbacks first: the registry and figures can wait
-                key = next((k for k in self._pending if k.startswith("models/")), next(iter(self._pending)))
-                value, leased = self._pending.pop(key)
-                t0 = time.perf_counter()
-                try:
-                    await asyncio.to_thread(self._write, key, value, leased)
-                    self.writes += 1
-                except StoreError as e:
-                    self.write_errors += 1
-                    self._pending.setdefault(key, (value, leased))     # a newer value, if any, wins
-                    log.warning("state: writing %s failed, retrying in 1 s: %s", key, e)
-                    await asyncio.sleep(1.0)
-                self.write_seconds += time.perf_counter() - t0
-
-    def _write(self, key: str, value, leased: bool) -> None:
-        if value is DELETE:
-            self.session.delete_leased(key) if leased else self.store.delete(key)
-        elif leased:
-            self.session.put_leased(key, value)
+    def _write(self, key: str, w: Write) -> None:
+        """The writer's one write, in its thread."""
+        if w.value is DELETE:
+            self.session.delete_leased(key) if w.leased else self.store.delete(key, term=w.term)
+        elif w.leased:
+            self.session.put_leased(key, w.value)
         else:
-            self.store.put(key, value)
-
-    # canary figures: each router publishes its own; the leader's guard judges them merged
-    def local_stats(self) -> dict:
-        """{model: {version: {"requests", "errors" (since start), "window", "window_errors", and
-        the window's "ttft" and "tpot" sketches}}}."""
-        out: dict = {}
-        for (model, version), s in self.rollout.stats.items():
-            out.setdefault(model, {})[version] = s.published()
-        return out
-
-    async def _publish_stats(self) -> None:
-        while True:
-            await asyncio.sleep(STATS_EVERY)
-            self.guard_tick()
-
-    def guard_tick(self) -> None:
-        """Once a second: publish this router's figures, take the others' into the rollout, and on
-        the leader judge every canary on the merged counts."""
-        stats = self.local_stats()
-        if stats != self._published:
-            self._published = stats
-            self._queue(f"stats/{self.node_id}", stats, leased=True)
-        if self.is_leader:          # only the leader judges: only it reads the others' sketches
-            self.rollout.others = self.others_windows()
-            self.rollout.judge_all()
-        else:
-            self.rollout.others = {}
-
-    def _published_by_others(self):
-        """(stats key, {model: {version: figures}}) of every other live router."""
-        mine = f"stats/{self.node_id}"
-        for key, per_model in self.view.items():
-            if key.startswith("stats/") and key != mine and isinstance(per_model, dict):
-                yield key, per_model
-
-    def others_windows(self) -> dict:
-        """{(model, version): Published}: the other live routers' windows, counts and sketches summed
-        (a router's figures that cannot be read are left out, and logged once)."""
-        out: dict = {}
-        for key, per_model in self._published_by_others():
-            for model, versions in per_model.items():
-                for version, f in versions.items():
-                    try:
-                        window = out.get((model, version)) or Published()
-                        window.add(f["window"], f["window_errors"], f)
-                        out[(model, version)] = window
-                    except (KeyError, TypeError, ValueError) as e:
-                        if (key, model, version) not in self._unreadable:
-                            self._unreadable.add((key, model, version))
-                            log.warning("state: %s: %s %s left out of the guard: %s", key, model, version, e)
-        return out
-
-    def merged_stats(self) -> dict:
-        """{model: {version: {"requests", "errors", "window", "window_errors"}}} summed over every
-        live router (the others' published figures, this router's own live ones)."""
-        out: dict = {}
-        for _, per_model in [*self._published_by_others(), (None, self.local_stats())]:
-            for model, versions in per_model.items():
-                for version, figures in versions.items():
-                    acc = out.setdefault(model, {}).setdefault(version, {})
-                    for name, n in figures.items():
-                        if name not in JUDGED:
-                            acc[name] = acc.get(name, 0) + n
-        return out
+            self.store.put(key, w.value, term=w.term)
 
     async def describe(self) -> dict:
         try:
@@ -297,13 +267,16 @@ class RouterState:
         except StoreError as e:
             backend = {"backend": self.store.backend, "error": str(e)}
         registry: dict = {}
-        for key, value in self.view.items():
-            if key.startswith("replicas/"):
-                node, _, name = key[len("replicas/"):].partition("/")
-                registry.setdefault(node, {})[name] = value
+        for path, record in self.repos.replicas.all(self.view.items()).items():
+            node, _, name = path.partition("/")
+            registry.setdefault(node, {})[name] = record.model_dump(exclude={"schema_version"})
+        w = self.writer
         return {"store": backend, "node_id": self.node_id, "leader": self.leader,
+                "term": self.session.term if self.session else None,
                 "leader_since": self.session.leader_since if self.session else None,
                 "members": sorted(k[len("members/"):] for k in self.view if k.startswith("members/")),
-                "models": self.models_view(), "registry": registry, "stats": self.merged_stats(),
-                "last_adopted": self.last_adopted, "writes": self.writes, "write_errors": self.write_errors, "pending_writes": len(self._pending),
-                "write_seconds": round(self.write_seconds, 4)}
+                "models": {n: r.model_dump(exclude={"schema_version"}) for n, r in self.models_view().items()},
+                "registry": registry, "stats": self.merged_stats(), "last_adopted": self.last_adopted,
+                "writes": w.writes, "write_errors": w.status.failures, "pending_writes": len(w.pending),
+                "write_seconds": round(w.seconds, 4), "writer": w.figures(), "loops": self.health()["loops"],
+                "unreadable": self.repos.unreadable.describe()}

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Callable
 
 from polychip.http.launcher import VERSION_ENV, serve_command as serve_argv
+from polychip.http.server import free_port
 from polychip.router.deployment import ReplicaEntry
 
 log = logging.getLogger("polychip.router.supervisor")
@@ -76,6 +77,11 @@ def serve_command(entry: ReplicaEntry, port: int, dtype: str, quantization: str 
         cmd += ["--tp-size", str(entry.tp_size)]
     if entry.device_config:
         cmd += ["--device-config", entry.device_config]
+    if entry.role is not None:                  # a side of a prefill/decode pair
+        cmd += ["--disaggregation-mode", entry.role, "--disaggregation-transfer-backend", entry.transfer_backend,
+                "--disaggregation-host", entry.host]
+        if entry.role == "prefill":
+            cmd += ["--disaggregation-bootstrap-port", str(entry.bootstrap_port or free_port(entry.host))]
     return cmd + list(entry.args)
 
 

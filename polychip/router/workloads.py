@@ -7,8 +7,11 @@ ones get the drain timeout) -> ``stopped`` (devices free). A process that exits 
 until the supervisor's restart brings it back to ``loading``. Every step is an event with its
 time; the replica's own ``/server_info`` ``startup`` block gives load, compile and warm-up times.
 
-Records live in the store under ``workloads/<id>``: a restarted router lists them again and
-relaunches those placed on its host that were not stopped; other hosts' are shown as they are.
+Records live in the store under ``workloads/<id>`` (state/records.py's WorkloadRecord, its spec
+validated as strictly as a submitted one): a restarted router lists them again and relaunches those
+placed on its host that were not stopped; other hosts' are shown as they are. A record this router
+cannot read is skipped and said (state/repos.py), never a reason not to start. Each record keeps the
+last ``workload_events`` events, so it never grows toward the store's size limit.
 """
 from __future__ import annotations
 
@@ -23,13 +26,13 @@ from dataclasses import dataclass, field
 from polychip.http.server import url_host
 from polychip.router.deployment import ReplicaEntry, raise_problems
 from polychip.router.replica import Replica
+from polychip.router.state.records import WorkloadRecord
 from polychip.router.supervisor import exit_reason
 from polychip.router.workload_placement import HostDevices, Refused, needs_of, place
 from polychip.router.workload_spec import WorkloadSpec
 
 log = logging.getLogger("polychip.router.workloads")
 
-PREFIX = "workloads/"
 STATUSES = ("pending", "loading", "ready", "draining", "failed", "stopped")
 HOSTS = "hosts/"            # hosts/NODE: the devices that host's router last read (for /admin/devices)
 HOST_DOWN = "host_down"     # shown (never stored) for a record whose host has no live router
@@ -53,6 +56,7 @@ class Workload:
     created_at: float = field(default_factory=time.time)
     url: str | None = None
     events: list[dict] = field(default_factory=list)
+    events_dropped: int = 0             # the oldest events, beyond the router's workload_events
     startup: dict | None = None         # the replica's /server_info "startup" block
     first_token_s: float | None = None
     host_up: bool = True                # not stored: whether its host has a live router now
@@ -64,15 +68,26 @@ class Workload:
     def has_event(self, kind: str) -> bool:
         return any(e["event"] == kind for e in self.events)
 
+    def keep_events(self, keep: int) -> None:
+        """The last ``keep`` events stay; the record counts the ones dropped."""
+        if len(self.events) > keep:
+            self.events_dropped += len(self.events) - keep
+            del self.events[:-keep]
+
     def record(self) -> dict:
-        return {"id": self.id, "spec": self.spec.model_dump(), "host": self.host, "devices": self.devices,
-                "source": self.source, "status": self.status, "restarts": self.restarts,
-                "created_at": self.created_at, "url": self.url, "events": self.events,
-                "startup": self.startup, "first_token_s": self.first_token_s}
+        return WorkloadRecord(id=self.id, spec=self.spec.model_dump(), host=self.host, devices=self.devices,
+                              source=self.source, status=self.status, restarts=self.restarts,
+                              created_at=self.created_at, url=self.url, events=self.events,
+                              events_dropped=self.events_dropped, startup=self.startup,
+                              first_token_s=self.first_token_s).stored()
 
     @classmethod
-    def from_record(cls, d: dict) -> "Workload":
-        return cls(**{**d, "spec": WorkloadSpec.model_validate(d["spec"])})
+    def from_record(cls, record: dict | WorkloadRecord) -> "Workload":
+        """A stored record (its spec validated like a submitted one: a ValidationError if not)."""
+        r = record if isinstance(record, WorkloadRecord) else WorkloadRecord.model_validate(record)
+        return cls(r.id, WorkloadSpec.model_validate(r.spec), r.host, list(r.devices), r.source, r.status,
+                   r.restarts, r.created_at, r.url, [e.model_dump() for e in r.events], r.events_dropped,
+                   r.startup, r.first_token_s)
 
     def view(self) -> dict:
         """``status`` is ``host_down`` for a live record whose host's router is gone (``last_status``:
@@ -88,7 +103,8 @@ class Workload:
         s = self.startup or {}
         return {**self.view(), "target_device": self.spec.device or self.spec.device_type,
                 "spec": self.spec.model_dump(), "events": self.events, "load_s": s.get("load"),
-                "compile_s": s.get("compile"), "warmup_s": s.get("warmup"), "first_token_s": self.first_token_s}
+                "compile_s": s.get("compile"), "warmup_s": s.get("warmup"), "first_token_s": self.first_token_s,
+                "events_dropped": self.events_dropped}
 
 
 class Workloads:
@@ -104,6 +120,8 @@ class Workloads:
         self._lock = asyncio.Lock()
         self._tasks: set[asyncio.Task] = set()
         self._inventory_read: asyncio.Future | None = None
+        self.records = state.repos.workloads          # a record whose spec does not validate is skipped
+        self.records.check = Workload.from_record
 
     def __contains__(self, name: str) -> bool:
         return name in self.items
@@ -370,7 +388,8 @@ class Workloads:
         self._save(w)
 
     def _save(self, w: Workload) -> None:
-        self.state.put(PREFIX + w.id, w.record())
+        w.keep_events(self.router.cfg.workload_events)
+        self.state.put(self.records.key(w.id), w.record())
 
     def other_hosts(self) -> dict[str, dict]:
         """Hosts the store knows other than this one (from routers, device records and workload
@@ -382,7 +401,7 @@ class Workloads:
 
     def _stored(self) -> dict[str, Workload]:
         """Every router's records as the state's view has them (a watch keeps it current)."""
-        return {v["id"]: Workload.from_record(v) for k, v in sorted(self.state.view.items()) if k.startswith(PREFIX)}
+        return {r.id: Workload.from_record(r) for r in self.records.all(sorted(self.state.view.items())).values()}
 
     def _spawn(self, coro) -> None:
         t = asyncio.ensure_future(coro)

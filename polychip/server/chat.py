@@ -50,7 +50,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     grammar = await request_grammar(state.grammar, req.grammar_spec(), plan)
     if grammar is not None or (plan is not None and plan.stop):
         params = dataclasses.replace(params, grammar=grammar, stop=params.stop + (plan.stop if plan else []))
-    stream = await submit(state, engine_requests(rid, [ids], params, req.priority))
+    stream = await submit(state, engine_requests(rid, [ids], params, req.priority, req.remote_prefill()))
     reasoning_cls = PARSERS.get(state.config.reasoning_parser) if req.separate_reasoning else None
 
     def reply_parser() -> ReplyParser:

@@ -59,7 +59,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
     if best_of is not None:   # candidates carry their chosen-token logprobs to be ranked
         state.engine.check_group_size(len(prompts) * best_of)
         params = dataclasses.replace(params, n=best_of, logprobs=logprobs or 0)
-    stream = await submit(state, engine_requests(rid, prompts, params, req.priority))
+    stream = await submit(state, engine_requests(rid, prompts, params, req.priority, req.remote_prefill()))
     echoes = [(p if isinstance(p, str) else tok.decode(ids)) if req.echo else ""
               for p, ids in zip(req.prompts(), prompts)]
     count = len(prompts) * params.n

@@ -7,7 +7,7 @@ import re
 from fastapi.responses import JSONResponse
 
 from polychip.engine.async_engine import EngineDeadError, EngineOverloadedError
-from polychip.errors import InvalidRequestError, PolychipError
+from polychip.errors import InvalidRequestError, KVTransferError, PolychipError
 from polychip.http.errors import APIError, base_response, error_response
 
 _PARAM = re.compile(r"^([a-z_][a-z0-9_]*)\b")
@@ -31,6 +31,8 @@ def to_response(err: Exception, known_params: frozenset[str] = frozenset()) -> J
         msg = message_of(err)
         return error_response(400, msg, "invalid_request_error", param_of(msg, known_params))
     if isinstance(err, EngineOverloadedError):
+        return error_response(503, message_of(err), "server_overloaded", headers={"Retry-After": "1"})
+    if isinstance(err, KVTransferError):    # a decode side that cannot reserve pages now: try another
         return error_response(503, message_of(err), "server_overloaded", headers={"Retry-After": "1"})
     if isinstance(err, EngineDeadError):
         return error_response(503, message_of(err), "service_unavailable")

@@ -119,6 +119,9 @@ FIELDS: tuple[Field, ...] = (
           "true joins kept special tokens and the text between them with spaces; needs "
           "skip_special_tokens false to show"),
     Field("priority", BOTH, HONOURED, "lower runs first"),
+    Field("bootstrap_host", BOTH, HONOURED, "on a decode side (--disaggregation-mode decode): the prefill side "
+                                            "that runs the prompt, with bootstrap_port (SGLang's fields)"),
+    Field("bootstrap_port", BOTH, HONOURED, "the prefill side's --disaggregation-bootstrap-port"),
     Field("regex", BOTH, HONOURED, "output matches the regex (also guided_regex)"),
     Field("guided_regex", BOTH, HONOURED, "as regex"),
     Field("ebnf", BOTH, HONOURED, "output follows the EBNF grammar (also guided_grammar)"),

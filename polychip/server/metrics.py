@@ -46,9 +46,10 @@ class ServerMetrics:
             self.e2e.observe(out.e2e)
         self.finished.labels(self.model_name, out.finish_reason or "unknown").inc()
 
-    def render(self, stats: EngineStats) -> bytes:
-        """The exposition text, the engine figures from ``stats`` (an ``Engine.stats()``)."""
-        self._collector.stats = stats
+    def render(self, stats: EngineStats, disagg: dict | None = None) -> bytes:
+        """The exposition text, the engine figures from ``stats`` (an ``Engine.stats()``) and a
+        prefill or decode side's ``disagg`` status (``AsyncEngine.disaggregation()``)."""
+        self._collector.stats, self._collector.disagg = stats, disagg
         return generate_latest(self.registry)
 
 
@@ -58,6 +59,7 @@ class _EngineCollector:
     def __init__(self, model_name: str):
         self.model_name = model_name
         self.stats: EngineStats | None = None               # set by ServerMetrics.render
+        self.disagg: dict | None = None
 
     def collect(self):
         s, m = self.stats, [self.model_name]
@@ -106,3 +108,22 @@ class _EngineCollector:
             kv.add_metric(m + where, r.kv_pool_bytes)
         yield mem
         yield kv
+        yield from self._disaggregation()
+
+    def _disaggregation(self):
+        d = self.disagg
+        if d is None:
+            return
+        labels, values = ["model_name", "mode", "backend"], [self.model_name, d["mode"], d["transfer_backend"]]
+        rows = (("polychip_disagg_transfers_in_flight", GaugeMetricFamily, "KV hand-offs under way", "transfers_in_flight"),
+                ("polychip_disagg_transfers_done", CounterMetricFamily, "KV hand-offs acknowledged", "transfers_done"),
+                ("polychip_disagg_transfers_failed", CounterMetricFamily, "KV hand-offs that failed", "transfers_failed"),
+                ("polychip_disagg_fallbacks", CounterMetricFamily, "Requests a decode side prefilled itself after "
+                                                                   "a failed hand-off", "fallbacks"),
+                ("polychip_disagg_bytes", CounterMetricFamily, "KV bytes moved by finished hand-offs", "bytes"),
+                ("polychip_disagg_transfer_seconds", CounterMetricFamily, "Seconds of finished hand-offs, request "
+                                                                          "to ack", "transfer_seconds"))
+        for name, family, doc, key in rows:
+            f = family(name, doc, labels=labels)
+            f.add_metric(values, d[key])
+            yield f

@@ -87,7 +87,8 @@ async def prometheus(request: Request):
     s = state_of(request)
     if s.metrics is None:
         return error_response(404, "metrics are off; start the server with --enable-metrics", "not_found_error")
-    return Response(s.metrics.render(await s.engine.current_stats()), media_type=CONTENT_TYPE)
+    return Response(s.metrics.render(await s.engine.current_stats(), s.engine.disaggregation()),
+                    media_type=CONTENT_TYPE)
 
 
 def default_model_name(config) -> str:

@@ -59,6 +59,18 @@ class _Sampling(_Strict, RefusedFields, StructuredFields):
     spaces_between_special_tokens: bool = False
     logit_bias: dict[str, float] | None = None
     priority: Int64 = 0
+    # SGLang's prefill/decode fields: on a decode side, the prefill side that runs this prompt
+    bootstrap_host: StrictStr | None = None
+    bootstrap_port: Annotated[int, Field(ge=1, le=65535)] | None = None
+
+    def remote_prefill(self):
+        """The prefill side named by bootstrap_host / bootstrap_port, or None (both or neither)."""
+        if (self.bootstrap_host is None) != (self.bootstrap_port is None):
+            raise InvalidRequestError("bootstrap_host and bootstrap_port name a prefill side together: give both")
+        if self.bootstrap_host is None:
+            return None
+        from polychip.engine.disagg.decode import RemotePrefill
+        return RemotePrefill(self.bootstrap_host, self.bootstrap_port)
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         return SamplingParams(

@@ -2,7 +2,8 @@
 about this replica — model id and version label, plugin and device, dtypes, tp size, its
 ``startup`` times (``load``, ``compile``, ``warmup`` seconds, with ``*_at`` wall clocks), and the
 live figures of ``Engine.stats()`` (queue lengths, KV usage, prefix-cache hit rate, pool pages),
-with the pool's integrity check.
+with the pool's integrity check, and ``disaggregation``: a prefill or decode side's role, bootstrap
+port, transfers in flight and done, bytes and seconds (None for plain serving).
 
 SGLang's fields (its ``ServerArgs`` names, ``status``, ``internal_states``; server/sglang_api.py)
 come first, so sglang-router can register the replica; polychip's own keys win where names meet.
@@ -55,4 +56,6 @@ async def server_info(request: Request):
         app_state.server_identity = {**server_args(state),
                                      **identity(state, os.environ.get(VERSION_ENV) or DEFAULT_VERSION)}
     ae = state.engine
-    return build_server_info(app_state.server_identity, await ae.current_stats(), await ae.integrity())
+    info = build_server_info(app_state.server_identity, await ae.current_stats(), await ae.integrity())
+    info["disaggregation"] = ae.disaggregation()       # role, backend, transfers, bytes; None when plain
+    return info

@@ -112,11 +112,12 @@ def with_max_tokens(state: ServerState, params: SamplingParams, prompts: list[li
     return dataclasses.replace(params, max_tokens=max_tokens)
 
 
-def engine_requests(request_id: str, prompts: list[list[int]], params: SamplingParams, priority: int
-                    ) -> list[SubRequest]:
-    """One engine request per (prompt, choice), ids ``<request_id>-<k>`` in choice order."""
+def engine_requests(request_id: str, prompts: list[list[int]], params: SamplingParams, priority: int,
+                    remote=None) -> list[SubRequest]:
+    """One engine request per (prompt, choice), ids ``<request_id>-<k>`` in choice order; ``remote``: the
+    prefill side each one's prompt runs on (a decode side's RemotePrefill)."""
     choices = params.choices()
-    return [SubRequest(f"{request_id}-{i * len(choices) + j}", ids, child, priority)
+    return [SubRequest(f"{request_id}-{i * len(choices) + j}", ids, child, priority, remote)
             for i, ids in enumerate(prompts) for j, child in enumerate(choices)]
 
 

@@ -1,5 +1,6 @@
 // Room: every host and device (from /admin/devices), every replica with its health, circuit, KV
-// cache, queue and prefix-cache figures (from /admin/replicas). On `polychip serve` (no
+// cache, queue and prefix-cache figures, and a prefill/decode side's role and KV hand-offs (from
+// /admin/replicas). On `polychip serve` (no
 // /admin/replicas) it shows the one replica from /server_info.
 import { html } from '../html.js';
 import { Gate } from '../gate.js';
@@ -36,8 +37,10 @@ function ServeRoom({ api }) {
 
 // one /server_info as a row of the replica table
 function fromServerInfo(i) {
+  const d = i.disaggregation;
   return { name: 'this server', url: location.origin, up: true, model: i.model, version: i.version,
-           device: i.device, device_type: i.device_type, info: i, served: null, inflight: null };
+           device: i.device, device_type: i.device_type, info: i, served: null, inflight: null,
+           role: d ? d.mode : null, handoffs: d || null };
 }
 
 function QueueLine({ queue, policy }) {
@@ -52,9 +55,9 @@ function ReplicaTable({ rows }) {
   return html`<div class="scroll"><table class="replicas">
     <thead><tr><th>Replica</th><th>Device</th><th>Model · version</th><th>Status</th><th>Circuit</th>
       <th>KV cache</th><th>Running</th><th>Waiting</th><th>Prefix hits</th><th>In flight</th>
-      <th>Served</th></tr></thead>
+      <th>Served</th><th>KV hand-offs</th></tr></thead>
     <tbody>${rows.map((r) => (r.excluded ? html`<tr class="down"><td>${r.name}</td>
-        <td colspan="10">excluded: ${r.excluded}</td></tr>` : html`<${ReplicaRow} r=${r} />`))}</tbody>
+        <td colspan="11">excluded: ${r.excluded}</td></tr>` : html`<${ReplicaRow} r=${r} />`))}</tbody>
   </table></div>`;
 }
 
@@ -63,7 +66,8 @@ function ReplicaRow({ r }) {
   const status = r.draining ? 'draining' : r.up ? 'up' : `down: ${r.down_reason || 'not checked yet'}`;
   return html`<tr class=${r.up ? 'up' : 'down'} data-replica=${r.name}>
     <td><b>${r.name}</b><div class="muted small">${r.url}</div></td>
-    <td><span class="chip">${r.device_type}</span> ${r.device}</td>
+    <td><span class="chip">${r.device_type}</span> ${r.device}
+      ${r.role ? html` <span class="chip role" data-role=${r.role}>${r.role}</span>` : ''}</td>
     <td>${r.model ?? '–'} · ${r.version ?? '–'}</td>
     <td class="status">${status}${r.incapable ? html`<div class="small">${r.incapable}</div>` : ''}</td>
     <td>${r.circuit ?? html`<span class="muted" title="this router does not report circuit state">n/a</span>`}</td>
@@ -71,7 +75,15 @@ function ReplicaRow({ r }) {
     <td>${fig(r, 'running', 'num_running') ?? '–'}</td>
     <td>${fig(r, 'waiting', 'num_waiting') ?? '–'}</td>
     <td>${pct(fig(r, 'prefix_hit_rate', 'prefix_cache_hit_rate'))}</td>
-    <td>${r.inflight ?? '–'}</td><td>${r.served ?? '–'}</td></tr>`;
+    <td>${r.inflight ?? '–'}</td><td>${r.served ?? '–'}</td><td><${Handoffs} h=${r.handoffs} /></td></tr>`;
+}
+
+// a prefill or decode side's hand-offs: in flight, done (failed), bytes moved and their seconds
+function Handoffs({ h }) {
+  if (!h) return html`<span class="muted">–</span>`;
+  return html`<span class="handoffs">${h.transfers_in_flight} in flight, ${h.transfers_done} done
+    ${h.transfers_failed ? `(${h.transfers_failed} failed)` : ''}<div class="muted small">${bytes(h.bytes)} in
+    ${Number(h.transfer_seconds).toFixed(1)} s${h.fallbacks ? `, ${h.fallbacks} prefilled here` : ''}</div></span>`;
 }
 
 function Bar({ value }) {

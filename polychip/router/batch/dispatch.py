@@ -58,7 +58,7 @@ def router_jobs(router, cfg: BatchConfig) -> BatchJobs:
             await asyncio.sleep(1.0)
 
     state = router.state
-    jobs = BatchJobs(cfg, FileStore(cfg.files_dir, cfg.max_file_bytes), BatchStore(state.store), send, check,
-                     is_leader=lambda: state.is_leader)
+    jobs = BatchJobs(cfg, FileStore(cfg.files_dir, cfg.max_file_bytes), BatchStore(state.store, state.repos.unreadable),
+                     send, check, is_leader=lambda: state.is_leader, term=lambda: state.session.term)
     state.leader_hooks.append(jobs.leadership_changed)
     return jobs

@@ -45,8 +45,9 @@ Check = Callable[[str, list[dict]], Awaitable[list[dict]]]
 
 class BatchJobs(SharedBatches):
     def __init__(self, cfg: BatchConfig, files: FileStore, store: BatchStore, send: Send, check: Check,
-                 clock: Callable[[], float] = time.time, is_leader: Callable[[], bool] = lambda: True):
-        super().__init__(store, is_leader, clock)    # only the leader runs batches (the state's election)
+                 clock: Callable[[], float] = time.time, is_leader: Callable[[], bool] = lambda: True,
+                 term: Callable[[], int | None] = lambda: None):
+        super().__init__(store, is_leader, clock, term)    # only the leader runs batches (the state's election)
         self.cfg, self.files, self._send, self._check = cfg, files, send, check
         self._slots: asyncio.Semaphore | None = None
 
@@ -82,7 +83,7 @@ class BatchJobs(SharedBatches):
         self.batches[b["id"]] = b
         if self.is_leader():          # launched before the write, so that its echo finds it running
             self._launch(b)
-        await self._save(b)           # otherwise the leader sees it in the store and runs it
+        await self._save(b, as_leader=False)    # otherwise the leader sees it in the store and runs it
         return public(b)
 
     def get(self, batch_id: str) -> dict:

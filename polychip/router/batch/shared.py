@@ -19,7 +19,7 @@ import time
 from typing import Callable
 
 from polychip.router.batch.store import PREFIX, BatchStore
-from polychip.router.state import Event, StoreError, Watch
+from polychip.router.state import Deposed, Event, StoreError, Watch
 
 log = logging.getLogger("polychip.router.batch.jobs")
 
@@ -29,8 +29,10 @@ ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
 class SharedBatches:
     """The view, the leadership and the writes of BatchJobs; it supplies ``_launch`` and ``_set``."""
 
-    def __init__(self, store: BatchStore, is_leader: Callable[[], bool], clock: Callable[[], float] = time.time):
+    def __init__(self, store: BatchStore, is_leader: Callable[[], bool], clock: Callable[[], float] = time.time,
+                 term: Callable[[], int | None] = lambda: None):
         self.store, self.is_leader, self.clock = store, is_leader, clock
+        self.term = term                              # the leader's term: the runs' writes carry it
         self.batches: dict[str, dict] = {}            # every stored batch: the view GET and list read
         self.tasks: dict[str, asyncio.Task] = {}      # the runs on this router (the leader's)
         self._seen: dict[str, int] = {}               # the store revision of the newest write seen of each
@@ -92,16 +94,23 @@ class SharedBatches:
             if b["status"] in ACTIVE:
                 await self._save(b)
 
-    async def _save(self, b: dict, tries: int = 5) -> None:
+    async def _save(self, b: dict, tries: int = 5, as_leader: bool = True) -> None:
         """Store the batch object; a store that does not answer is retried each second, then logged
-        (the files stay the truth: the next start or leader recounts from them)."""
+        (the files stay the truth: the next start or leader recounts from them). A run's write is the
+        leader's (``as_leader``): it carries the term, and once another router leads it is dropped."""
+        term = self.term() if as_leader else None
         for attempt in range(tries):
             try:                         # the copy is taken here, on the loop, as the runs change b
-                rev = await asyncio.to_thread(self.store.save, copy.deepcopy(b))
+                rev = await asyncio.to_thread(self.store.save, copy.deepcopy(b), term)
                 self._seen[b["id"]] = max(self._seen.get(b["id"], 0), rev)
+                return
+            except Deposed as e:
+                log.warning("batch %s: %s; the leader now resumes it from the files", b["id"], e)
                 return
             except StoreError as e:
                 log.warning("batch %s: storing its object failed (try %d of %d): %s", b["id"], attempt + 1, tries, e)
+                if not e.retryable:
+                    return
                 await asyncio.sleep(1.0)
         self._dirty.add(b["id"])
 

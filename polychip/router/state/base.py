@@ -8,8 +8,27 @@ from typing import Any, Callable
 from polychip.errors import PolychipError
 
 
+LEADER_KEY = "leader"       # the elected router's node id, under its lease (session.py)
+
+
 class StoreError(PolychipError):
-    """The state store cannot be opened or does not answer (layer: framework; a bad --state is config)."""
+    """The state store cannot be opened or does not answer (layer: framework; a bad --state is config).
+    ``retryable`` is False when the store refused the request itself (too large, not permitted, not
+    valid): sending it again cannot succeed."""
+
+    def __init__(self, message: str, *, layer: str | None = None, retryable: bool = True):
+        super().__init__(message, layer=layer)
+        self.retryable = retryable
+
+
+class Deposed(StoreError):
+    """A leader's write carried a term (the revision of the leader key it won) that is no longer the
+    leader key's: another router leads now, or nobody does. The write was not applied, and never will be."""
+
+    def __init__(self, key: str, term: int):
+        super().__init__(f"write of {key!r} refused: it was decided as leader in term {term}, which has ended",
+                         retryable=False)
+        self.key, self.term = key, term
 
 
 class CompactedError(StoreError):
@@ -33,10 +52,12 @@ class Event:
 
 
 class Watch:
-    """A running watch; ``cancel()`` stops the callbacks."""
+    """A running watch; ``cancel()`` stops the callbacks. ``loop``: the ThreadLoop that reads it
+    (etcd's stream), if it has one of its own."""
 
-    def __init__(self, cancel: Callable[[], None]):
+    def __init__(self, cancel: Callable[[], None], loop=None):
         self._cancel = cancel
+        self.loop = loop
         self.cancelled = False
 
     def cancel(self) -> None:
@@ -47,16 +68,24 @@ class Watch:
 
 class StateStore(ABC):
     backend: str = "?"
+    on_loop_failure: Callable[[str, BaseException], None] | None = None   # its loops report here
+
+    def loops(self) -> list:
+        """The store's own background loops (loops.ThreadLoop: watch streams, lease sweeps)."""
+        return []
 
     @abstractmethod
     def get(self, key: str) -> Entry | None: ...
 
+    # ``term``: a leader's write. It applies only while ``LEADER_KEY`` still has that revision, checked
+    # in the same transaction as the write; otherwise Deposed is raised and nothing changes.
+
     @abstractmethod
-    def put(self, key: str, value: Any, lease: int | None = None) -> int:
+    def put(self, key: str, value: Any, lease: int | None = None, term: int | None = None) -> int:
         """Write ``value`` (JSON-shaped); returns the new revision."""
 
     @abstractmethod
-    def delete(self, key: str, expect: int | None = None) -> bool:
+    def delete(self, key: str, expect: int | None = None, term: int | None = None) -> bool:
         """Remove ``key``; with ``expect`` only if its revision is that one. True if it was removed."""
 
     @abstractmethod
@@ -64,8 +93,10 @@ class StateStore(ABC):
         """Entries under ``prefix`` (sorted by key) and the store revision they were read at."""
 
     @abstractmethod
-    def compare_and_set(self, key: str, value: Any, expect: int, lease: int | None = None) -> bool:
-        """Write only if the key's revision is ``expect`` (0: the key must not exist)."""
+    def compare_and_set(self, key: str, value: Any, expect: int, lease: int | None = None,
+                        term: int | None = None) -> int:
+        """Write only if the key's revision is ``expect`` (0: the key must not exist). Returns the
+        revision of the write (true), or 0 (false) when the key's revision was another."""
 
     @abstractmethod
     def watch(self, prefix: str, callback: Callable[[Event], None], start_revision: int) -> Watch:

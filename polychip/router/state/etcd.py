@@ -2,76 +2,91 @@
 
 etcd3gw is pure Python over ``requests``: nothing to compile (aetcd needs grpcio), and the gateway
 is on in every etcd >= 3.4 at the client port. It talks to one member per client; this store keeps
-one client per endpoint and moves to the next member when one refuses or times out, so the loss of
-one member of three costs a reconnect, not an error. Keys live under ``/polychip/`` (``namespace``).
+one client per endpoint (etcd_conn.Member: TLS, authentication) and moves to the next member when
+one refuses or times out, so the loss of one member of three costs a reconnect, not an error. Keys
+live under ``/polychip/`` (``namespace``). Every failure leaves as a StoreError naming the member and
+the cause. A leader's write (``term``) is one etcd transaction that compares the leader key's revision.
 """
 from __future__ import annotations
 
 import json
 import logging
 import math
-import socket
-import threading
 import time
 from typing import Any, Callable
 from urllib.parse import urlparse
 
 import requests
 from etcd3gw import exceptions as etcd_errors
-from etcd3gw.client import Etcd3Client
 from etcd3gw.utils import _decode, _encode, _increment_last_byte
 
-from polychip.router.state.base import CompactedError, Entry, Event, StateStore, StoreError, Watch
+from polychip.router.state.base import LEADER_KEY, CompactedError, Deposed, Entry, StateStore, StoreError, Watch
+from polychip.router.state.etcd_conn import TRANSIENT, Member, is_tls_failure
+from polychip.router.state.etcd_watch import WatchRunner
 
 log = logging.getLogger("polychip.router.state")
-RETRYABLE = (etcd_errors.ConnectionFailedError, etcd_errors.ConnectionTimeoutError,
-             etcd_errors.InternalServerError)
 FAILOVER_WINDOW = 10.0       # seconds a call keeps trying members (an etcd leader election takes ~1-2 s)
+SCHEMES = {"etcd://": "http", "etcds://": "https"}
 
 
-def parse_endpoints(spec: str) -> list[tuple[str, int]]:
-    """'etcd://h1:2379,h2:2379' -> [('h1', 2379), ('h2', 2379)]."""
-    body = spec.removeprefix("etcd://")
+def parse_endpoints(spec: str) -> tuple[str, list[tuple[str, int]]]:
+    """'etcds://h1:2379,h2:2379' -> ('https', [('h1', 2379), ('h2', 2379)])."""
+    prefix = next((p for p in SCHEMES if spec.startswith(p)), None)
+    if prefix is None:
+        raise StoreError(f"--state {spec!r}: expected etcd://host:port[,...] or etcds://... (TLS)", layer="config")
     out = []
-    for part in filter(None, body.strip("/").split(",")):
+    for part in filter(None, spec.removeprefix(prefix).strip("/").split(",")):
         url = urlparse(f"http://{part}")
         if not url.hostname:
             raise StoreError(f"--state {spec!r}: {part!r} is not host:port", layer="config")
         out.append((url.hostname, url.port or 2379))
     if not out:
-        raise StoreError(f"--state {spec!r}: expected etcd://host:port[,host:port...]", layer="config")
-    return out
+        raise StoreError(f"--state {spec!r}: expected {prefix}host:port[,host:port...]", layer="config")
+    return SCHEMES[prefix], out
 
 
 class EtcdStore(StateStore):
     backend = "etcd"
 
-    def __init__(self, endpoints: list[tuple[str, int]], namespace: str = "/polychip/", timeout: float = 1.5):
-        self.endpoints = endpoints
+    def __init__(self, endpoints: list[tuple[str, int]], namespace: str = "/polychip/", timeout: float = 1.5,
+                 scheme: str = "http", access=None):
+        self.endpoints, self.scheme = endpoints, scheme
         self.ns = namespace
-        self._clients = [Etcd3Client(host=h, port=p, timeout=timeout) for h, p in endpoints]
+        self.members = [Member(h, p, scheme, access, timeout) for h, p in endpoints]
         self._current = 0
-        self._lock = threading.Lock()
-        self._call(lambda c: c.status())             # fail at start, naming the endpoints
+        self._watches: list[WatchRunner] = []
+        # fail at start, naming the member and the cause: reach it (TLS), and read our keys (the user)
+        self._call(lambda c: c.status(), "read its status")
+        self._post("/kv/range", {"key": _encode(self.ns), "range_end": _encode(_increment_last_byte(self.ns)),
+                                 "count_only": True}, f"read the keys under {self.ns}")
 
-    def _call(self, fn: Callable[[Etcd3Client], Any]) -> Any:
+    def _call(self, fn: Callable, what: str = "answer") -> Any:
         deadline = time.monotonic() + FAILOVER_WINDOW
         while True:
             i = self._current
+            member = self.members[i]
             try:
-                return fn(self._clients[i])
-            except RETRYABLE as e:
-                with self._lock:
-                    if self._current == i:
-                        self._current = (i + 1) % len(self._clients)
+                return member.call(fn)
+            except TRANSIENT as e:
+                if is_tls_failure(e):            # a certificate does not heal by asking again
+                    raise member.refusal(e, what) from None
+                self._current = (i + 1) % len(self.members) if self._current == i else self._current
                 if time.monotonic() > deadline:
-                    raise StoreError(f"etcd at {self._where()} does not answer: {e}") from e
-                log.info("etcd member %s:%d failed (%s); trying %s:%d", *self.endpoints[i],
-                         type(e).__name__, *self.endpoints[self._current])
+                    raise StoreError(f"etcd at {self._where()} does not answer: {member.refusal(e, what)}") from None
+                log.info("etcd member %s failed (%s); trying %s", member.where, type(e).__name__,
+                         self.members[self._current].where)
                 time.sleep(0.05 if self._current != 0 else 0.3)
+            except (etcd_errors.Etcd3Exception, requests.RequestException, ValueError, KeyError) as e:
+                raise member.refusal(e, what) from None
 
     def _where(self) -> str:
-        return ",".join(f"{h}:{p}" for h, p in self.endpoints)
+        return ",".join(m.where for m in self.members)
+
+    def _post(self, path: str, body: dict, what: str) -> dict:
+        return self._call(lambda c: c.post(c.get_url(path), json=body), what)
+
+    def _k(self, key: str) -> str:
+        return _encode(self.ns + key)
 
     def _entry(self, kv: dict) -> Entry:
         key = _decode(kv["key"]).decode()[len(self.ns):]
@@ -79,32 +94,45 @@ class EtcdStore(StateStore):
         lease = int(kv["lease"]) if kv.get("lease") else None
         return Entry(key, value, int(kv["mod_revision"]), lease)
 
+    def _txn(self, key: str, compare: list, success: list, term: int | None) -> dict | None:
+        """One transaction; with ``term`` the leader key must still have that revision (else Deposed).
+        None when a compare other than the term's failed."""
+        if term is not None:
+            compare = compare + [{"key": self._k(LEADER_KEY), "result": "EQUAL", "target": "MOD",
+                                  "mod_revision": term}]
+        failure = [{"request_range": {"key": self._k(LEADER_KEY)}}] if term is not None else []
+        got = self._call(lambda c: c.transaction({"compare": compare, "success": success, "failure": failure}),
+                         f"write {key!r}")
+        if got.get("succeeded"):
+            return got
+        if term is not None:
+            kvs = got["responses"][0]["response_range"].get("kvs") or []
+            if not kvs or int(kvs[0]["mod_revision"]) != term:
+                raise Deposed(key, term)
+        return None
+
     def get(self, key: str) -> Entry | None:
-        got = self._call(lambda c: c.post(c.get_url("/kv/range"), json={"key": _encode(self.ns + key)}))
-        kvs = got.get("kvs") or []
+        kvs = self._post("/kv/range", {"key": self._k(key)}, f"read {key!r}").get("kvs") or []
         return self._entry(kvs[0]) if kvs else None
 
-    def put(self, key: str, value: Any, lease: int | None = None) -> int:
-        body = {"key": _encode(self.ns + key), "value": _encode(json.dumps(value))}
+    def put(self, key: str, value: Any, lease: int | None = None, term: int | None = None) -> int:
+        body = {"key": self._k(key), "value": _encode(json.dumps(value))}
         if lease is not None:
             body["lease"] = lease
-        got = self._call(lambda c: c.post(c.get_url("/kv/put"), json=body))
-        return int(got["header"]["revision"])
+        if term is None:
+            return int(self._post("/kv/put", body, f"write {key!r}")["header"]["revision"])
+        return int(self._txn(key, [], [{"request_put": body}], term)["header"]["revision"])
 
-    def delete(self, key: str, expect: int | None = None) -> bool:
-        k = _encode(self.ns + key)
-        compare = [] if expect is None else [{"key": k, "result": "EQUAL", "target": "MOD",
-                                              "mod_revision": expect}]
-        txn = {"compare": compare, "success": [{"request_delete_range": {"key": k}}], "failure": []}
-        got = self._call(lambda c: c.transaction(txn))
-        if not got.get("succeeded"):
-            return False
-        return int(got["responses"][0]["response_delete_range"].get("deleted", 0)) > 0
+    def delete(self, key: str, expect: int | None = None, term: int | None = None) -> bool:
+        k = self._k(key)
+        compare = [] if expect is None else [{"key": k, "result": "EQUAL", "target": "MOD", "mod_revision": expect}]
+        got = self._txn(key, compare, [{"request_delete_range": {"key": k}}], term)
+        return got is not None and int(got["responses"][0]["response_delete_range"].get("deleted", 0)) > 0
 
     def list(self, prefix: str) -> tuple[list[Entry], int]:
         full = self.ns + prefix
         body = {"key": _encode(full), "range_end": _encode(_increment_last_byte(full)), "sort_order": 1}
-        got = self._call(lambda c: c.post(c.get_url("/kv/range"), json=body))
+        got = self._post("/kv/range", body, f"list {prefix!r}")
         return [self._entry(kv) for kv in got.get("kvs") or []], int(got["header"]["revision"])
 
     def keys_at(self, prefix: str, revision: int) -> set[str]:
@@ -113,156 +141,55 @@ class EtcdStore(StateStore):
         body = {"key": _encode(full), "range_end": _encode(_increment_last_byte(full)), "keys_only": True,
                 "revision": revision}
         try:
-            got = self._call(lambda c: c.post(c.get_url("/kv/range"), json=body))
-        except etcd_errors.Etcd3Exception as e:
+            got = self._post("/kv/range", body, f"list {prefix!r} at revision {revision}")
+        except StoreError as e:
             if "compacted" in str(e):
                 raise CompactedError(f"etcd: revision {revision} of {prefix!r} is compacted: {e}") from None
             raise
         return {_decode(kv["key"]).decode()[len(self.ns):] for kv in got.get("kvs") or []}
 
-    def compare_and_set(self, key: str, value: Any, expect: int, lease: int | None = None) -> bool:
-        k = _encode(self.ns + key)
+    def compare_and_set(self, key: str, value: Any, expect: int, lease: int | None = None,
+                        term: int | None = None) -> int:
+        k = self._k(key)
         put = {"key": k, "value": _encode(json.dumps(value))}
         if lease is not None:
             put["lease"] = lease
-        txn = {"compare": [{"key": k, "result": "EQUAL", "target": "MOD", "mod_revision": expect}],
-               "success": [{"request_put": put}], "failure": []}
-        return bool(self._call(lambda c: c.transaction(txn)).get("succeeded"))
+        got = self._txn(key, [{"key": k, "result": "EQUAL", "target": "MOD", "mod_revision": expect}],
+                        [{"request_put": put}], term)
+        return int(got["header"]["revision"]) if got is not None else 0
 
-    def watch(self, prefix: str, callback: Callable[[Event], None], start_revision: int) -> Watch:
-        runner = _WatchRunner(self, prefix, callback, start_revision)
-        return Watch(runner.stop)
+    def watch(self, prefix: str, callback: Callable, start_revision: int) -> Watch:
+        runner = WatchRunner(self, prefix, callback, start_revision)
+        self._watches = [w for w in self._watches if not w.stopped.is_set()] + [runner]
+        return Watch(runner.stop, runner.loop)
+
+    def loops(self) -> list:
+        return [w.loop for w in self._watches if not w.stopped.is_set()]
 
     def grant_lease(self, ttl: float) -> int:
         # etcd counts whole seconds: round up, so the lease outlives the ttl a Session fences by
-        got = self._call(lambda c: c.post(c.get_url("/lease/grant"), json={"TTL": max(1, math.ceil(ttl)), "ID": 0}))
-        return int(got["ID"])
+        return int(self._post("/lease/grant", {"TTL": max(1, math.ceil(ttl)), "ID": 0}, "grant a lease")["ID"])
 
     def refresh_lease(self, lease: int) -> bool:
-        got = self._call(lambda c: c.post(c.get_url("/lease/keepalive"), json={"ID": lease}))
+        got = self._post("/lease/keepalive", {"ID": lease}, f"refresh lease {lease:x}")
         return int(got.get("result", {}).get("TTL", -1)) > 0
 
     def revoke_lease(self, lease: int) -> None:
         try:
-            self._call(lambda c: c.post(c.get_url("/kv/lease/revoke"), json={"ID": lease}))
-        except etcd_errors.Etcd3Exception as e:     # already expired: nothing left to revoke
+            self._post("/kv/lease/revoke", {"ID": lease}, f"revoke lease {lease:x}")
+        except StoreError as e:     # already expired: nothing left to revoke
             log.info("etcd lease %x revoke: %s", lease, e)
 
     def describe(self) -> dict:
-        members = self._call(lambda c: c.members())
-        status = self._call(lambda c: c.status())
+        members = self._call(lambda c: c.members(), "list its members")
+        status = self._call(lambda c: c.status(), "read its status")
         leader = int(status.get("leader", 0))
-        return {"backend": self.backend, "endpoints": [f"{h}:{p}" for h, p in self.endpoints],
+        return {"backend": self.backend, "endpoints": [m.where for m in self.members],
+                "tls": self.scheme == "https", "user": self.members[0].user,
                 "revision": int(status["header"]["revision"]),
                 "members": [{"name": m.get("name"), "client_urls": m.get("clientURLs", []),
                              "leader": int(m["ID"]) == leader} for m in members]}
 
     def close(self) -> None:
-        for c in self._clients:
-            c.session.close()
-
-
-class _Canceled(Exception):
-    pass
-
-
-class _WatchRunner:
-    """One watch stream at a time on a thread; when a member goes, resume on the next one from the
-    revision after the last event seen (etcd replays from there, so nothing is missed). When etcd
-    has compacted that revision away (a member was out of reach across a compaction), list the
-    prefix afresh and deliver the difference as ordinary events: a put for every key, a delete for
-    each key it had seen that is gone; then watch on from the listing's revision."""
-
-    def __init__(self, store: EtcdStore, prefix: str, callback, start_revision: int):
-        self.store, self.prefix, self.callback, self.next_rev = store, prefix, callback, start_revision
-        self.full = store.ns + prefix
-        self.present = store.keys_at(prefix, start_revision - 1) if start_revision > 1 else set()
-        self.resyncs = 0
-        self.stopped = threading.Event()
-        self.response: requests.Response | None = None
-        threading.Thread(target=self._run, daemon=True, name=f"etcd-watch {prefix}").start()
-
-    def _read(self, response: requests.Response) -> None:
-        """The gateway's stream: one JSON object per line. etcd3gw's own reader skips a ``canceled``
-        message (etcd sends one when the member loses its leader), which would leave the watch silent
-        for good; here it ends the stream so the watch resumes on another member."""
-        for line in response.iter_lines():
-            if not line.strip():
-                continue
-            result = json.loads(line).get("result", {})
-            if result.get("compact_revision"):
-                raise CompactedError(f"etcd watch from revision {self.next_rev}: compacted at "
-                                     f"{result['compact_revision']}")
-            if result.get("canceled"):
-                raise _Canceled(result.get("cancel_reason") or "canceled")
-            for raw in result.get("events", ()):
-                self._on_event(raw)
-
-    def _on_event(self, raw: dict) -> None:
-        kv = raw["kv"]
-        rev = int(kv["mod_revision"])
-        key = _decode(kv["key"]).decode()[len(self.store.ns):]
-        if raw.get("type") == "DELETE":
-            ev = Event("delete", key, None, rev)
-        else:
-            ev = Event("put", key, json.loads(_decode(kv.get("value", "")) or b"null"), rev)
-        self.next_rev = rev + 1
-        self._deliver(ev)
-
-    def _deliver(self, ev: Event) -> None:
-        (self.present.discard if ev.kind == "delete" else self.present.add)(ev.key)
-        if not self.stopped.is_set():
-            try:
-                self.callback(ev)
-            except Exception:
-                log.exception("state watch callback failed on %s", ev)
-
-    def _resync(self, why: CompactedError) -> None:
-        entries, rev = self.store.list(self.prefix)
-        gone = self.present - {e.key for e in entries}
-        log.warning("%s; listed %d keys under %r at revision %d (%d gone) and watching from there",
-                    why, len(entries), self.prefix, rev, len(gone))
-        for key in sorted(gone):
-            self._deliver(Event("delete", key, None, rev))
-        for e in entries:
-            self._deliver(Event("put", e.key, e.value, e.revision))
-        self.next_rev, self.resyncs = rev + 1, self.resyncs + 1
-
-    def _run(self) -> None:
-        store = self.store
-        while not self.stopped.is_set():
-            i = store._current
-            client = store._clients[i]
-            body = {"create_request": {"key": _encode(self.full), "range_end": _encode(_increment_last_byte(self.full)),
-                                       "start_revision": self.next_rev}}
-            try:
-                self.response = client.session.post(client.get_url("/watch"), json=body, stream=True,
-                                                    timeout=(2, None))
-                self._read(self.response)
-                log.info("etcd watch on %s:%d ended; resuming from revision %d", *store.endpoints[i], self.next_rev)
-            except CompactedError as e:
-                try:
-                    self._resync(e)
-                    continue
-                except StoreError as again:
-                    log.info("etcd watch: listing after a compaction failed (%s); trying again", again)
-            except Exception as e:          # the member went away or the stream broke: next member
-                if self.stopped.is_set():
-                    return
-                log.info("etcd watch on %s:%d ended (%s: %s); resuming from revision %d", *store.endpoints[i],
-                         type(e).__name__, e, self.next_rev)
-            if store._current == i:
-                store._current = (i + 1) % len(store._clients)
-            self.stopped.wait(0.1)
-
-    def stop(self) -> None:
-        """Shut the stream's socket down (as etcd3gw's Watcher.stop does): a plain close blocks while
-        the reading thread sits in recv."""
-        self.stopped.set()
-        if self.response is not None:
-            try:
-                sock = socket.fromfd(self.response.raw._fp.fileno(), socket.AF_INET, socket.SOCK_STREAM)
-                sock.shutdown(socket.SHUT_RDWR)
-                sock.close()
-            except (OSError, AttributeError, ValueError):
-                pass                          # already closed
+        for m in self.members:
+            m.session.close()

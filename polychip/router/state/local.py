@@ -17,7 +17,8 @@ import time
 from collections import deque
 from typing import Any, Callable
 
-from polychip.router.state.base import CompactedError, Entry, Event, StateStore, StoreError, Watch
+from polychip.router.state.loops import ThreadLoop
+from polychip.router.state.base import LEADER_KEY, CompactedError, Deposed, Entry, Event, StateStore, StoreError, Watch
 
 log = logging.getLogger("polychip.router.state")
 HISTORY = 10_000          # events kept for watches that start in the past
@@ -35,35 +36,48 @@ class MemoryStore(StateStore):
         self._history: deque[Event] = deque(maxlen=HISTORY)
         self._watches: list[tuple[str, Callable, Watch]] = []
         self._outbox: queue.Queue = queue.Queue()
-        self._closed = threading.Event()
-        self._threads = [threading.Thread(target=self._deliver, daemon=True, name="state-watch"),
-                         threading.Thread(target=self._sweep, daemon=True, name="state-leases")]
-        for t in self._threads:
-            t.start()
+        self._loops = [ThreadLoop("watch delivery", self._deliver_one, lambda: 0.0, self._loop_failed),
+                       ThreadLoop("lease expiry", self._sweep, lambda: 0.1, self._loop_failed)]
+        for loop in self._loops:
+            loop.start()
 
-    # persistence hooks (SqliteStore writes through)
-    def _save_key(self, entry: Entry | None, key: str) -> None: ...
+    def loops(self) -> list:
+        return list(self._loops)
+
+    def _loop_failed(self, name: str, e: BaseException) -> None:
+        if self.on_loop_failure is not None:
+            self.on_loop_failure(name, e)
+
+    # persistence hooks (SqliteStore writes through; a failure raises StoreError before anything changes)
+    def _save_key(self, entry: Entry | None, key: str, rev: int) -> None: ...
     def _save_lease(self, lease: int, ttl_deadline: list[float] | None) -> None: ...
-    def _save_meta(self) -> None: ...
 
     def get(self, key: str) -> Entry | None:
         with self._lock:
             return self._data.get(key)
 
-    def put(self, key: str, value: Any, lease: int | None = None) -> int:
+    def _check_term(self, key: str, term: int | None) -> None:
+        """Under the lock, so in one step with the write (the leader key cannot change in between)."""
+        if term is not None:
+            leader = self._data.get(LEADER_KEY)
+            if leader is None or leader.revision != term:
+                raise Deposed(key, term)
+
+    def put(self, key: str, value: Any, lease: int | None = None, term: int | None = None) -> int:
         json.dumps(value)              # JSON-shaped or a TypeError here, as etcd would need
         with self._lock:
+            self._check_term(key, term)
             if lease is not None and lease not in self._leases:
                 raise StoreError(f"lease {lease} has expired or was never granted")
-            self._rev += 1
-            entry = Entry(key, value, self._rev, lease)
-            self._data[key] = entry
-            self._save_key(entry, key)
+            entry = Entry(key, value, self._rev + 1, lease)
+            self._save_key(entry, key, entry.revision)
+            self._rev, self._data[key] = entry.revision, entry
             self._emit(Event("put", key, value, self._rev))
             return self._rev
 
-    def delete(self, key: str, expect: int | None = None) -> bool:
+    def delete(self, key: str, expect: int | None = None, term: int | None = None) -> bool:
         with self._lock:
+            self._check_term(key, term)
             old = self._data.get(key)
             if old is None or (expect is not None and old.revision != expect):
                 return False
@@ -71,9 +85,9 @@ class MemoryStore(StateStore):
             return True
 
     def _remove(self, key: str) -> None:
+        self._save_key(None, key, self._rev + 1)
         del self._data[key]
         self._rev += 1
-        self._save_key(None, key)
         self._emit(Event("delete", key, None, self._rev))
 
     def list(self, prefix: str) -> tuple[list[Entry], int]:
@@ -81,13 +95,14 @@ class MemoryStore(StateStore):
             return sorted((e for k, e in self._data.items() if k.startswith(prefix)),
                           key=lambda e: e.key), self._rev
 
-    def compare_and_set(self, key: str, value: Any, expect: int, lease: int | None = None) -> bool:
+    def compare_and_set(self, key: str, value: Any, expect: int, lease: int | None = None,
+                        term: int | None = None) -> int:
         with self._lock:
+            self._check_term(key, term)
             old = self._data.get(key)
             if (old.revision if old else 0) != expect:
-                return False
-            self.put(key, value, lease)
-            return True
+                return 0
+            return self.put(key, value, lease)
 
     def watch(self, prefix: str, callback: Callable[[Event], None], start_revision: int) -> Watch:
         with self._lock:
@@ -108,27 +123,29 @@ class MemoryStore(StateStore):
             if ev.key.startswith(item[0]):
                 self._outbox.put((item, ev))
 
-    def _deliver(self) -> None:
-        while True:
-            got = self._outbox.get()
-            if got is None:
-                return
-            (prefix, callback, handle), ev = got
-            if handle.cancelled:
-                continue
-            try:
-                callback(ev)
-            except Exception:          # a watcher's bug must not stop the others' events
-                log.exception("state watch callback for %r failed on %s", prefix, ev)
+    def _deliver_one(self) -> None:
+        try:
+            got = self._outbox.get(timeout=0.2)
+        except queue.Empty:
+            return
+        if got is None:
+            return
+        (prefix, callback, handle), ev = got
+        if handle.cancelled:
+            return
+        try:
+            callback(ev)
+        except Exception:          # a watcher's bug must not stop the others' events
+            log.exception("state watch callback for %r failed on %s", prefix, ev)
 
     def grant_lease(self, ttl: float) -> int:
         if ttl <= 0:
             raise StoreError(f"lease ttl must be > 0 seconds, got {ttl}")
         with self._lock:
-            lease, self._next_lease = self._next_lease, self._next_lease + 1
-            self._leases[lease] = [float(ttl), time.time() + ttl]
-            self._save_lease(lease, self._leases[lease])
-            self._save_meta()
+            lease, got = self._next_lease, [float(ttl), time.time() + ttl]
+            self._next_lease += 1          # never reused, even if the save below fails
+            self._save_lease(lease, got)
+            self._leases[lease] = got
             return lease
 
     def refresh_lease(self, lease: int) -> bool:
@@ -136,29 +153,32 @@ class MemoryStore(StateStore):
             got = self._leases.get(lease)
             if got is None:
                 return False
-            got[1] = time.time() + got[0]
-            self._save_lease(lease, got)
+            renewed = [got[0], time.time() + got[0]]
+            self._save_lease(lease, renewed)
+            self._leases[lease] = renewed
             return True
 
     def revoke_lease(self, lease: int) -> None:
         with self._lock:
-            if self._leases.pop(lease, None) is not None:
-                self._save_lease(lease, None)
             for key in [k for k, e in self._data.items() if e.lease == lease]:
                 self._remove(key)
+            if lease in self._leases:
+                self._save_lease(lease, None)
+                del self._leases[lease]
 
     def _sweep(self) -> None:
-        while not self._closed.wait(0.1):
-            now = time.time()
-            with self._lock:
-                for lease in [i for i, (_, deadline) in self._leases.items() if deadline < now]:
-                    self.revoke_lease(lease)
+        """End the expired leases (a failure, such as a read-only file, is the loop's to log and retry)."""
+        now = time.time()
+        with self._lock:
+            for lease in [i for i, (_, deadline) in self._leases.items() if deadline < now]:
+                self.revoke_lease(lease)
 
     def describe(self) -> dict:
         return {"backend": self.backend, "revision": self._rev, "members": ["this process"]}
 
     def close(self) -> None:
-        self._closed.set()
+        for loop in self._loops:
+            loop.stop()
         self._outbox.put(None)
 
 
@@ -195,25 +215,38 @@ class SqliteStore(MemoryStore):
             self._data[key] = Entry(key, json.loads(value), rev, lease)
         log.info("state: %s holds %d keys at revision %d", self.path, len(self._data), self._rev)
 
-    def _save_key(self, entry: Entry | None, key: str) -> None:
-        with self._db:                   # one transaction: the key and the revision together
-            self._db.execute("BEGIN")
+    def _save_key(self, entry: Entry | None, key: str, rev: int) -> None:
+        def write():                     # one transaction: the key and the revision together
             if entry is None:
                 self._db.execute("DELETE FROM kv WHERE key = ?", (key,))
             else:
                 self._db.execute("INSERT OR REPLACE INTO kv VALUES (?, ?, ?, ?)",
                                  (key, json.dumps(entry.value), entry.revision, entry.lease))
-            self._save_meta()
+            self._save_meta(rev)
+        self._transaction(f"writing {key!r}", write)
 
     def _save_lease(self, lease: int, ttl_deadline: list[float] | None) -> None:
-        if ttl_deadline is None:
-            self._db.execute("DELETE FROM leases WHERE id = ?", (lease,))
-        else:
-            self._db.execute("INSERT OR REPLACE INTO leases VALUES (?, ?, ?)", (lease, *ttl_deadline))
+        def write():
+            if ttl_deadline is None:
+                self._db.execute("DELETE FROM leases WHERE id = ?", (lease,))
+            else:
+                self._db.execute("INSERT OR REPLACE INTO leases VALUES (?, ?, ?)", (lease, *ttl_deadline))
+                self._save_meta(self._rev)
+        self._transaction(f"lease {lease}", write)
 
-    def _save_meta(self) -> None:
+    def _save_meta(self, rev: int) -> None:
         self._db.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)",
-                             [("revision", self._rev), ("next_lease", self._next_lease)])
+                             [("revision", rev), ("next_lease", self._next_lease)])
+
+    def _transaction(self, what: str, write) -> None:
+        """``write`` in one SQLite transaction; any sqlite3 error (a read-only or locked file, a full
+        disk) rolls it back and becomes a StoreError naming the file, and the memory is left as it was."""
+        try:
+            with self._db:
+                self._db.execute("BEGIN IMMEDIATE")
+                write()
+        except sqlite3.Error as e:
+            raise StoreError(f"state file {self.path}: {what} failed: {type(e).__name__}: {e}") from e
 
     def describe(self) -> dict:
         return {**super().describe(), "path": self.path}

@@ -7,25 +7,30 @@ import threading
 import time
 from typing import Any, Callable
 
-from polychip.router.state.base import Event, StateStore, StoreError
+from polychip.router.state.base import LEADER_KEY, Event, StateStore, StoreError
+from polychip.router.state.loops import FailureHook, ThreadLoop
 
 log = logging.getLogger("polychip.router.state")
-LEADER_KEY = "leader"
 MEMBERS = "members/"
 
 
 class Session:
-    """``start()`` grants the lease, writes ``members/NODE`` and campaigns; a thread refreshes the lease
+    """``start()`` grants the lease, writes ``members/NODE`` and campaigns; a loop refreshes the lease
     every ttl/3. The leader is whoever created ``leader`` under a live lease: when its lease ends the
     key goes, every session sees the delete and campaigns, and compare-and-set lets exactly one win.
 
     Fencing: a lease lives at least ttl after the last refresh the store confirmed (counted from when
     the refresh was sent). A leader that has not had one confirmed by ttl x 4/5 after it stops leading
     (``is_leader`` is False and ``on_leader(None)`` runs), so before the store can let another router
-    win; it leads again only if the store, once reached, still names it."""
+    win; it leads again only if the store, once reached, still names it.
+
+    Term: the revision of the leader key that names this router (the key is written once, when a
+    campaign wins). A leader's write carries it (``put(..., term=)``), and the store applies it only
+    while the leader key still has that revision: a deposed leader's late writes fail, never overwrite.
+    The term outlives fencing, so what was decided under it stays marked with it."""
 
     def __init__(self, store: StateStore, node_id: str, ttl: float, info: dict | None = None,
-                 on_leader: Callable[[str | None], None] | None = None):
+                 on_leader: Callable[[str | None], None] | None = None, on_failure: FailureHook | None = None):
         self.store, self.node_id, self.ttl = store, node_id, ttl
         self.info = info or {}
         self.on_leader = on_leader
@@ -37,6 +42,13 @@ class Session:
         self._stop = threading.Event()
         self._watch = None
         self.valid_until = 0.0                   # monotonic time the lease surely lives until
+        self.term: int | None = None             # the leader key's revision when it last named this router
+        self._loops = [ThreadLoop("session keep-alive", self._keepalive, lambda: self.ttl / 3, on_failure, self._stop,
+                                  max_backoff=ttl / 3),
+                       ThreadLoop("session fence", self._fence, lambda: self.ttl / 20, on_failure, self._stop)]
+
+    def loops(self) -> list[ThreadLoop]:
+        return list(self._loops)
 
     @property
     def fenced_at(self) -> float:
@@ -49,13 +61,13 @@ class Session:
 
     def start(self) -> None:
         self._grant()
-        entry = self.store.get(LEADER_KEY)
-        self._set_leader(entry.value if entry else None)
-        rev = self.store.list(LEADER_KEY)[1]
+        entries, rev = self.store.list(LEADER_KEY)
+        entry = next((e for e in entries if e.key == LEADER_KEY), None)
+        self._set_leader(entry.value if entry else None, entry.revision if entry else None)
         self._watch = self.store.watch(LEADER_KEY, self._on_leader_event, rev + 1)
         self.campaign()
-        threading.Thread(target=self._keepalive, daemon=True, name=f"state-session {self.node_id}").start()
-        threading.Thread(target=self._fence, daemon=True, name=f"state-fence {self.node_id}").start()
+        for loop in self._loops:
+            loop.start()
 
     def _grant(self) -> None:
         with self._lock:
@@ -79,24 +91,26 @@ class Session:
     def campaign(self) -> bool:
         won = self.store.compare_and_set(LEADER_KEY, self.node_id, expect=0, lease=self.lease)
         if won:
-            log.warning("state: router %s is the leader now", self.node_id)
-            self._set_leader(self.node_id)
+            log.warning("state: router %s is the leader now (term %d)", self.node_id, won)
+            self._set_leader(self.node_id, won)
         elif self.leader is None:       # someone holds it: maybe this router, fenced while cut off
             entry = self.store.get(LEADER_KEY)
-            self._set_leader(entry.value if entry else None)
-        return won
+            self._set_leader(entry.value if entry else None, entry.revision if entry else None)
+        return bool(won)
 
     def _on_leader_event(self, ev: Event) -> None:
         if ev.key != LEADER_KEY:
             return
-        self._set_leader(ev.value)
+        self._set_leader(ev.value, ev.revision if ev.kind == "put" else None)
         if ev.kind == "delete" and not self._stop.is_set():
             try:
                 self.campaign()
             except StoreError as e:
                 log.warning("state: campaign after the leader left failed: %s", e)
 
-    def _set_leader(self, leader: str | None) -> None:
+    def _set_leader(self, leader: str | None, revision: int | None = None) -> None:
+        if leader == self.node_id and revision is not None:
+            self.term = revision
         if leader != self.leader:
             self.leader = leader
             self.leader_since = time.time()
@@ -104,34 +118,30 @@ class Session:
                 self.on_leader(leader)
 
     def _keepalive(self) -> None:
-        while not self._stop.wait(self.ttl / 3):
-            try:
-                sent = time.monotonic()
-                if self.store.refresh_lease(self.lease):
-                    self.valid_until = sent + self.ttl
-                else:
-                    log.warning("state: router %s lost its lease (store unreachable longer than %gs); "
-                                "re-registering", self.node_id, self.ttl)
-                    self._grant()
-                if self.leader is None:
-                    self.campaign()
-            except StoreError as e:
-                log.warning("state: lease refresh failed: %s", e)
+        """Every ttl/3 (a ThreadLoop: a failed refresh is logged, counted and tried again)."""
+        sent = time.monotonic()
+        if self.store.refresh_lease(self.lease):
+            self.valid_until = sent + self.ttl
+        else:
+            log.warning("state: router %s lost its lease (store unreachable longer than %gs); "
+                        "re-registering", self.node_id, self.ttl)
+            self._grant()
+        if self.leader is None:
+            self.campaign()
 
     def _fence(self) -> None:
-        """Stop leading the moment the lease may have ended (the refresh thread may be stuck in a call)."""
-        while not self._stop.wait(self.ttl / 20):
-            if self.leader == self.node_id and time.monotonic() >= self.fenced_at:
-                log.warning("state: router %s cannot confirm its lease (TTL %gs): it stops leading until the "
-                            "store confirms it again", self.node_id, self.ttl)
-                self._set_leader(None)
+        """Stop leading the moment the lease may have ended (the refresh loop may be stuck in a call)."""
+        if self.leader == self.node_id and time.monotonic() >= self.fenced_at:
+            log.warning("state: router %s cannot confirm its lease (TTL %gs): it stops leading until the "
+                        "store confirms it again", self.node_id, self.ttl)
+            self._set_leader(None)
 
     def members(self) -> list[str]:
         return [e.key[len(MEMBERS):] for e in self.store.list(MEMBERS)[0]]
 
     def close(self) -> None:
         """Leave at once (revoking the lease drops the member, the leadership and the registry)."""
-        self._stop.set()
+        self._stop.set()                         # ends both loops
         if self._watch is not None:
             self._watch.cancel()
         if self.lease is not None:
