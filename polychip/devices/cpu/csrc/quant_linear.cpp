@@ -166,37 +166,41 @@ void dq_tile(const float* __restrict x, const P& p, int64_t n0, float* __restric
 // y += scale * sum - zero * scale * sum(x over the group) (the x sums computed once per call)
 template <int MR, int NR>
 void w4_tile(const float* __restrict x, const W4& p, int64_t n0, float* __restrict y, const float* b, int64_t K,
-             int64_t N, const float*) {
-  // per (weight row, group) a 16-entry table (q - zero) * scale in a register: vpermps indexes it by the
-  // low 4 bits of each lane, so a nibble becomes its dequantised weight in one instruction; low and
-  // high nibbles accumulate separately (twice the independent FMA chains)
-  __m512 lo[MR][NR], hi[MR][NR];
+             int64_t N, const float* xsum) {
+  // two partial sums per (row, weight row), for the low and the high nibbles: twice the independent
+  // FMA chains (one chain would wait on the FMA latency)
+  __m512 acc[MR][NR], lo[MR][NR], hi[MR][NR];
+  float corr[MR][NR] = {};
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) lo[i][j] = hi[i][j] = _mm512_setzero_ps();
-  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  const __m512i mask = _mm512_set1_epi32(15);
   for (int64_t g = 0, k0 = 0; k0 < K; ++g, k0 += p.seg) {
-    __m512 lut[NR];
-    for (int j = 0; j < NR; ++j) {
-      const float sc = p.s[(n0 + j) * p.G + g];
-      lut[j] = _mm512_fmsub_ps(iota, _mm512_set1_ps(sc), _mm512_set1_ps(static_cast<float>(p.z[(n0 + j) * p.G + g]) * sc));
-    }
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) lo[i][j] = hi[i][j] = _mm512_setzero_ps();
     const int64_t k1 = std::min(K, k0 + p.seg);
     for (int64_t k = k0; k < k1; k += 32) {
       for (int j = 0; j < NR; ++j) {
         const __m512i v = _mm512_cvtepu8_epi32(
             _mm_loadu_si128(reinterpret_cast<const __m128i*>(p.q + (n0 + j) * (K / 2) + k / 2)));
-        const __m512 w0 = _mm512_permutexvar_ps(v, lut[j]);
-        const __m512 w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), lut[j]);
+        const __m512 w0 = _mm512_cvtepi32_ps(_mm512_and_si512(v, mask));
+        const __m512 w1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
         for (int i = 0; i < MR; ++i) {
           lo[i][j] = _mm512_fmadd_ps(_mm512_loadu_ps(x + i * K + k), w0, lo[i][j]);
           hi[i][j] = _mm512_fmadd_ps(_mm512_loadu_ps(x + i * K + k + 16), w1, hi[i][j]);
         }
       }
     }
+    for (int j = 0; j < NR; ++j) {
+      const float sc = p.s[(n0 + j) * p.G + g], zs = static_cast<float>(p.z[(n0 + j) * p.G + g]) * sc;
+      for (int i = 0; i < MR; ++i) {
+        acc[i][j] = _mm512_fmadd_ps(_mm512_add_ps(lo[i][j], hi[i][j]), _mm512_set1_ps(sc), acc[i][j]);
+        corr[i][j] += zs * xsum[i * p.G + g];
+      }
+    }
   }
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j)
-      y[i * N + n0 + j] = _mm512_reduce_add_ps(_mm512_add_ps(lo[i][j], hi[i][j])) + (b ? b[n0 + j] : 0.f);
+      y[i * N + n0 + j] = _mm512_reduce_add_ps(acc[i][j]) - corr[i][j] + (b ? b[n0 + j] : 0.f);
 }
 
 template <class P>
