@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from polychip.dtypes import KV_CACHE_DTYPES, MODEL_DTYPES
+from polychip.dtypes import KV_CACHE_DTYPES, MODEL_DTYPES, QUANTIZATION_DTYPES
 from polychip.errors import ConfigError
 
 # Names owned here; the scheduler and the reasoning-parser table are keyed by them (tests/test_config.py).
@@ -18,7 +18,7 @@ REASONING_PARSERS = ("qwen3",)
 TOOL_CALL_PARSERS = ("qwen25", "qwen")
 RESERVED_TEMPLATE_ARGS = ("messages", "add_generation_prompt", "bos_token", "eos_token", "tools")
 LOG_LEVELS = ("debug", "info", "warning", "error")
-QUANTIZATIONS = ("int8",)      # weight-only, per output channel (polychip/quant)
+QUANTIZATIONS = tuple(QUANTIZATION_DTYPES)    # int8 (weight-only) and the checkpoint schemes (polychip/quant)
 
 
 DECODE_GROUP = "compiled decode (SGLang's flags)"
@@ -84,10 +84,15 @@ class EngineConfig(_FromKwargs):
                                            group="model")
     dtype: str = option("auto", "compute dtype (auto: the device's choice for the model)", group="model",
                         choices=MODEL_DTYPES)
-    quantization: str | None = option(None, "int8: weight-only int8 with per-output-channel scales for every "
-                                            "linear layer and the lm_head (a tied one gets an int8 copy; the "
-                                            "embedding stays); default: the weights as stored", group="model",
-                                      choices=QUANTIZATIONS)
+    quantization: str | None = option(None, "default: the checkpoint's own quantization_config (compressed-tensors "
+                                            "W8A8/W8A16/W4A16/FP8, GPTQ, AWQ, block FP8), else float; naming the "
+                                            "checkpoint's scheme is allowed, another one is refused. On a float "
+                                            "model: int8 (weight-only, per output channel, lm_head included) or "
+                                            "w8a8 (int8 weights per channel and dynamic per-token int8 "
+                                            "activations, embedding int8)", group="model", choices=QUANTIZATIONS)
+    strict: bool = option(False, "refuse to load when an op of the model's quantisation scheme would run the "
+                          "native reference because the device plugin does not implement it (named with "
+                          "the scheme and the device)", group="model")
     max_model_len: int | None = option(None, "context length (default: the model's own)", group="model")
     cache_dir: str | None = option(None, "where converted GGUF weights are cached "
                                          "(default: $POLYCHIP_CACHE or ~/.cache/polychip)", group="model")

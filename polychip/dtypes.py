@@ -11,6 +11,17 @@ FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
 KNOWN_DTYPES = FLOAT_DTYPES + ("int8", "int4") + FP8_DTYPES   # what a spec may declare
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16",
                  "float": "float32", "fp8": "float8_e4m3fn"}
+#: --quantization (polychip/quant): each scheme -> the dtype its stored weights need the device to declare
+#: (a spec's supported_dtypes); the router checks replicas against it without importing torch
+QUANTIZATION_DTYPES = {"int8": "int8", "w8a8": "int8", "w8a16": "int8", "w4a16": "int4",
+                       "fp8": "float8_e4m3fn", "fp8_block": "float8_e4m3fn"}
+
+
+def quantization_dtype(scheme: str | None) -> str | None:
+    """The device dtype a quantisation scheme needs (None for none)."""
+    return QUANTIZATION_DTYPES.get(scheme, scheme) if scheme else None
+
+
 #: --kv-cache-dtype (vLLM's and SGLang's names) -> the torch dtype name the KV pool is stored in;
 #: "auto" is the model's compute dtype. Every float and fp8 dtype a plugin may declare in
 #: ``kv_cache_dtypes`` has a name here (the torch names are accepted too), so each is selectable.

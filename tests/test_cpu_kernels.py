@@ -280,8 +280,10 @@ def test_kernels_off_is_a_visible_fallback(model_factory, monkeypatch):
     monkeypatch.setattr(cpu_kernels, "_state", {})     # forget this process's earlier build
     # int8 weights: the model resolves linear_int8 as well as linear (the tied logits' op)
     loaded = load_model(model_factory("llama", True), CpuPlugin(), "float32", quantization="int8")
-    assert set(cpu_ops.OPS) <= set(loaded.resolutions)        # every kernel op is used by the model
-    for op in cpu_ops.OPS:
+    from polychip.devices.ops import QUANT_OPS
+    assert set(cpu_ops.OPS) - set(QUANT_OPS) <= set(loaded.resolutions)   # every float kernel op is used
+    assert set(cpu_ops.OPS) <= set(loaded.registry.unavailable())         # the scheme ops say so too
+    for op in set(cpu_ops.OPS) & set(loaded.resolutions):
         res = loaded.resolutions[op]
         assert res.is_fallback and "cannot provide" in res.reason and "POLYCHIP_CPU_KERNELS=0" in res.reason
 

@@ -80,7 +80,8 @@ BAD = [
     ("dtype the device lacks", GOOD.replace('device: "simxpu:1"', 'device: "simxpu:1", dtype: float16'),
      "replicas.1.dtype: float16 is not supported by simxpu:1"),
     ("unknown quantization", GOOD.replace("preferred_device_types: [simxpu, cpu]", "quantization: int4"),
-     "models.0.quantization: unknown quantization 'int4'; expected one of ['int8'] or null"),
+     "models.0.quantization: unknown quantization 'int4'; expected one of ['int8', 'w8a8', 'w8a16', 'w4a16', "
+     "'fp8', 'fp8_block'] or null"),
     ("no replica can serve", GOOD.replace("preferred_device_types: [simxpu, cpu]", "dtype: float64"),
      "no replica can serve model 'tiny'"),
 ]

@@ -11,6 +11,7 @@ import sys
 
 from polychip.commands.common import fail
 from polychip.config import QUANTIZATIONS
+from polychip.devices.ops import QUANT_OPS
 from polychip.engine.coverage import coverage_rows, unavailable_text
 from polychip.errors import PolychipError
 
@@ -22,6 +23,15 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join([fmt(cols), fmt(["-" * w for w in widths])] + [fmt(row) for row in cells])
 
 
+def scheme_line(scheme: str, rows: list[dict], plugin) -> str:
+    """Which implementation the quantisation scheme's ops get on this device, and why."""
+    ops = [r for r in rows if r["op"] in QUANT_OPS]
+    native = all(r["implementation"] != "native" for r in ops)
+    head = f"quantization {scheme}: " + (f"run natively by {plugin.name}" if native else
+                                         f"not all run by {plugin.name} (--strict refuses it)")
+    return head + "; " + "; ".join(f"{r['op']} -> {r['implementation']} ({r['reason']})" for r in ops)
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="polychip coverage", description=__doc__)
     p.add_argument("--model-path", default=None, help="HF folder or .gguf file (default: embedded SmolLM2)")
@@ -30,7 +40,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--device-config", default=None)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--disable-fusion", action="store_true")
-    p.add_argument("--quantization", default=None, choices=QUANTIZATIONS, help="int8 weights (linear_int8 ops)")
+    p.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
+                   help="as serve's: a float model int8 or w8a8, else the checkpoint's own scheme (default)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     try:
@@ -45,6 +56,8 @@ def main(argv: list[str]) -> int:
     print(f"model {lm.config.architecture} ({lm.model_dir}), dtype {str(lm.dtype).removeprefix('torch.')}, "
           f"device {plugin.name}:{plugin.index}, fusions {lm.fusions}")
     print(format_table(rows))
+    if lm.quantization:
+        print(scheme_line(lm.quantization, rows, plugin))
     if registry.unavailable():
         print(f"ops {plugin.name} cannot provide here: {unavailable_text(registry)}")
     print(f"{len(rows)} ops used by one forward: {len(rows) - n_fb} from the plugin, {n_fb} native fallback",

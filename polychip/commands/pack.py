@@ -1,4 +1,4 @@
-"""polychip pack --model-path M [--quantization int8] [--target-device TYPE] [--device-config SPEC]
+"""polychip pack --model-path M [--quantization int8|w8a8] [--target-device TYPE] [--device-config SPEC]
 [--sign-key KEY] -o model.pcpkg: one signed file with the weights, config, tokenizer, the plan the
 engine chooses on the target device, and the manifest of hashes and versions."""
 from __future__ import annotations
@@ -18,7 +18,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--model-path", default=None, help="HF folder or .gguf file (default: embedded SmolLM2)")
     p.add_argument("-o", "--output", required=True, help="the package file to write (.pcpkg)")
     p.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
-                   help="quantise the weights in the package (the same flag as serve)")
+                   help="a float model: int8 (weight-only) or w8a8 (compressed-tensors W8A8, round to nearest, "
+                        "dynamic per-token activations); a checkpoint quantised elsewhere is packed as stored "
+                        "and this may only name its scheme")
     p.add_argument("--target-device", default="cpu", help="the device type (plugin) the plan is made for")
     p.add_argument("--device-config", default=None, help="device spec YAML of the target")
     p.add_argument("--plugin", action="append", default=[], dest="plugins",

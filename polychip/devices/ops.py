@@ -74,9 +74,41 @@ OPS: dict[tuple[str, int], OpSpec] = _specs(
     OpSpec("linear", 1, "linear(x [T, in], weight [out, in], bias [out] | None) -> [T, out]", _COMPUTE,
            "also called once per step for the logits of the sampled rows (weight: lm_head or the tied "
            "embedding); the engine casts those to float32 itself"),
+    # the quantised schemes (SCHEME_OPS): linear_int8's scales are in the compute dtype, the later ops'
+    # scales stay float32 whatever the compute dtype
     OpSpec("linear_int8", 1, "linear_int8(x [T, in], qweight [out, in], scales [out], bias [out] | None) -> [T, out]",
            "qweight int8; x, scales, bias and the result in the compute dtype",
            "weight-only int8, one scale per output row: (x qweight^T) * scales + bias"),
+    OpSpec("linear_w8a8", 1, "linear_w8a8(x [T, in], qweight [out, in], scales [out], bias [out] | None) -> [T, out]",
+           "qweight int8; scales float32; x, bias and the result in the compute dtype",
+           "int8 weights and int8 activations (scheme w8a8): each row of x quantised on the fly, symmetric, "
+           "s_x = max|x_row| / 127 (1 for an all-zero row), q_x = clamp(round_half_even(x_row / s_x), -127, 127); "
+           "then the int32 sum of q_x * qweight, times s_x * scales + bias"),
+    OpSpec("linear_w4a16", 1, "linear_w4a16(x [T, in], qweight [out, in / 2], scales [out, G], zeros [out, G], "
+                              "group_size: int, perm [in] | None, bias [out] | None) -> [T, out]",
+           "qweight and zeros uint8; perm int64; scales, x, bias and the result in the compute dtype",
+           "4-bit weights (scheme w4a16): in each run of 32 inputs, byte i of the run holds input i in its low "
+           "nibble and input 16 + i in its high nibble (in must be a multiple of 32); weight[n, k] = "
+           "(q[n, k] - zeros[n, g]) * scales[n, g] with g = k // group_size (G = ceil(in / group_size)); "
+           "with perm, x[:, perm] is what multiplies the weight (act-order checkpoints)"),
+    OpSpec("linear_w8a16", 1, "linear_w8a16(x [T, in], qweight [out, in], scales [out, G], zeros [out, G], "
+                              "group_size: int, perm [in] | None, bias [out] | None) -> [T, out]",
+           "qweight and zeros uint8; perm int64; scales, x, bias and the result in the compute dtype",
+           "8-bit grouped weights (scheme w8a16 with groups or zero points): weight[n, k] = "
+           "(qweight[n, k] - zeros[n, g]) * scales[n, g], g = k // group_size; perm as in linear_w4a16"),
+    OpSpec("linear_fp8", 1, "linear_fp8(x [T, in], qweight [out, in], scales [out], bias [out] | None) -> [T, out]",
+           "qweight float8_e4m3fn; scales float32; x, bias and the result in the compute dtype",
+           "fp8 weights, one scale per output row (scheme fp8): weight = qweight * scales[:, None]; the "
+           "activations stay in the compute dtype"),
+    OpSpec("linear_fp8_block", 1, "linear_fp8_block(x [T, in], qweight [out, in], scale_inv [ceil(out / bn), "
+                                  "ceil(in / bk)], block_n: int, block_k: int, bias [out] | None) -> [T, out]",
+           "qweight float8_e4m3fn; scale_inv float32; x, bias and the result in the compute dtype",
+           "block fp8 (scheme fp8_block, DeepSeek-V3 / Qwen3-FP8 layout): weight[n, k] = qweight[n, k] * "
+           "scale_inv[n // bn, k // bk]; the activations stay in the compute dtype"),
+    OpSpec("embedding_int8", 1, "embedding_int8(ids [T], qweight [vocab, hidden], scales [vocab], "
+                                "out_dtype: torch.dtype) -> [T, hidden]",
+           "ids int64; qweight int8; scales float32; the result in out_dtype (the compute dtype)",
+           "an int8 embedding (quantised schemes quantise the vocabulary matrix too): qweight[ids] * scales[ids]"),
     OpSpec("embedding", 1, "embedding(ids [T], weight [vocab, hidden]) -> [T, hidden]",
            "ids int64; weight and the result in the compute dtype"),
     OpSpec("rms_norm", 1, "rms_norm(x [..., hidden], weight [hidden], eps: float) -> x's shape",
@@ -104,6 +136,19 @@ OPS: dict[tuple[str, int], OpSpec] = _specs(
            "out) -> None writing every prefill chunk's rows of out; the frame writes the caches and passes "
            "k_scale, v_scale on to both for fp8 caches"),
 )
+
+#: quantisation schemes (``--quantization``, or a checkpoint's own ``quantization_config``) and the ops a
+#: model quantised with each may call. A plugin runs a scheme natively by registering those ops; an op
+#: it lacks runs the native reference (``polychip coverage`` says so and why; ``--strict`` refuses it)
+SCHEME_OPS = {
+    "int8": ("linear_int8",),                          # weight-only int8, one scale per output row
+    "w8a16": ("linear_int8", "linear_w8a16"),          # the same from a checkpoint; grouped or asymmetric
+    "w8a8": ("linear_w8a8", "embedding_int8"),         # int8 weights and dynamic per-token int8 activations
+    "w4a16": ("linear_w4a16", "embedding_int8"),       # 4-bit grouped weights (compressed-tensors, GPTQ, AWQ)
+    "fp8": ("linear_fp8",),                            # fp8 weights, per-row scales
+    "fp8_block": ("linear_fp8_block",),                # fp8 weights, 128x128 block scales
+}
+QUANT_OPS = tuple(dict.fromkeys(op for ops in SCHEME_OPS.values() for op in ops))
 
 #: fusion patterns a plugin may name in ``fusions()``: q/k/v projections as one linear, gate/up
 #: projections as one linear, residual add + rms_norm as one ``add_rms_norm`` call

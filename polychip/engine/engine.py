@@ -68,7 +68,7 @@ class Engine:
         began = time.time()
         self.loaded = load_model(config.model_path, self.plugin, config.dtype, config.enable_fusion,
                                  config.cache_dir, config.max_model_len, quantization=config.quantization,
-                                 comm=tp.comm if tp else None)
+                                 comm=tp.comm if tp else None, strict=config.strict)
         self.model_config = mc = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = config.max_model_len or mc.max_position_embeddings

@@ -20,8 +20,9 @@ import torch
 from safetensors import safe_open
 
 from polychip.devices import boundary, memory
+from polychip.devices.ops import ALLOC_DTYPES
 from polychip.devices.spec import require_dtypes
-from polychip.errors import ConfigError, ModelLoadError
+from polychip.errors import ModelLoadError
 from polychip.models.config import ModelConfig
 from polychip.models.decoder import DecoderModel, rope_tables
 from polychip.models.op_plan import check_ops, planned_fusions, read_op_plan
@@ -29,7 +30,9 @@ from polychip.models.tokenizer import Tokenizer
 from polychip.ops import passes, tp_shard
 from polychip.ops.native import register_native
 from polychip.ops.registry import OpRegistry
+from polychip.models import quant_load
 from polychip.quant import int8
+from polychip.quant.plan import QuantPlan, fixed_dtypes
 
 log = logging.getLogger("polychip.loader")
 
@@ -47,6 +50,7 @@ class LoadedModel:
     load_seconds: float = 0.0
     from_cache: bool | None = None
     quantization: str | None = None
+    quantization_format: str | None = None     # where quantised weights came from: compressed-tensors, gptq, ...
     plan_warnings: list[str] = field(default_factory=list)    # where the device differs from plan.json
     shard: tp_shard.ShardLayout | None = None     # this rank's part under tensor parallelism
 
@@ -103,22 +107,10 @@ def weight_files(model_dir: str) -> list[str]:
     return files
 
 
-def stored_keys(files: list[str]) -> dict[str, str]:
-    """{tensor name: safetensors dtype} from the files' headers, reading no tensor data."""
-    keys = {}
-    for path in files:
-        try:
-            with safe_open(path, framework="pt") as f:
-                keys.update((name, f.get_slice(name).get_dtype()) for name in f.keys())
-        except Exception as e:  # safetensors raises its own error types for corrupt files
-            raise ModelLoadError(f"{path}: cannot read safetensors ({e})") from None
-    return keys
-
-
 # safetensors header dtype names -> torch dtypes (for the meta tensors that describe what is stored)
 _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
               "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-              "BOOL": torch.bool}
+              "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 
 
 def stored_meta(files: list[str]) -> dict[str, torch.Tensor]:
@@ -136,31 +128,15 @@ def stored_meta(files: list[str]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _keep(key: str, cfg: ModelConfig, packed_head: bool) -> bool:
-    """A tied lm_head stored beside the embedding is skipped, unless it is an int8 package's head."""
-    return not (key == "lm_head.weight" and cfg.tie_word_embeddings and not packed_head)
-
-
-def quantized_meta(stored: dict[str, torch.Tensor], cfg: ModelConfig, quantize: str | None,
-                   packed_head: bool) -> dict[str, torch.Tensor]:
-    """What ``read_tensors`` will yield, as meta tensors: for int8, the structure pass
-    (``int8.apply_int8``) needs every quantised weight's shape before any data is read."""
-    out = {}
-    for key, t in stored.items():
-        if not _keep(key, cfg, packed_head):
-            continue
-        out[key] = t
-        if quantize and int8.is_quantizable(key, t):
-            out[key] = torch.empty(t.shape, dtype=torch.int8, device="meta")
-            out[int8.scale_key(key)] = torch.empty(t.shape[0], device="meta")
-        if quantize and key == int8.EMBEDDING_KEY and cfg.tie_word_embeddings:
-            out[int8.LM_HEAD_KEY] = torch.empty(t.shape, dtype=torch.int8, device="meta")
-            out[int8.scale_key(int8.LM_HEAD_KEY)] = torch.empty(t.shape[0], device="meta")
-    return out
-
-
 def read_tensors(files: list[str], cfg: ModelConfig, packed_head: bool, shard: tp_shard.ShardLayout | None = None,
-                 quantize: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                 quantize: str | None = None, plan: QuantPlan | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """As :func:`stored_tensors`, with each layer of a quantisation ``plan`` converted into its layer's tensors."""
+    entries = stored_tensors(files, cfg, packed_head, shard, quantize)
+    return entries if plan is None else quant_load.converted(entries, plan)
+
+
+def stored_tensors(files: list[str], cfg: ModelConfig, packed_head: bool, shard: tp_shard.ShardLayout | None = None,
+                   quantize: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(state-dict key, host tensor) for every weight, one at a time: with ``shard`` only this rank's
     part is read; ``quantize="int8"`` quantises each linear weight as it is read (and adds an int8
     lm_head for a tied one); weights stored quantised come as they are."""
@@ -169,7 +145,7 @@ def read_tensors(files: list[str], cfg: ModelConfig, packed_head: bool, shard: t
             with safe_open(path, framework="pt") as f:
                 for name in f.keys():
                     key = name.removeprefix("model.")
-                    if not _keep(key, cfg, packed_head):
+                    if not quant_load.keep_key(key, cfg, packed_head):
                         continue
                     t = f.get_tensor(name) if shard is None else tp_shard.slice_weight(shard, key, f.get_slice(name))
                     entries = int8.quantized_entries(key, t) if quantize else [(key, t)]
@@ -181,19 +157,26 @@ def read_tensors(files: list[str], cfg: ModelConfig, packed_head: bool, shard: t
 
 
 def place_weights(tensors: Iterable[tuple[str, torch.Tensor]], shapes: dict[str, torch.Size],
-                  merges: dict[str, tuple[str, ...]], dtype: torch.dtype, plugin) -> dict[str, torch.Tensor]:
+                  merges: dict[str, tuple[str, ...]], dtype: torch.dtype, plugin,
+                  fixed: dict[str, torch.dtype] | None = None) -> dict[str, torch.Tensor]:
     """Each weight on the device, placed once: the parts of a fused weight (``merges``) wait on the
     host until all have been read, are concatenated there and placed as one tensor, so the device
     never holds a part it later frees. ``shapes`` are the unfused model's; floating-point weights
-    are cast to ``dtype``, quantised ones keep theirs (refused unless the device supports it)."""
+    are cast to ``dtype`` except those ``fixed`` names (a quantised layer's float32 scales, fp8
+    weights); integer ones keep theirs (their scheme's dtype was checked against the device)."""
     target_of = {part: merged for merged, parts in merges.items() for part in parts}
+    fixed = fixed or {}
+    fixed.update({part: fixed[merged] for merged, parts in merges.items() if merged in fixed for part in parts})
     pending: dict[str, torch.Tensor] = {}
-    state, unexpected, checked = {}, [], set()
+    state, unexpected = {}, []
+    require_dtypes(plugin, [str(dtype).removeprefix("torch.")], "model dtype")
+    checked = {dtype}
     for key, t in tensors:
-        want = dtype if t.is_floating_point() else t.dtype
-        if want not in checked:
-            require_dtypes(plugin, [str(want).removeprefix("torch.")],
-                           "model dtype" if t.is_floating_point() else "quantised weight dtype")
+        want = fixed.get(key) or (dtype if t.is_floating_point() else t.dtype)
+        if want not in checked:     # a stored quantised dtype (the index dtypes every plugin allocates)
+            name = str(want).removeprefix("torch.")
+            if name not in ALLOC_DTYPES:
+                require_dtypes(plugin, [name], "quantised weight dtype")
             checked.add(want)
         if key not in shapes:
             unexpected.append(key)
@@ -228,11 +211,6 @@ def place_rope(model: DecoderModel, cfg: ModelConfig, max_positions: int, dtype:
     model.rope_cos, model.rope_sin = memory.place(plugin, what, cos, dtype), memory.place(plugin, what, sin, dtype)
 
 
-def stored_quantization(model_dir: str) -> str | None:
-    """"int8" when the folder's weights are stored int8-quantised (an int8 package), else None."""
-    return "int8" if int8.is_int8_state(stored_keys(weight_files(model_dir))) else None
-
-
 def model_dtype(plugin, cfg, dtype: str, plan: dict | None) -> str:
     """The dtype the weights load in: the request, else the package's planned one, else the plugin's default."""
     if dtype == "auto" and plan is not None and plan.get("dtype"):
@@ -240,18 +218,6 @@ def model_dtype(plugin, cfg, dtype: str, plan: dict | None) -> str:
     dname = boundary.default_dtype(plugin, cfg.torch_dtype) if dtype == "auto" else dtype
     require_dtypes(plugin, [dname], "model dtype")
     return dname
-
-
-def weight_quantization(plugin, model_dir: str, quantization: str | None, shard) -> tuple[str | None, str | None]:
-    """(how the folder stores its weights, how they are served), checked before a single weight is read."""
-    stored = stored_quantization(model_dir)
-    quant = stored or quantization
-    if quant:
-        require_dtypes(plugin, ["int8"], f"{quant} weight dtype" + ("" if stored else " (--quantization int8)"))
-        if shard is not None:
-            raise ConfigError(f"{quant} weights cannot be sharded yet: tensor parallelism (tp size "
-                              f"{shard.size}) runs float weights only")
-    return stored, quant
 
 
 def rewrite(model, plugin, registry, torch_dtype, ops, plan: dict | None, enable_fusion: bool):
@@ -272,14 +238,15 @@ def rewrite(model, plugin, registry, torch_dtype, ops, plan: dict | None, enable
 
 def load_model(model_path: str | None, plugin, dtype: str = "auto", enable_fusion: bool = True,
                cache_dir: str | None = None, max_model_len: int | None = None,
-               registry: OpRegistry | None = None, quantization: str | None = None, comm=None) -> LoadedModel:
-    """``quantization="int8"`` quantises floating weights while loading; weights stored quantised
-    load as they are with or without it. A folder with a ``plan.json`` (an opened package) gets
-    the plan's fusions and a warning per op this device resolves differently. ``comm``: a
+               registry: OpRegistry | None = None, quantization: str | None = None, comm=None,
+               strict: bool = False) -> LoadedModel:
+    """Weights stored quantised (a checkpoint's ``quantization_config``, an int8 package) load as they
+    are; ``quantization`` may name their scheme, or on a float model "int8" or "w8a8" quantises while
+    loading; ``strict`` refuses a scheme op the plugin lacks (quant_load.check_strict). A folder with
+    a ``plan.json`` (an opened package) gets the plan's fusions and a warning per op this device
+    resolves differently. ``comm``: a
     distributed Communicator; with more than one rank, this rank's shard is loaded."""
     t0 = time.perf_counter()
-    if quantization not in (None, *int8.QUANTIZATIONS):
-        raise ModelLoadError(f"quantization must be one of {list(int8.QUANTIZATIONS)} or unset, got {quantization!r}")
     model_dir, from_cache = resolve_model_dir(model_path, cache_dir)
     cfg = read_config(model_dir)
     shard = None
@@ -291,33 +258,37 @@ def load_model(model_path: str | None, plugin, dtype: str = "auto", enable_fusio
         raise ModelLoadError(f"tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is "
                              f"{cfg.vocab_size}: tokenizer and weights do not match")
     dname = model_dtype(plugin, cfg, dtype, plan)
-    stored, quant = weight_quantization(plugin, model_dir, quantization, shard)
+    files = weight_files(model_dir)
+    stored_state = stored_meta(files)
+    choice = quant_load.choose(plugin, quant_load.read_hf_config(model_dir), stored_state, cfg.tie_word_embeddings,
+                               quantization, shard)
     torch_dtype = getattr(torch, dname)
     if registry is None:
         registry = OpRegistry(plugin.name)
         register_native(registry)
         plugin.register_ops(registry)
     ops = SimpleNamespace()
-    # the structure first, on the meta device: sharded, int8 modules fitted, ops resolved, fused
-    files = weight_files(model_dir)
-    stored_state = stored_meta(files)
+    # the structure first, on the meta device: sharded, quantised modules fitted, ops resolved, fused
     packed_head = int8.scale_key(int8.LM_HEAD_KEY) in stored_state
     with torch.device("meta"):
         model = DecoderModel(cfg, ops)
     if shard is not None:
         tp_shard.shard_modules(model, shard, comm)
-    quantize = None if stored else quantization
-    if quant:
-        int8.apply_int8(model, quantized_meta(stored_state, cfg, quantize, packed_head))
-    shapes = {k: t.shape for k, t in model.state_dict().items()}      # once: it walks the whole tree
+    quantize = "int8" if choice.self_int8 else None
+    aliases = quant_load.fit_model(model, choice, stored_state, cfg, torch_dtype, packed_head)
+    shapes = {k: t.shape for k, t in model.state_dict().items() if k not in aliases}   # walks the tree once
     resolutions, merges, fusions, warnings = rewrite(model, plugin, registry, torch_dtype, ops, plan, enable_fusion)
+    quant_load.check_strict(strict, choice.scheme, resolutions, plugin)
     # then the weights, each placed once on the device (fused ones merged on the host first)
-    tensors = read_tensors(files, cfg, packed_head, shard, quantize)
-    model.load_state_dict(place_weights(tensors, shapes, merges, torch_dtype, plugin), assign=True, strict=True)
+    tensors = read_tensors(files, cfg, packed_head, shard, quantize, choice.plan)
+    state = place_weights(tensors, shapes, merges, torch_dtype, plugin, fixed_dtypes(model))
+    state.update({alias: state[source] for alias, source in aliases.items()})
+    model.load_state_dict(state, assign=True, strict=True)
     place_rope(model, cfg, max_model_len or cfg.max_position_embeddings, torch_dtype, plugin)
     model.eval()
     lm = LoadedModel(model, cfg, tokenizer, torch_dtype, model_dir, registry, resolutions, fusions,
-                     time.perf_counter() - t0, from_cache, quant, warnings, shard)
+                     time.perf_counter() - t0, from_cache, choice.scheme, choice.format, warnings, shard)
     log.info("loaded %s (%s, %s%s) in %.2fs", model_dir, cfg.architecture, dname,
-             f", {quant} weights" if quant else "", lm.load_seconds)
+             f", {choice.scheme} weights" + (f" ({choice.plan.source})" if choice.plan else "") if choice.scheme
+             else "", lm.load_seconds)
     return lm

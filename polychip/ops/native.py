@@ -1,12 +1,12 @@
 """Native PyTorch reference implementations of every op the models call."""
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
 from polychip.ops.attention import paged_attention
+from polychip.ops.dispatch import has_kernel as _has_kernel
+from polychip.ops.quant_native import QUANT_NATIVE_OPS
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -31,17 +31,6 @@ def linear_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     if bias is not None:
         out = out + bias
     return out.reshape(*lead, qweight.shape[0])
-
-
-@functools.cache
-def _has_kernel(op: str, device_type: str) -> bool:
-    """Whether torch has a kernel for ``op`` on ``device_type``: a memo of torch's dispatch table
-    (~9 us a query). A kernel registered later is seen after a restart; until then the
-    dequantising path computes the same numbers."""
-    try:
-        return torch._C._dispatch_has_kernel_for_dispatch_key(op, device_type.upper())
-    except RuntimeError:    # not a dispatch key name torch knows
-        return False
 
 
 def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -87,6 +76,7 @@ NATIVE_OPS = {
     "silu_mul": silu_mul,
     "rotary_embedding": rotary_embedding,
     "attention": paged_attention,
+    **QUANT_NATIVE_OPS,
 }
 
 

@@ -70,20 +70,28 @@ def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(tensors, 0)
 
 
+def _merge_key(mod: nn.Module) -> tuple:
+    """Linears merge only with linears of the same kind and layout (a quantised layer's ``like``)."""
+    return (type(mod), getattr(mod, "bits", None), getattr(mod, "group_size", None),
+            getattr(mod, "block_n", None), getattr(mod, "block_k", None))
+
+
 def merge_linears(parts: list[nn.Module]) -> nn.Module:
     """One linear whose output is the parts' outputs concatenated (same class as the parts): each
     of its per-output-row parameters (weight, bias, an int8 linear's weight_scale) concatenated."""
     first = parts[0]
-    n_in = first.weight.shape[1]
-    if any(type(p) is not type(first) for p in parts):
+    n_in = getattr(first, "n_in", None) or first.weight.shape[1]
+    if any(_merge_key(p) != _merge_key(first) for p in parts):
         raise ValueError("cannot merge linears of different kinds")
-    if any(p.weight.shape[1] != n_in or p.weight.dtype != first.weight.dtype for p in parts):
+    if any((getattr(p, "n_in", None) or p.weight.shape[1]) != n_in for p in parts) or \
+            any(getattr(p, "weight", None) is not None and p.weight.dtype != first.weight.dtype for p in parts):
         raise ValueError("cannot merge linears with different input sizes or dtypes")
     if len({p.bias is None for p in parts}) != 1:
         raise ValueError("cannot merge linears where only some have a bias")
-    n_out = sum(p.weight.shape[0] for p in parts)
+    n_out = sum(p.n_out if hasattr(p, "n_out") else p.weight.shape[0] for p in parts)
     with torch.device("meta"):
-        merged = type(first)(first.ops, n_in, n_out, first.bias is not None)
+        merged = first.like(n_out) if hasattr(first, "like") else type(first)(first.ops, n_in, n_out,
+                                                                                first.bias is not None)
     for name, _ in first.named_parameters(recurse=False):
         merged.register_parameter(name, nn.Parameter(_cat([getattr(p, name).data for p in parts]),
                                                      requires_grad=False))
@@ -91,7 +99,9 @@ def merge_linears(parts: list[nn.Module]) -> nn.Module:
 
 
 def _mergeable(mod: nn.Module, how: MergeLinears) -> bool:
-    return getattr(mod, how.into) is None and all(getattr(mod, p) is not None for p in how.parts)
+    parts = [getattr(mod, p) for p in how.parts]
+    return getattr(mod, how.into) is None and all(p is not None for p in parts) and \
+        all(getattr(p, "mergeable", True) for p in parts) and len({_merge_key(p) for p in parts}) == 1
 
 
 def _merge(mod: nn.Module, how: MergeLinears) -> bool:

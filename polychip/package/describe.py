@@ -42,7 +42,10 @@ def describe_text(d: dict) -> str:
              f"model      {model.get('architecture')} from {model.get('source')}",
              f"devices    {', '.join(target['device_types'])} ({target.get('device_name') or '?'}"
              f"{', spec ' + target['spec'] if target.get('spec') else ''})",
-             f"quantize   {model.get('quantization') or 'none'} (compute dtype {model.get('dtype')})",
+             f"quantize   {model.get('quantization') or 'none'} ("
+             + (f"{model['quantization_format']} checkpoint, "
+                if model.get("quantization_format") not in (None, "polychip") else "")
+             + f"compute dtype {model.get('dtype')})",
              f"memory     weights {mem.get('weights', '?')} minimum ({mem.get('weights_bytes')} bytes)",
              "plan"]
     lines += ["  " + s for s in op_plan_summary(plan)]

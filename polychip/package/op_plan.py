@@ -20,9 +20,10 @@ PAGE_SIZE = 16
 
 
 def weight_bytes(lm: LoadedModel) -> int:
-    """Bytes of every parameter and buffer as placed on the device (after quantisation and fusion)."""
+    """Bytes of every parameter and buffer as placed on the device (after quantisation and fusion),
+    each storage once (a tied lm_head that reads the int8 embedding shares its tensors)."""
     tensors = list(lm.model.parameters()) + list(lm.model.buffers())
-    return sum(t.numel() * t.element_size() for t in tensors)
+    return sum({t.data_ptr(): t.numel() * t.element_size() for t in tensors}.values())
 
 
 def kv_defaults(lm: LoadedModel, plugin, weights: int) -> dict:
@@ -59,6 +60,7 @@ def build_op_plan(model_path: str | None, plugin, dtype: str = "auto", quantizat
                   "hidden_size": lm.config.hidden_size, "vocab_size": lm.config.vocab_size},
         "dtype": dtype_name(lm.dtype),
         "quantization": lm.quantization,
+        "quantization_format": lm.quantization_format,
         "weight_dtypes": sorted({dtype_name(p.dtype) for p in lm.model.parameters()}),
         "fusions": list(lm.fusions),
         "ops": op_rows(registry),

@@ -16,7 +16,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from polychip.devices.discovery import open_device
-from polychip.models.loader import weight_files, read_config, resolve_model_dir
+from polychip.config import QUANTIZATIONS
+from polychip.models.loader import read_config, resolve_model_dir, stored_meta, weight_files
 from polychip.trust import keys as signing
 from polychip.package.compat import current_versions
 from polychip.package.hashing import sha256_file
@@ -24,6 +25,7 @@ from polychip.package.manifest import (FORMAT_VERSION, MANIFEST, PLAN, SIGNATURE
                                        dump_manifest, manifest_sha256, name_problem)
 from polychip.package.op_plan import build_op_plan, dump_op_plan
 from polychip.quant import int8
+from polychip.quant.self_quant import SELF_SCHEMES, w8a8_config, w8a8_entries
 from polychip.trust.pins import pin_of
 
 log = logging.getLogger("polychip.package")
@@ -33,6 +35,8 @@ MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "token
                "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "chat_template.json",
                "vocab.json", "merges.txt")
 SHARD_BYTES = 2 * 2**30
+#: what pack quantises a float model into: int8 (weight-only) or w8a8 (compressed-tensors' layout)
+PACK_QUANTIZATIONS = ("int8", *SELF_SCHEMES)
 
 
 @dataclass(frozen=True)
@@ -55,8 +59,8 @@ class PackOptions:
             raise PackageError(f"--release must be >= 0, got {self.release}")
         if not self.output.endswith(SUFFIX):
             raise PackageError(f"-o {self.output}: a package file must end in {SUFFIX}")
-        if self.quantization not in (None, *int8.QUANTIZATIONS):
-            raise PackageError(f"--quantization must be one of {list(int8.QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.quantization not in (None, *QUANTIZATIONS):
+            raise PackageError(f"--quantization must be one of {list(QUANTIZATIONS)}, got {self.quantization!r}")
 
 
 @dataclass
@@ -69,8 +73,9 @@ class PackResult:
 
 
 def write_weights(model_dir: str, out: str, tie: bool, quantization: str | None, shard_bytes: int) -> list[str]:
-    """The folder's weights as safetensors shards in ``out`` (int8 + per-row scales for every
-    linear weight when quantising; a tied model gets an int8 lm_head made from its embedding).
+    """The folder's weights as safetensors shards in ``out``: as stored, or quantised: int8 (+ per-row
+    scales for every linear weight; a tied model gets an int8 lm_head made from its embedding) or
+    w8a8 (every linear weight and the embedding int8 + [N, 1] scales, compressed-tensors' layout).
     One shard in memory at a time. Returns the file names written."""
     shards, current, size = [], {}, 0
 
@@ -87,13 +92,15 @@ def write_weights(model_dir: str, out: str, tie: bool, quantization: str | None,
             for name in f.keys():
                 key = name.removeprefix("model.")
                 if key == int8.LM_HEAD_KEY and tie and f"{name}{int8.SCALE_SUFFIX}" not in f.keys():
-                    continue                  # a tied head is the embedding (an int8 copy is made below)
+                    continue                  # a tied head is the embedding (int8: a copy is made below)
                 t = f.get_tensor(name)
                 entries = [(name, t)]
-                if quantization and int8.is_quantizable(key, t):
+                if quantization == "w8a8":
+                    entries = w8a8_entries(name, t)
+                elif quantization and int8.is_quantizable(key, t):
                     q, scale = int8.quantize_int8(t)
                     entries = [(name, q), (int8.scale_key(name), scale)]
-                if quantization and tie and key == int8.EMBEDDING_KEY:
+                if quantization == "int8" and tie and key == int8.EMBEDDING_KEY:
                     entries += int8.quantized_entries(int8.LM_HEAD_KEY, t)
                 for k, v in entries:
                     current[k] = v.contiguous()
@@ -108,6 +115,29 @@ def write_weights(model_dir: str, out: str, tie: bool, quantization: str | None,
     with open(os.path.join(out, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
         json.dump(index, f, indent=2)
     return [name for name, _ in shards] + ["model.safetensors.index.json"]
+
+
+def pack_quantization(model_dir: str, quantization: str | None) -> str | None:
+    """How pack writes the weights: a checkpoint quantised elsewhere (``quantization_config``) or an
+    int8 package as they are (``--quantization`` may only name their scheme, which loading checks);
+    a float model quantised as asked."""
+    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+        stored = "quantization_config" in json.load(f)
+    if not stored:
+        stored = int8.is_int8_state(stored_meta(weight_files(model_dir)))
+    if not stored and quantization not in (None, *PACK_QUANTIZATIONS):
+        raise PackageError(f"--quantization {quantization}: {model_dir} is a float model, and pack quantises one "
+                           f"only into {list(PACK_QUANTIZATIONS)}; {quantization} needs a checkpoint quantised with it")
+    return None if stored else quantization
+
+
+def add_quantization_config(staging: str, qc: dict) -> None:
+    path = os.path.join(staging, "config.json")
+    with open(path, encoding="utf-8") as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = qc
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(cfg, f, indent=2)
 
 
 def copy_model_files(model_dir: str, out: str) -> list[str]:
@@ -190,8 +220,11 @@ def pack(opts: PackOptions) -> PackResult:
     try:
         try:
             names = copy_model_files(model_dir, staging)
-            names += write_weights(model_dir, staging, cfg.tie_word_embeddings, opts.quantization, opts.shard_bytes)
-            plan, lm = build_op_plan(staging, plugin, opts.dtype)
+            quantize = pack_quantization(model_dir, opts.quantization)
+            names += write_weights(model_dir, staging, cfg.tie_word_embeddings, quantize, opts.shard_bytes)
+            if quantize == "w8a8":
+                add_quantization_config(staging, w8a8_config())
+            plan, lm = build_op_plan(staging, plugin, opts.dtype, quantization=opts.quantization)
             versions = current_versions(plugin)
             pin = pin_of(plugin)
             del lm
@@ -201,7 +234,8 @@ def pack(opts: PackOptions) -> PackResult:
             f.write(dump_op_plan(plan))
         raw = assemble(staging, [PLAN] + names, opts.output, {
             "model": {"source": source_name(opts.model_path), "architecture": cfg.architecture,
-                      "dtype": plan["dtype"], "quantization": plan["quantization"]},
+                      "dtype": plan["dtype"], "quantization": plan["quantization"],
+                      "quantization_format": plan["quantization_format"]},
             "target": {"device_types": [plan["target"]["device_type"]], "device_name": plan["target"]["device_name"],
                        "spec": plan["target"]["spec"]},
             "versions": versions, "plugin_pin": pin, **release_field(opts)}, private)

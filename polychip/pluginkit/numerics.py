@@ -13,6 +13,7 @@ import torch
 from polychip.devices.ops import AttentionMetadata, PrefillSegment
 from polychip.dtypes import FLOAT_DTYPES
 from polychip.ops.registry import ANY_DTYPE, OpRegistry
+from polychip.pluginkit.quant_samples import quant_sample_inputs
 
 TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 1e-2}   # atol = rtol
 
@@ -166,7 +167,7 @@ def sample_inputs(name: str, dtype: str, device_put: Callable, seed: int = 0) ->
         return r(t, 4, 16), r(t, 2, 16), device_put(cos), device_put(sin)
     if name == "attention":
         return _attention_inputs(r, tdt, device_put)
-    return None
+    return quant_sample_inputs(name, tdt, g, device_put)
 
 
 def _clone(args: tuple) -> tuple:

@@ -13,6 +13,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from polychip.dtypes import quantization_dtype
 from polychip.router.breaker import Breaker
 from polychip.router.settings import RouterConfig
 from polychip.router.policies import Policy
@@ -64,7 +65,7 @@ def capable(replica: Replica, route: ModelRoute | None) -> str | None:
     """Why ``replica``'s device cannot serve the model (None when it can)."""
     if route is None or replica.info is None:
         return None
-    need = [d for d in (route.dtype, route.quantization) if d]
+    need = [d for d in (route.dtype, quantization_dtype(route.quantization)) if d]
     have = replica.info.device_dtypes
     missing = [d for d in need if d not in have]
     if missing:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+from polychip.dtypes import quantization_dtype
 from polychip.errors import PolychipError
 from polychip.router.deployment import Deployment, ReplicaEntry, raise_problems
 from polychip.router.inventory import Device, Inventory
@@ -42,8 +43,8 @@ def needs(replica: ReplicaEntry, dep: Deployment) -> list[str]:
     """The dtypes the device must have for this replica's model."""
     model = next(m for m in dep.models if m.name == replica.model)
     dtype = effective_dtype(replica, dep)
-    return [d for d in dict.fromkeys((None if dtype == "auto" else dtype, model.quantization, replica.quantization))
-            if d]
+    return [d for d in dict.fromkeys((None if dtype == "auto" else dtype, quantization_dtype(model.quantization),
+                                      quantization_dtype(replica.quantization))) if d]
 
 
 def device_configs(dep: Deployment) -> list[str | None]:

@@ -14,7 +14,7 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from polychip.config import QUANTIZATIONS
-from polychip.dtypes import KV_CACHE_DTYPES, MODEL_DTYPES
+from polychip.dtypes import KV_CACHE_DTYPES, MODEL_DTYPES, quantization_dtype
 
 DEVICE_RE = re.compile(r"^[a-z][a-z0-9_]*(:[0-9]+)?$")
 TYPE_RE = re.compile(r"^[a-z][a-z0-9_]*$")
@@ -117,7 +117,7 @@ class WorkloadSpec(BaseModel):
 
     def needed_dtypes(self) -> list[str]:
         """The dtypes the device must declare: the compute dtype (when given) and the quantization."""
-        return [d for d in (None if self.dtype == "auto" else self.dtype, self.quantization) if d]
+        return [d for d in (None if self.dtype == "auto" else self.dtype, quantization_dtype(self.quantization)) if d]
 
     def serve_flags(self) -> list[str]:
         """The serve flags from the spec's options (besides device, model, port and name)."""

@@ -19,7 +19,7 @@ log = logging.getLogger("polychip.devices.cpu")
 
 _DIR = os.path.join(os.path.dirname(__file__), "csrc")
 _SOURCES = [os.path.join(_DIR, f) for f in ("bindings.cpp", "decode_attention.cpp", "prefill_attention.cpp",
-                                          "linear.cpp", "elementwise.cpp", "replay.cpp")]
+                                          "linear.cpp", "quant_linear.cpp", "elementwise.cpp", "replay.cpp")]
 _HEADERS = [os.path.join(_DIR, "common.h")]
 _state: dict = {}          # one build attempt per process: {"module": module or None}
 # -fopenmp, not just -fopenmp-simd: without _OPENMP, ATen's at::parallel_for compiles to a serial loop

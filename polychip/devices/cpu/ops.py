@@ -38,7 +38,8 @@ BLOCK_ROWS_PREFILL = 256    # 576-row outputs split evenly across 2 threads; 512
 
 #: the extension's kernels, each also a torch operator ``torch.ops.polychip_cpu.<name>`` (csrc/bindings.cpp)
 KERNELS = ("paged_decode_attention", "paged_prefill_attention", "linear_tiles", "linear_blocks",
-           "linear_int8_tiles", "linear_int8_blocks", "rms_norm", "add_rms_norm", "silu_mul", "rotary_embedding")
+           "linear_int8_tiles", "linear_int8_blocks", "rms_norm", "add_rms_norm", "silu_mul", "rotary_embedding",
+           "linear_w8a8", "linear_w4a16", "linear_fp8")
 
 
 class KernelTable:
@@ -116,7 +117,8 @@ def make_int8_ops(kernels, native: Callable[[str], Callable]) -> dict:
     return {"linear_int8": linear_int8}
 
 
-OPS = ("linear", "attention", "linear_int8") + row_ops.ROW_OPS
+OPS = ("linear", "attention", "linear_int8", "linear_w8a8", "linear_w4a16", "linear_fp8",
+       "linear_fp8_block", "embedding_int8") + row_ops.ROW_OPS
 
 
 def register(registry: OpRegistrar) -> KernelTable | None:
@@ -128,8 +130,9 @@ def register(registry: OpRegistrar) -> KernelTable | None:
             registry.register_unavailable(name, cpu_kernels.unavailable_reason())
         return None
     kernels = KernelTable(module)
+    from polychip.devices.cpu.quant_ops import make_quant_ops
     ops = make_ops(kernels, registry.native) | row_ops.make_ops(kernels, registry.native) | \
-        make_int8_ops(kernels, registry.native)
+        make_int8_ops(kernels, registry.native) | make_quant_ops(kernels, registry.native)
     for name, fn in ops.items():
         registry.register(name, 1, "float32", fn)
     return kernels

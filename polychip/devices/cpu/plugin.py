@@ -85,7 +85,7 @@ class CpuPlugin(DevicePlugin):
         return [DeviceInfo(
             index=i, name=platform.processor() or platform.machine(),
             total_memory=total // len(ids), free_memory=free // len(ids),
-            dtypes=("float32", "bfloat16", "float16", "int8"),
+            dtypes=("float32", "bfloat16", "float16", "int8", "int4", "float8_e4m3fn"),
             compute={"threads": float(max(1, cores // len(ids))), "cores": float(cores)},
             topology={"p2p_enabled": False, "numa_nodes": 1},
         ) for i in ids]

@@ -23,6 +23,12 @@ torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up);
 std::vector<torch::Tensor> rotary_embedding(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin);
 void bind_replay(py::module& m);
 
+torch::Tensor linear_w8a8(torch::Tensor x, torch::Tensor w, torch::Tensor scales, c10::optional<torch::Tensor> bias);
+torch::Tensor linear_w4a16(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor zeros,
+                           int64_t group_size, c10::optional<torch::Tensor> bias, int64_t tiles_max_m, int64_t block);
+torch::Tensor linear_fp8(torch::Tensor x, torch::Tensor qweight, torch::Tensor scale, int64_t block_n,
+                         int64_t block_k, c10::optional<torch::Tensor> bias, int64_t tiles_max_m, int64_t block);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "paged decode attention (float32 q; float32, bfloat16 or fp8 caches with their scales)", py::arg("q"),
@@ -39,6 +45,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(x q^T) * scales + b, int8 weights widened in registers, decode-sized batches (float32 x)");
   m.def("linear_int8_blocks", &linear_int8_blocks,
         "(x q^T) * scales + b, int8 weight-row blocks dequantised then BLAS (float32 x)");
+  m.def("linear_w8a8", &linear_w8a8, "x quantised per row to int8, int8 GEMM, rescaled (+ b) (float32 x)");
+  m.def("linear_w4a16", &linear_w4a16, "x dequant(4-bit groups)^T + b: register tiles up to tiles_max_m rows, "
+        "else dequantised row blocks + BLAS (float32 x)");
+  m.def("linear_fp8", &linear_fp8, "x dequant(fp8 e4m3, block_n x block_k scales)^T + b (float32 x)");
   m.def("rms_norm", &rms_norm, "rms_norm over the last dimension (float32)");
   m.def("add_rms_norm", &add_rms_norm, "(rms_norm(residual + x), residual + x) (float32)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up (float32)");
@@ -71,6 +81,11 @@ TORCH_LIBRARY(polychip_cpu, m) {
   m.def("linear_blocks(Tensor x, Tensor w, Tensor? bias, int block) -> Tensor");
   m.def("linear_int8_tiles(Tensor x, Tensor w, Tensor scales, Tensor? bias) -> Tensor");
   m.def("linear_int8_blocks(Tensor x, Tensor w, Tensor scales, Tensor? bias, int block) -> Tensor");
+  m.def("linear_w8a8(Tensor x, Tensor w, Tensor scales, Tensor? bias) -> Tensor");
+  m.def("linear_w4a16(Tensor x, Tensor qweight, Tensor scales, Tensor zeros, int group_size, Tensor? bias, "
+        "int tiles_max_m, int block) -> Tensor");
+  m.def("linear_fp8(Tensor x, Tensor qweight, Tensor scale, int block_n, int block_k, Tensor? bias, "
+        "int tiles_max_m, int block) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
@@ -84,6 +99,9 @@ TORCH_LIBRARY_IMPL(polychip_cpu, CPU, m) {
   m.impl("linear_blocks", &linear_blocks);
   m.impl("linear_int8_tiles", &linear_int8_tiles);
   m.impl("linear_int8_blocks", &linear_int8_blocks);
+  m.impl("linear_w8a8", &linear_w8a8);
+  m.impl("linear_w4a16", &linear_w4a16);
+  m.impl("linear_fp8", &linear_fp8);
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm", &add_rms_norm_op);
   m.impl("silu_mul", &silu_mul);

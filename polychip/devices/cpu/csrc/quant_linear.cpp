@@ -1,0 +1,333 @@
+// Quantised linear kernels (float32 x), the CPU plugin's implementations of the scheme ops:
+// linear_w8a8: each row of x quantised to int8 (symmetric, round half to even, the op contract's
+//   rule), one int8 GEMM with int32 sums (at::_int_mm: oneDNN's VNNI kernels, 6-9x float32 BLAS
+//   here at prefill sizes), then y = sum * s_x[m] * s_w[n] (+ b) in one pass.
+// dq_tiles: decode-sized M. Register tiles of MR x rows by NR weight rows, each weight vector
+//   dequantised in registers once and used for all MR rows: 4-bit groups (linear_w4a16, two
+//   nibbles per byte, runs of 32 inputs), fp8 e4m3 with per-row scales (linear_fp8) or 2-D block
+//   scales (linear_fp8_block). A policy per layout says what a weight vector is.
+// dq_blocks: prefill-sized M. Blocks of weight rows dequantised to float32 on the intra-op threads,
+//   then one single-threaded BLAS call each (as linear_int8_blocks).
+#include "common.h"
+
+#include <type_traits>
+
+using namespace polychip_cpu;
+
+namespace {
+
+const float* opt_bias(const c10::optional<torch::Tensor>& bias, int64_t n) {
+  if (!bias.has_value() || !bias->defined()) return nullptr;
+  check_f32(*bias, "bias");
+  TORCH_CHECK(bias->numel() == n, "bias must have N elements");
+  return bias->data_ptr<float>();
+}
+
+void check_x(const torch::Tensor& x, int64_t k) {
+  check_f32(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "x must be [M, K] with the weight's K");
+}
+
+// rows [m0, m1) of x -> int8 q and scales (s = max|x| / 127, 1 for an all-zero row; q = round(x / s))
+void quantize_rows(const float* x, int8_t* q, float* s, int64_t m0, int64_t m1, int64_t K) {
+  for (int64_t m = m0; m < m1; ++m) {
+    const float* xr = x + m * K;
+    float amax = 0.f;
+    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(xr[k]));
+    const float scale = amax > 0.f ? amax / 127.f : 1.f;
+    s[m] = scale;
+    int8_t* qr = q + m * K;
+    int64_t k = 0;
+#ifdef __AVX512F__
+    const __m512 sv = _mm512_set1_ps(scale), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+    for (; k + 16 <= K; k += 16) {
+      __m512 v = _mm512_div_ps(_mm512_loadu_ps(xr + k), sv);
+      v = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      v = _mm512_min_ps(_mm512_max_ps(v, lo), hi);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qr + k), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v)));
+    }
+#endif
+    for (; k < K; ++k) qr[k] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(xr[k] / scale))));
+  }
+}
+
+}  // namespace
+
+torch::Tensor linear_w8a8(torch::Tensor x, torch::Tensor w, torch::Tensor scales, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == torch::kInt8 && w.is_contiguous() && w.dim() == 2,
+              "weight must be a contiguous int8 [N, K] CPU tensor");
+  check_f32(scales, "scales");
+  const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
+  check_x(x, K);
+  TORCH_CHECK(scales.numel() == N, "scales must have N elements");
+  const float* bp = opt_bias(bias, N);
+  auto xq = torch::empty({M, K}, x.options().dtype(torch::kInt8));
+  auto xs = torch::empty({M}, x.options());
+  const float* xp = x.data_ptr<float>();
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    quantize_rows(xp, xq.data_ptr<int8_t>(), xs.data_ptr<float>(), m0, m1, K);
+  });
+  auto acc = at::_int_mm(xq, w.t());
+  auto y = torch::empty({M, N}, x.options());
+  const int32_t* ap = acc.data_ptr<int32_t>();
+  const float *sp = scales.data_ptr<float>(), *xsp = xs.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(N, 1)), [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const int32_t* ar = ap + m * N;
+      float* yr = yp + m * N;
+      const float xsm = xsp[m];
+      for (int64_t n = 0; n < N; ++n) {
+        const float v = static_cast<float>(ar[n]) * xsm * sp[n];
+        yr[n] = bp ? v + bp[n] : v;
+      }
+    }
+  });
+  return y;
+}
+
+namespace {
+
+// What a weight vector is, per layout. seg: inputs sharing one (scale, zero*scale) per row;
+// STEP inputs are read per load, as V vectors of 16.
+struct W4 {
+  static constexpr int STEP = 32, V = 2;
+  const uint8_t* q; const float* s; const uint8_t* z;
+  int64_t K, G, seg;
+  void params(int64_t n, int64_t k0, float& sc, float& zs) const {
+    const int64_t g = k0 / seg;
+    sc = s[n * G + g];
+    zs = static_cast<float>(z[n * G + g]) * sc;
+  }
+#ifdef __AVX512F__
+  inline void load(int64_t n, int64_t k, float sc, float zs, __m512* w) const {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + n * (K / 2) + k / 2)));
+    const __m512 sv = _mm512_set1_ps(sc), zv = _mm512_set1_ps(zs);
+    w[0] = _mm512_fmsub_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15))), sv, zv);
+    w[1] = _mm512_fmsub_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), sv, zv);
+  }
+#endif
+  void dequant(int64_t n, int64_t k, float sc, float zs, float* out) const {   // 32 inputs
+    const uint8_t* p = q + n * (K / 2) + k / 2;
+    for (int i = 0; i < 16; ++i) {
+      out[i] = static_cast<float>(p[i] & 15) * sc - zs;
+      out[16 + i] = static_cast<float>(p[i] >> 4) * sc - zs;
+    }
+  }
+};
+
+// fp8 e4m3 weights [N, K]: per-row scales (bn = 1, KB = 1, seg = K) or block scales [ceil(N/bn), KB]
+struct Fp8 {
+  static constexpr int STEP = 16, V = 1;
+  const uint8_t* q; const float* s;
+  int64_t K, KB, bn, seg;
+  void params(int64_t n, int64_t k0, float& sc, float& zs) const {
+    sc = s[(n / bn) * KB + k0 / seg] * 256.f;   // kv_load16 reads e4m3 as 2^-8 of its value
+    zs = 0.f;
+  }
+#ifdef __AVX512F__
+  inline void load(int64_t n, int64_t k, float sc, float, __m512* w) const {
+    w[0] = _mm512_mul_ps(kv_load16<KvKind::E4M3>(q + n * K + k), _mm512_set1_ps(sc));
+  }
+#endif
+  void dequant(int64_t n, int64_t k, float sc, float, float* out) const {   // 16 inputs
+    for (int i = 0; i < 16; ++i) out[i] = Kv<KvKind::E4M3>::raw(q[n * K + k + i]) * sc;
+  }
+};
+
+#ifdef __AVX512F__
+// y[MR rows (stride N), NR] = x[MR rows, K] . dequant(weight rows n0 .. n0 + NR)^T (+ b)
+template <class P, int MR, int NR>
+void dq_tile(const float* __restrict x, const P& p, int64_t n0, float* __restrict y, const float* b, int64_t K,
+             int64_t N, const float*) {
+  __m512 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t k0 = 0; k0 < K; k0 += p.seg) {
+    float sc[NR], zs[NR];
+    for (int j = 0; j < NR; ++j) p.params(n0 + j, k0, sc[j], zs[j]);
+    const int64_t k1 = std::min(K, k0 + p.seg);
+    for (int64_t k = k0; k < k1; k += P::STEP) {
+      __m512 w[NR][P::V];
+      for (int j = 0; j < NR; ++j) p.load(n0 + j, k, sc[j], zs[j], w[j]);
+      for (int i = 0; i < MR; ++i) {
+        for (int v = 0; v < P::V; ++v) {
+          const __m512 xv = _mm512_loadu_ps(x + i * K + k + 16 * v);
+          for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(xv, w[j][v], acc[i][j]);
+        }
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) y[i * N + n0 + j] = _mm512_reduce_add_ps(acc[i][j]) + (b ? b[n0 + j] : 0.f);
+}
+
+// 4-bit groups without dequantising each weight: per group, sums of x * q in registers, then
+// y += scale * sum - zero * scale * sum(x over the group) (the x sums computed once per call)
+template <int MR, int NR>
+void w4_tile(const float* __restrict x, const W4& p, int64_t n0, float* __restrict y, const float* b, int64_t K,
+             int64_t N, const float* xsum) {
+  // two partial sums per (row, weight row), for the low and the high nibbles: twice the independent
+  // FMA chains (one chain would wait on the FMA latency)
+  __m512 acc[MR][NR], lo[MR][NR], hi[MR][NR];
+  float corr[MR][NR] = {};
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  const __m512i mask = _mm512_set1_epi32(15);
+  for (int64_t g = 0, k0 = 0; k0 < K; ++g, k0 += p.seg) {
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) lo[i][j] = hi[i][j] = _mm512_setzero_ps();
+    const int64_t k1 = std::min(K, k0 + p.seg);
+    for (int64_t k = k0; k < k1; k += 32) {
+      for (int j = 0; j < NR; ++j) {
+        const __m512i v = _mm512_cvtepu8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(p.q + (n0 + j) * (K / 2) + k / 2)));
+        const __m512 w0 = _mm512_cvtepi32_ps(_mm512_and_si512(v, mask));
+        const __m512 w1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+        for (int i = 0; i < MR; ++i) {
+          lo[i][j] = _mm512_fmadd_ps(_mm512_loadu_ps(x + i * K + k), w0, lo[i][j]);
+          hi[i][j] = _mm512_fmadd_ps(_mm512_loadu_ps(x + i * K + k + 16), w1, hi[i][j]);
+        }
+      }
+    }
+    for (int j = 0; j < NR; ++j) {
+      const float sc = p.s[(n0 + j) * p.G + g], zs = static_cast<float>(p.z[(n0 + j) * p.G + g]) * sc;
+      for (int i = 0; i < MR; ++i) {
+        acc[i][j] = _mm512_fmadd_ps(_mm512_add_ps(lo[i][j], hi[i][j]), _mm512_set1_ps(sc), acc[i][j]);
+        corr[i][j] += zs * xsum[i * p.G + g];
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j)
+      y[i * N + n0 + j] = _mm512_reduce_add_ps(acc[i][j]) - corr[i][j] + (b ? b[n0 + j] : 0.f);
+}
+
+template <class P>
+struct DqTiles {
+  using Fn = void (*)(const float*, const P&, int64_t, float*, const float*, int64_t, int64_t, const float*);
+#define POLYCHIP_DQ(MR) {dq_tile<P, MR, 1>, dq_tile<P, MR, 2>, dq_tile<P, MR, 3>, dq_tile<P, MR, 4>, \
+                         dq_tile<P, MR, 5>, dq_tile<P, MR, 6>}
+  static constexpr Fn fns[4][6] = {POLYCHIP_DQ(1), POLYCHIP_DQ(2), POLYCHIP_DQ(3), POLYCHIP_DQ(4)};
+#undef POLYCHIP_DQ
+  static constexpr int NR1 = 6, NR = 3;        // registers: MR*NR accumulators + NR*V weights + x
+};
+
+template <>
+struct DqTiles<W4> {
+  using Fn = void (*)(const float*, const W4&, int64_t, float*, const float*, int64_t, int64_t, const float*);
+#define POLYCHIP_W4(MR) {w4_tile<MR, 1>, w4_tile<MR, 2>, w4_tile<MR, 3>, w4_tile<MR, 4>, w4_tile<MR, 5>, \
+                         w4_tile<MR, 6>}
+  static constexpr Fn fns[4][6] = {POLYCHIP_W4(1), POLYCHIP_W4(2), POLYCHIP_W4(3), POLYCHIP_W4(4)};
+#undef POLYCHIP_W4
+  static constexpr int NR1 = 6, NR = 2;        // 3 * MR*NR accumulators + weights + x
+};
+
+// x's sums over each group of inputs, [M, G] (what the zero points multiply)
+template <class P>
+std::vector<float> group_sums(const float* x, int64_t M, int64_t K, const P& p) {
+  if constexpr (std::is_same_v<P, W4>) {
+    std::vector<float> out(M * p.G, 0.f);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t k = 0; k < K; ++k) out[m * p.G + k / p.seg] += x[m * K + k];
+    return out;
+  } else {
+    return {};
+  }
+}
+
+template <class P>
+torch::Tensor dq_tiles(const torch::Tensor& x, const P& p, int64_t N, const float* bp) {
+  const int64_t M = x.size(0), K = x.size(1);
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int MR = static_cast<int>(std::min<int64_t>(M, 4));
+  const int NR = M == 1 ? DqTiles<P>::NR1 : DqTiles<P>::NR;
+  const std::vector<float> xsum = group_sums(xp, M, K, p);
+  const int64_t xsum_stride = xsum.empty() ? 0 : static_cast<int64_t>(xsum.size()) / M;
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  int64_t rows = std::max<int64_t>(NR, (N / (8 * threads)) / NR * NR);
+  rows = std::min<int64_t>(rows, std::max<int64_t>(NR, 96 / NR * NR));
+  for_each_chunk((N + rows - 1) / rows, [&](int64_t c) {
+    const int64_t r1 = std::min(N, (c + 1) * rows);
+    for (int64_t n = c * rows; n < r1; n += NR) {
+      const int nr = static_cast<int>(std::min<int64_t>(NR, r1 - n));
+      for (int64_t m = 0; m < M; m += MR) {
+        const int mr = static_cast<int>(std::min<int64_t>(MR, M - m));
+        DqTiles<P>::fns[mr - 1][nr - 1](xp + m * K, p, n, yp + m * N, bp, K, N,
+                                        xsum.empty() ? nullptr : xsum.data() + m * xsum_stride);
+      }
+    }
+  });
+  return y;
+}
+#endif
+
+// blocks of weight rows dequantised to float32, then one single-threaded BLAS call each
+template <class P>
+torch::Tensor dq_blocks(const torch::Tensor& x, const P& p, int64_t N, const c10::optional<torch::Tensor>& bias,
+                        int64_t block) {
+  const int64_t M = x.size(0), K = x.size(1);
+  const float* bp = opt_bias(bias, N);
+  auto y = torch::empty({M, N}, x.options());
+  for_each_chunk((N + block - 1) / block, [&](int64_t c) {
+    const int64_t n0 = c * block, len = std::min(block, N - n0);
+    auto wf = torch::empty({len, K}, x.options());
+    float* wp = wf.data_ptr<float>();
+    for (int64_t r = 0; r < len; ++r) {
+      for (int64_t k0 = 0; k0 < K; k0 += p.seg) {
+        float sc, zs;
+        p.params(n0 + r, k0, sc, zs);
+        for (int64_t k = k0; k < std::min(K, k0 + p.seg); k += P::STEP) p.dequant(n0 + r, k, sc, zs, wp + r * K + k);
+      }
+    }
+    auto out = y.narrow(1, n0, len);
+    if (bp) {
+      at::addmm_out(out, bias->narrow(0, n0, len), x, wf.t());
+    } else {
+      at::mm_out(out, x, wf.t());
+    }
+  }, /*aten_state=*/true);
+  return y;
+}
+
+template <class P>
+torch::Tensor dq_linear(const torch::Tensor& x, const P& p, int64_t N, const c10::optional<torch::Tensor>& bias,
+                        int64_t tiles_max_m, int64_t block) {
+  TORCH_CHECK(x.size(1) % P::STEP == 0 && p.seg % P::STEP == 0, "K and the scale segment must be multiples of ",
+              P::STEP);
+#ifdef __AVX512F__
+  if (x.size(0) <= tiles_max_m) return dq_tiles(x, p, N, opt_bias(bias, N));
+#endif
+  return dq_blocks(x, p, N, bias, block);
+}
+
+}  // namespace
+
+torch::Tensor linear_w4a16(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor zeros,
+                           int64_t group_size, c10::optional<torch::Tensor> bias, int64_t tiles_max_m, int64_t block) {
+  TORCH_CHECK(qweight.scalar_type() == torch::kUInt8 && zeros.scalar_type() == torch::kUInt8 &&
+              qweight.is_contiguous() && zeros.is_contiguous(), "qweight and zeros must be contiguous uint8");
+  check_f32(scales, "scales");
+  const int64_t N = qweight.size(0), K = qweight.size(1) * 2, G = scales.size(1);
+  check_x(x, K);
+  TORCH_CHECK(scales.size(0) == N && zeros.sizes() == scales.sizes() && G == (K + group_size - 1) / group_size,
+              "scales and zeros must be [N, ceil(K / group_size)]");
+  W4 p{qweight.data_ptr<uint8_t>(), scales.data_ptr<float>(), zeros.data_ptr<uint8_t>(), K, G, group_size};
+  return dq_linear(x, p, N, bias, tiles_max_m, block);
+}
+
+torch::Tensor linear_fp8(torch::Tensor x, torch::Tensor qweight, torch::Tensor scale, int64_t block_n,
+                         int64_t block_k, c10::optional<torch::Tensor> bias, int64_t tiles_max_m, int64_t block) {
+  TORCH_CHECK(qweight.scalar_type() == torch::kFloat8_e4m3fn && qweight.is_contiguous(),
+              "qweight must be contiguous float8_e4m3fn");
+  check_f32(scale, "scales");
+  const int64_t N = qweight.size(0), K = qweight.size(1);
+  check_x(x, K);
+  const int64_t KB = (K + block_k - 1) / block_k;
+  TORCH_CHECK(scale.numel() == ((N + block_n - 1) / block_n) * KB, "scales do not match the blocks");
+  Fp8 p{reinterpret_cast<const uint8_t*>(qweight.data_ptr()), scale.data_ptr<float>(), K, KB, block_n, block_k};
+  return dq_linear(x, p, N, bias, tiles_max_m, block);
+}
