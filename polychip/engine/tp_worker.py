@@ -43,12 +43,12 @@ def serve_rank(config: EngineConfig, rank: int, device: str, host: str, port: in
         log.error("rank %d: %s; exiting", rank, reason)
         os._exit(EXIT_LOST_RANK0)   # the main thread may sit in a collective that never returns
 
-    join(store, rank, world.tp_size, world.facts(config), config.dist_init_timeout, world.node_of,
+    join(store, rank, world.size, world.facts(config), config.dist_init_timeout, world.node_of,
          dist_secret.resolve(None, None))     # from the environment rank 0 or run_node gave this process
     beat = Heartbeat(host, port, rank, lambda: device_status(plugin, rank, node, kv_bytes[0]), lost).start()
     comm = None
     try:
-        comm = Communicator(plugin.communicator_backend(), rank, world.tp_size, store,
+        comm = Communicator(plugin.communicator_backend(), rank, world.size, store,
                             timeout_s=config.dist_timeout, plugin_name=plugin.name,
                             device=plugin.device_handle(), accumulate_fp32=config.allreduce_fp32)
         loaded = load_model(config.model_path, plugin, config.dtype, config.enable_fusion, config.cache_dir,

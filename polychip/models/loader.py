@@ -25,6 +25,7 @@ from polychip.errors import ConfigError, ModelLoadError
 from polychip.models.config import ModelConfig
 from polychip.models.decoder import DecoderModel, rope_tables
 from polychip.models.op_plan import check_ops, planned_fusions, read_op_plan
+from polychip.models.stage import StageSpan, keep_stage
 from polychip.models.tokenizer import Tokenizer
 from polychip.ops import passes, tp_shard
 from polychip.ops.native import register_native
@@ -49,6 +50,7 @@ class LoadedModel:
     quantization: str | None = None
     plan_warnings: list[str] = field(default_factory=list)    # where the device differs from plan.json
     shard: tp_shard.ShardLayout | None = None     # this rank's part under tensor parallelism
+    stage: StageSpan | None = None                 # this process's layers under pipeline parallelism
 
     @property
     def kv_heads(self) -> int:
@@ -160,16 +162,19 @@ def quantized_meta(stored: dict[str, torch.Tensor], cfg: ModelConfig, quantize: 
 
 
 def read_tensors(files: list[str], cfg: ModelConfig, packed_head: bool, shard: tp_shard.ShardLayout | None = None,
-                 quantize: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                 quantize: str | None = None, stage: StageSpan | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(state-dict key, host tensor) for every weight, one at a time: with ``shard`` only this rank's
-    part is read; ``quantize="int8"`` quantises each linear weight as it is read (and adds an int8
-    lm_head for a tied one); weights stored quantised come as they are."""
+    part is read, with ``stage`` only this stage's tensors (none of another stage's is read);
+    ``quantize="int8"`` quantises each linear weight as it is read (and adds an int8 lm_head for a
+    tied one); weights stored quantised come as they are."""
     for path in files:
         try:
             with safe_open(path, framework="pt") as f:
                 for name in f.keys():
                     key = name.removeprefix("model.")
-                    if not _keep(key, cfg, packed_head):
+                    if stage is not None:
+                        key = stage.local_key(key)
+                    if key is None or not _keep(key, cfg, packed_head):
                         continue
                     t = f.get_tensor(name) if shard is None else tp_shard.slice_weight(shard, key, f.get_slice(name))
                     entries = int8.quantized_entries(key, t) if quantize else [(key, t)]
@@ -272,11 +277,13 @@ def rewrite(model, plugin, registry, torch_dtype, ops, plan: dict | None, enable
 
 def load_model(model_path: str | None, plugin, dtype: str = "auto", enable_fusion: bool = True,
                cache_dir: str | None = None, max_model_len: int | None = None,
-               registry: OpRegistry | None = None, quantization: str | None = None, comm=None) -> LoadedModel:
+               registry: OpRegistry | None = None, quantization: str | None = None, comm=None,
+               stage: StageSpan | None = None) -> LoadedModel:
     """``quantization="int8"`` quantises floating weights while loading; weights stored quantised
     load as they are with or without it. A folder with a ``plan.json`` (an opened package) gets
     the plan's fusions and a warning per op this device resolves differently. ``comm``: a
-    distributed Communicator; with more than one rank, this rank's shard is loaded."""
+    distributed Communicator; with more than one rank, this rank's shard is loaded. ``stage``: a
+    pipeline stage's layers (models/stage.py); only its weights are read and placed."""
     t0 = time.perf_counter()
     if quantization not in (None, *int8.QUANTIZATIONS):
         raise ModelLoadError(f"quantization must be one of {list(int8.QUANTIZATIONS)} or unset, got {quantization!r}")
@@ -304,6 +311,9 @@ def load_model(model_path: str | None, plugin, dtype: str = "auto", enable_fusio
     packed_head = int8.scale_key(int8.LM_HEAD_KEY) in stored_state
     with torch.device("meta"):
         model = DecoderModel(cfg, ops)
+    if stage is not None:
+        keep_stage(model, stage)
+        stored_state = {k: t for k, t in ((stage.local_key(k), t) for k, t in stored_state.items()) if k is not None}
     if shard is not None:
         tp_shard.shard_modules(model, shard, comm)
     quantize = None if stored else quantization
@@ -312,12 +322,12 @@ def load_model(model_path: str | None, plugin, dtype: str = "auto", enable_fusio
     shapes = {k: t.shape for k, t in model.state_dict().items()}      # once: it walks the whole tree
     resolutions, merges, fusions, warnings = rewrite(model, plugin, registry, torch_dtype, ops, plan, enable_fusion)
     # then the weights, each placed once on the device (fused ones merged on the host first)
-    tensors = read_tensors(files, cfg, packed_head, shard, quantize)
+    tensors = read_tensors(files, cfg, packed_head, shard, quantize, stage)
     model.load_state_dict(place_weights(tensors, shapes, merges, torch_dtype, plugin), assign=True, strict=True)
     place_rope(model, cfg, max_model_len or cfg.max_position_embeddings, torch_dtype, plugin)
     model.eval()
     lm = LoadedModel(model, cfg, tokenizer, torch_dtype, model_dir, registry, resolutions, fusions,
-                     time.perf_counter() - t0, from_cache, quant, warnings, shard)
+                     time.perf_counter() - t0, from_cache, quant, warnings, shard, stage)
     log.info("loaded %s (%s, %s%s) in %.2fs", model_dir, cfg.architecture, dname,
              f", {quant} weights" if quant else "", lm.load_seconds)
     return lm
