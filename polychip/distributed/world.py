@@ -40,11 +40,14 @@ class World:
 
     def facts(self, config: EngineConfig) -> dict:
         """What every rank must agree on before any collective (compared at join)."""
-        return {"tp_size": config.tp_size, "nnodes": self.nnodes, "dtype": config.dtype,
-                "page_size": config.page_size, "max_model_len": config.max_model_len,
-                "allreduce_fp32": config.allreduce_fp32, "pp_size": config.pp_size, "pp_devices": config.pp_devices,
-                "pp_layer_split": config.pp_layer_split, "chunked_prefill_size": config.chunked_prefill_size,
-                "max_running_requests": config.max_running_requests}
+        facts = {"tp_size": config.tp_size, "nnodes": self.nnodes, "dtype": config.dtype,
+                 "page_size": config.page_size, "max_model_len": config.max_model_len,
+                 "allreduce_fp32": config.allreduce_fp32}
+        if config.pp_size > 1:      # every stage sizes its buffers from these
+            facts.update({name: getattr(config, name) for name in (
+                "pp_size", "pp_devices", "pp_layer_split", "pp_micro_batches", "chunked_prefill_size",
+                "max_running_requests", "kv_cache_dtype", "quantization")})
+        return facts
 
 
 def rendezvous_address(config: EngineConfig) -> tuple[str, int]:

@@ -386,6 +386,12 @@ class Engine:
         if self.group is not None:
             self.group.on_fault(callback)
 
+    def pipeline_status(self) -> dict | None:
+        """The stages (device, layers, step time) and the plan; None without pipeline parallelism."""
+        if self.pp is None:
+            return None
+        return self.pp.report(self.device_report(), len(self.pipeline.in_flight) if self.pipeline else 0)
+
     def device_report(self) -> tuple[RankDevice, ...]:
         """Every rank's device and memory (one entry without tensor or pipeline parallelism); a
         pipeline stage's entry also has its layers and step time."""

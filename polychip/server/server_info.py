@@ -3,7 +3,8 @@ about this replica — model id and version label, plugin and device, dtypes, tp
 ``startup`` times (``load``, ``compile``, ``warmup`` seconds, with ``*_at`` wall clocks), and the
 live figures of ``Engine.stats()`` (queue lengths, KV usage, prefix-cache hit rate, pool pages),
 with the pool's integrity check, and ``disaggregation``: a prefill or decode side's role, bootstrap
-port, transfers in flight and done, bytes and seconds (None for plain serving).
+port, transfers in flight and done, bytes and seconds (None for plain serving), and ``pipeline``: each
+pipeline stage's device, layers and step time, the split and its planned bottleneck (None without).
 
 SGLang's fields (its ``ServerArgs`` names, ``status``, ``internal_states``; server/sglang_api.py)
 come first, so sglang-router can register the replica; polychip's own keys win where names meet.
@@ -58,4 +59,5 @@ async def server_info(request: Request):
     ae = state.engine
     info = build_server_info(app_state.server_identity, await ae.current_stats(), await ae.integrity())
     info["disaggregation"] = ae.disaggregation()       # role, backend, transfers, bytes; None when plain
+    info["pipeline"] = ae.pipeline()                   # stages: device, layers, step time; None without pp
     return info

@@ -138,13 +138,15 @@ class Shapes:
     prefill_context: int
     decode_steps: float              # decode micro-batches in one round of the workload
     prefill_chunks: float            # prefill chunks in one round
+    prefill_rows: int                # rows a prefill chunk samples (prompts it finishes)
 
     @classmethod
     def of(cls, wl: Workload, micro_batches: int, chunk: int) -> "Shapes":
         rows = max(1, math.ceil(wl.streams / micro_batches))
         tokens = max(1, min(chunk, wl.streams * wl.input_len))
         return cls(rows, tokens, wl.input_len + wl.output_len // 2, max(1, wl.input_len // 2),
-                   wl.streams * wl.output_len / rows, wl.streams * wl.input_len / tokens)
+                   wl.streams * wl.output_len / rows, wl.streams * wl.input_len / tokens,
+                   max(1, tokens // max(1, wl.input_len)))
 
 
 def layer_seconds(cost: ModelCost, fig: DeviceFigures, layer: int, shapes: Shapes) -> tuple[float, float]:
@@ -160,16 +162,15 @@ def layer_seconds(cost: ModelCost, fig: DeviceFigures, layer: int, shapes: Shape
     return decode, prefill
 
 
-def head_seconds(cost: ModelCost, fig: DeviceFigures, shapes: Shapes, input_len: int) -> tuple[float, float]:
+def head_seconds(cost: ModelCost, fig: DeviceFigures, shapes: Shapes) -> tuple[float, float]:
     """(decode, prefill) seconds of stage 0's head: the final norm and the lm_head on the sampled rows."""
     if fig.measured:
         return fig.measured["decode_head"], fig.measured["prefill_head"]
     if not fig.known:
         return 0.0, 0.0
     flops_per_row = 2 * cost.lm_head_bytes / cost.dtype_bytes
-    rows_prefill = max(1, shapes.prefill_tokens // max(1, input_len))
     return (_roofline(flops_per_row * shapes.decode_rows, cost.lm_head_bytes, fig),
-            _roofline(flops_per_row * rows_prefill, cost.lm_head_bytes, fig))
+            _roofline(flops_per_row * shapes.prefill_rows, cost.lm_head_bytes, fig))
 
 
 def send_seconds(cost: ModelCost, fig: DeviceFigures, tokens: int) -> float:

@@ -106,6 +106,21 @@ class PipelineGroup(RankGroup):
             return PipelineError(f"pipeline group failed: {self.fault}")
         return self.failure(err, "a link failed on stage 0")
 
+    def report(self, ranks, in_flight: int) -> dict:
+        """/server_info's ``pipeline``: each stage's device, layers and step times; the plan."""
+        plan = self.plan
+        tput = plan.throughput()
+        stages = [{"stage": r.rank, "device": f"{r.plugin}:{r.device}", "node": r.node,
+                   "layers": [self.spans[r.rank].start, self.spans[r.rank].end], "micro_batches": r.micro_batches,
+                   "step_seconds": r.step_seconds, "busy_seconds": r.busy_seconds, "kv_pool_bytes": r.kv_pool_bytes}
+                  for r in ranks]
+        busiest = max(stages, key=lambda st: st["busy_seconds"])
+        return {"pp_size": len(self.devices), "micro_batches": self.depth, "in_flight": in_flight,
+                "split": plan.counts, "chosen_by": plan.chosen_by, "stages": stages,
+                "bottleneck_stage": busiest["stage"] if busiest["busy_seconds"] > 0 else plan.bottleneck.index,
+                "planned_bottleneck_stage": plan.bottleneck.index,
+                "predicted_output_tokens_per_s": None if tput is None else tput[0]}
+
     def name_rank(self, rank: int) -> str:
         return f"stage {rank} ({self.devices[rank]})"
 

@@ -139,7 +139,7 @@ class _Setting:
             d, p = layer_seconds(self.cost, fig, layer, sh)
             dec, pre = dec + d, pre + p
         if span.first:
-            d, p = head_seconds(self.cost, fig, sh, self.workload.input_len)
+            d, p = head_seconds(self.cost, fig, sh)
             dec, pre = dec + d, pre + p
         rows_back = span.last
         dec += send_seconds(self.cost, fig, sh.decode_rows)

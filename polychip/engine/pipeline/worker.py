@@ -65,6 +65,7 @@ def serve_stage(config: EngineConfig, rank: int, device: str, host: str, port: i
         max_model_len = config.max_model_len or mc.max_position_embeddings
         limits = StepLimits.of(config, max_model_len)
         runner = StageRunner(loaded.model, plugin, limits, links, span)
+        held["runner"] = runner
         links.attach(plugin, loaded.dtype, mc.hidden_size, limits.max_tokens, config.pp_micro_batches or world.size)
         plugin.reserve_for_activations(activation_bytes(mc, limits.max_tokens, 0, loaded.dtype))
         kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, plugin, loaded.dtype)
@@ -73,7 +74,7 @@ def serve_stage(config: EngineConfig, rank: int, device: str, host: str, port: i
                                  mc, page_bytes, status())
         pool = KVPool(plugin, span.layers, pages, config.page_size, mc.num_kv_heads, mc.head_dim, kv_dtype)
         runner.attach_pool(pool)
-        held["kv"], held["runner"] = pages * page_bytes, runner
+        held["kv"] = pages * page_bytes
         log.info("stage %d ready on %s:%d: layers %d-%d, %d KV pages", rank, plugin.name, plugin.index,
                  span.start, span.end - 1, pages)
         steps = runner.serve()
