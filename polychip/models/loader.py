@@ -20,8 +20,8 @@ import torch
 from safetensors import safe_open
 
 from polychip.devices import memory
-from polychip.devices.spec import require_dtypes
-from polychip.errors import ConfigError, ModelLoadError
+from polychip.devices.spec import fmt_bytes, require_dtypes
+from polychip.errors import ConfigError, DeviceOutOfMemoryError, ModelLoadError
 from polychip.models.config import ModelConfig
 from polychip.models.decoder import DecoderModel, rope_tables
 from polychip.models.op_plan import check_ops, planned_fusions, read_op_plan
@@ -191,6 +191,17 @@ def place_weights(tensors: Iterable[tuple[str, torch.Tensor]], shapes: dict[str,
     host until all have been read, are concatenated there and placed as one tensor, so the device
     never holds a part it later frees. ``shapes`` are the unfused model's; floating-point weights
     are cast to ``dtype``, quantised ones keep theirs (refused unless the device supports it)."""
+    try:
+        return _place_weights(tensors, shapes, merges, dtype, plugin)
+    except DeviceOutOfMemoryError as e:     # one weight did not fit: say what all of them need
+        need = sum(s.numel() for s in shapes.values()) * dtype.itemsize
+        raise DeviceOutOfMemoryError(
+            f"{e.args[0]}; the model's weights need {fmt_bytes(need)} in all on {plugin.name}:{plugin.index}, "
+            "which holds less (a smaller --dtype, --quantization int8, or split the layers over devices with "
+            "--pp-size)", requested=e.requested) from e.__cause__
+
+
+def _place_weights(tensors, shapes, merges, dtype, plugin) -> dict[str, torch.Tensor]:
     target_of = {part: merged for merged, parts in merges.items() for part in parts}
     pending: dict[str, torch.Tensor] = {}
     state, unexpected, checked = {}, [], set()
