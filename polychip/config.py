@@ -299,7 +299,7 @@ class EngineConfig(_FromKwargs):
         if self.quantization is not None and self.tp_size > 1:
             raise ConfigError(f"quantization {self.quantization!r} cannot be sharded yet: tensor parallelism "
                               f"(tp_size {self.tp_size}) runs float weights only")
-        if self.tp_size % self.nnodes:
+        if self.tp_size % self.nnodes and self.pp_size == 1:     # pipeline stages are counted in _check_pipeline
             raise ConfigError(f"tp_size ({self.tp_size}) counts ranks across all nodes and must be a multiple of "
                               f"nnodes ({self.nnodes})")
         if not 0 <= self.node_rank < self.nnodes:

@@ -158,12 +158,11 @@ class StageLinks:
     def send_stop(self) -> None:
         slot = self._slot()
         slot.header.copy_(torch.tensor([STOP, -1, 0, 0]))
-        slot.works.append(dist.isend(slot.header, self.next, group=self.control))
-        for w in slot.works:
-            _wait(w, self.timeout_s)
+        _wait(dist.isend(slot.header, self.next, group=self.control), self.timeout_s)
 
     def flush(self) -> None:
-        """Wait until every posted send has been taken."""
+        """Wait until every posted send has been taken (each work is waited once: gloo's wait on a
+        send already waited for blocks until another send completes)."""
         for slot in self.slots:
             for w in slot.works:
                 _wait(w, self.timeout_s)

@@ -48,6 +48,7 @@ class RankDevice:
     # a pipeline stage's (engine/pipeline): its layers [start, end), micro-batches run, seconds computing
     stage: int | None = None
     layers: tuple[int, int] | None = None
+    weight_bytes: int = 0             # the weights it holds
     micro_batches: int = 0
     busy_seconds: float = 0.0
     step_seconds: float = 0.0         # mean seconds of its layers per micro-batch

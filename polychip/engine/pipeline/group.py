@@ -111,7 +111,8 @@ class PipelineGroup(RankGroup):
         plan = self.plan
         tput = plan.throughput()
         stages = [{"stage": r.rank, "device": f"{r.plugin}:{r.device}", "node": r.node,
-                   "layers": [self.spans[r.rank].start, self.spans[r.rank].end], "micro_batches": r.micro_batches,
+                   "layers": [self.spans[r.rank].start, self.spans[r.rank].end], "weight_bytes": r.weight_bytes,
+                   "micro_batches": r.micro_batches,
                    "step_seconds": r.step_seconds, "busy_seconds": r.busy_seconds, "kv_pool_bytes": r.kv_pool_bytes}
                   for r in ranks]
         busiest = max(stages, key=lambda st: st["busy_seconds"])

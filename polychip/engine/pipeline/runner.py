@@ -25,13 +25,14 @@ class StageRunner(ModelRunner):
     def __init__(self, model, plugin, limits: StepLimits, links: StageLinks, span: StageSpan):
         super().__init__(model, plugin, limits, static_max_bs=0)
         self.links, self.span = links, span
+        self.weight_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
         self.busy_seconds = 0.0          # time spent computing (not waiting for a neighbour)
         self.micro_batches = 0
         self.last_seconds = 0.0
 
     def status(self) -> dict:
         """What /server_info and /metrics show of this stage."""
-        return {"stage": self.span.index, "layers": [self.span.start, self.span.end],
+        return {"stage": self.span.index, "layers": [self.span.start, self.span.end], "weight_bytes": self.weight_bytes,
                 "busy_seconds": self.busy_seconds, "micro_batches": self.micro_batches,
                 "step_seconds": self.busy_seconds / self.micro_batches if self.micro_batches else 0.0,
                 "last_step_seconds": self.last_seconds}

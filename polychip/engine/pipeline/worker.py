@@ -9,9 +9,11 @@ stage sends until the stop message. A stage that fails writes its error into the
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import logging
 import os
+import signal
 import sys
 
 from polychip.config import EngineConfig, parse_host_port
@@ -95,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", required=True, help="the EngineConfig as JSON")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)     # `kill -USR1 PID`: where every thread is
     config = EngineConfig.from_kwargs(**json.loads(args.config))
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s [stage {args.rank}] %(name)s: %(message)s")
