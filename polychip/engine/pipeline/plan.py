@@ -180,13 +180,12 @@ def _best_split(st: _Setting) -> list[int] | None:
     return None if found is None else found[1]
 
 
-def _refuse(plan_stages: list[StagePlan], split: str) -> DeviceOutOfMemoryError:
+def _refuse(plan_stages: list[StagePlan], head: str) -> DeviceOutOfMemoryError:
     over = [s for s in plan_stages if s.need > s.have]
     lines = [f"stage {s.index} ({s.device}, layers {s.start}-{s.end - 1}) needs {fmt_bytes(s.need)} ("
              + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in s.memory.items() if v) + f") and has {fmt_bytes(s.have)}"
              for s in over]
-    return DeviceOutOfMemoryError(f"the pipeline split {split} does not fit: " + "; ".join(lines),
-                                  requested=max(s.need for s in over))
+    return DeviceOutOfMemoryError(f"{head}: " + "; ".join(lines), requested=max(s.need for s in over))
 
 
 def setting(config: EngineConfig, workload: Workload | None = None, figures: dict | None = None) -> _Setting:
@@ -220,9 +219,10 @@ def plan_pipeline(config: EngineConfig, workload: Workload | None = None, figure
         if counts is None:            # nothing fits: show the even split's shortfall
             even = [total // n + (i < total % n) for i in range(n)]
             raise _refuse([st.stage(s) for s in spans(even)],
-                          f"(none of the {math.comb(total - 1, n - 1)} splits fits; e.g. {','.join(map(str, even))})")
+                          f"no split of {total} layers over these {n} devices fits (none of {math.comb(total - 1, n - 1)}"
+                          f"); the even split {','.join(map(str, even))}")
     stages = [st.stage(s) for s in spans(counts)]
     if any(s.need > s.have for s in stages):
-        raise _refuse(stages, ",".join(map(str, counts)))
+        raise _refuse(stages, f"the pipeline split {','.join(map(str, counts))} does not fit")
     known = all(d.figures.known for d in st.devices)
     return Plan(stages, str(st.dtype).removeprefix("torch."), st.workload, st.depth, chosen, known, notes)

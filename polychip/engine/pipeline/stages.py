@@ -6,17 +6,14 @@ first of ``--device-config`` and ``--pp-device-config`` whose ``device_type`` is
 """
 from __future__ import annotations
 
-from functools import lru_cache
-
 from polychip.config import EngineConfig
 from polychip.devices.discovery import open_device, parse_device
 from polychip.devices.spec import DeviceSpec, load_spec
 from polychip.errors import ConfigError
 
 
-@lru_cache(maxsize=32)
 def _spec(path: str) -> DeviceSpec:
-    return load_spec(path)
+    return load_spec(path)     # read each time: a spec file may change between plans
 
 
 def spec_path(config: EngineConfig, plugin_name: str) -> str | None:
