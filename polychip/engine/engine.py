@@ -82,15 +82,7 @@ class Engine:
         # device memory in the order of engine/memory_plan.py: weights (placed by load_model),
         # step-input buffers, the activation reserve, then the KV pool sized against what is left
         limits = StepLimits.of(config, self.max_model_len)
-        static_bs, why = (0, "pipeline stages run eager") if pp else \
-            static_decode_limit(config, self.plugin, self.loaded.resolutions)
-        if not static_bs:
-            log.info("every decode step runs eager: %s", why)
-        if pp is not None:
-            self.runner = pp.attach_runner(self.loaded, limits)
-        else:
-            self.runner = (TPModelRunner(self.loaded.model, self.plugin, limits, tp, static_bs) if tp is not None
-                           else ModelRunner(self.loaded.model, self.plugin, limits, static_bs))
+        static_bs = self._make_runner(config, limits)
         self.activation_reserve = self.plugin.reserve_for_activations(
             activation_bytes(mc, limits.max_tokens, limits.max_rows, self.loaded.dtype))
         page = config.page_size
@@ -132,6 +124,21 @@ class Engine:
         log.info("KV pool: %d pages x %d tokens in %s (%.1f MiB); step inputs %.1f MiB; activation reserve %.1f MiB",
                  num_pages, page, dtype_name(self.kv_dtype), num_pages * per_page / 2**20,
                  self.runner.buffer_bytes / 2**20, self.activation_reserve / 2**20)
+
+    def _make_runner(self, config: EngineConfig, limits: StepLimits) -> int:
+        """The model runner (a stage's, a tensor-parallel rank 0's or a plain one); returns the largest
+        batch the static decode path takes (0: every step eager)."""
+        tp, pp = self.tp, self.pp
+        static_bs, why = (0, "pipeline stages run eager") if pp else \
+            static_decode_limit(config, self.plugin, self.loaded.resolutions)
+        if not static_bs:
+            log.info("every decode step runs eager: %s", why)
+        if pp is not None:
+            self.runner = pp.attach_runner(self.loaded, limits)
+        else:
+            self.runner = (TPModelRunner(self.loaded.model, self.plugin, limits, tp, static_bs) if tp is not None
+                           else ModelRunner(self.loaded.model, self.plugin, limits, static_bs))
+        return static_bs
 
     def _sync_device(self) -> None:
         self.plugin.synchronize()

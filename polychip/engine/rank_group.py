@@ -1,7 +1,7 @@
 """A group of rank processes led by rank 0 (the engine's own process): what tensor parallelism and
 pipeline parallelism share.
 
-Rank 0 starts this node's other ranks as worker processes (:class:`LocalWorkers`), hosts the
+Rank 0 starts this node's other ranks as worker processes (engine/rank_workers.py), hosts the
 rendezvous store and watches the group: a local worker's exit (polled every 0.25 s), a rank's
 silent heartbeat, or a failed transfer ends in one fault, named after the rank (or stage) and its
 device; callbacks registered with :meth:`RankGroup.on_fault` run once, so the server can turn
@@ -9,96 +9,21 @@ unhealthy and exit. Every non-zero rank reports its device and memory through it
 """
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
 import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 from typing import Callable
 
 from polychip.config import EngineConfig
-from polychip.distributed import secret as dist_secret
-from polychip.distributed.rendezvous import reported_failures
+from polychip.distributed.rendezvous import HeartbeatWatch, StoreServer, join, reported_failures
+from polychip.distributed.world import LOCAL_HOST, rendezvous_address
+from polychip.engine.rank_workers import POLL_PERIOD, LocalWorkers, world_secret
 from polychip.errors import ConfigError, PolychipError
 
 log = logging.getLogger("polychip.ranks")
 
-POLL_PERIOD = 0.25          # seconds between checks of the local workers and the heartbeats
 STOP_TIMEOUT = 10.0         # seconds workers get to leave after the stop message
-
-
-def worker_command(config: EngineConfig, rank: int, device: str, host: str, port: int,
-                   module: str = "polychip.engine.tp_worker") -> list[str]:
-    """A worker's command line (``python -m module``); the secret is not on it (see LocalWorkers)."""
-    cfg = json.dumps(dataclasses.asdict(dataclasses.replace(config, dist_secret=None, dist_secret_file=None)))
-    level = logging.getLevelName(logging.getLogger("polychip").getEffectiveLevel()).lower()
-    return [sys.executable, "-m", module, "--rank", str(rank), "--device", device,
-            "--store", f"[{host}]:{port}" if ":" in host else f"{host}:{port}", "--config", cfg,
-            "--log-level", level if level in ("debug", "info", "warning", "error") else "warning"]
-
-
-class LocalWorkers:
-    """The worker processes this node started, one per local rank (``role`` names them in messages:
-    "rank 1" under tensor parallelism, "stage 1" under pipeline parallelism)."""
-
-    def __init__(self, config: EngineConfig, ranks: list[int], devices: list[str], host: str, port: int,
-                 secret: bytes | None, module: str = "polychip.engine.tp_worker", role: str = "rank"):
-        self.ranks, self.devices, self.role = ranks, devices, role
-        self.procs: dict[int, subprocess.Popen] = {}
-        env = dict(os.environ)                 # the secret reaches the workers in their environment only
-        env.pop(dist_secret.ENV_VAR, None)
-        if secret is not None:
-            env[dist_secret.ENV_VAR] = secret.decode()
-        try:
-            for rank, device in zip(ranks, devices):
-                self.procs[rank] = subprocess.Popen(worker_command(config, rank, device, host, port, module),
-                                                    env=env)
-        except OSError as e:
-            self.kill()
-            raise ConfigError(f"cannot start a worker process: {e}") from None
-
-    def exited(self) -> dict[int, int]:
-        """Ranks whose process has ended, with the exit code."""
-        return {r: p.returncode for r, p in self.procs.items() if p.poll() is not None}
-
-    def describe(self, rank: int) -> str:
-        p = self.procs[rank]
-        return f"{self.role} {rank} ({self.devices[self.ranks.index(rank)]}, pid {p.pid})"
-
-    def wait(self, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        for p in self.procs.values():
-            try:
-                p.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                return False
-        return True
-
-    def kill(self, grace: float = 2.0) -> None:
-        """SIGTERM, then SIGKILL whatever is left after ``grace`` seconds."""
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        if not self.wait(grace):
-            for p in self.procs.values():
-                if p.poll() is None:
-                    p.kill()
-            self.wait(5.0)
-
-
-def world_secret(config: EngineConfig) -> bytes | None:
-    """The rendezvous secret: the one given, else (one host) a random one for this node's ranks."""
-    secret = dist_secret.resolve(config.dist_secret, config.dist_secret_file)
-    if secret is None and config.nnodes == 1 and config.node_rank == 0:
-        return dist_secret.random_secret()
-    if secret is None:
-        log.warning("%d nodes without --dist-secret(-file): any process that reaches %s can join as a rank",
-                    config.nnodes, config.dist_init_addr)
-    return secret
 
 
 def model_signature(cfg) -> dict:
@@ -144,6 +69,34 @@ class RankGroup:
         self._stopping = threading.Event()
         self._statuses: dict[int, dict] = {}
         self.workers = self.server = self.watch = self.plugin = None
+
+    def start(self, devices: list[str], module: str, role: str, open_plugin: Callable[[str], object],
+              connect: Callable[[object], None], publish: Callable[[object], None] = lambda store: None) -> None:
+        """Host the rendezvous, ``publish`` into its store what every rank reads there, start this node's
+        other ranks on ``devices[1:]`` (``python -m module``), open rank 0's device, join, ``connect``
+        this rank's links, and watch the group. A failure stops what started and names a worker's own
+        error when one was reported."""
+        config, world = self.config, self.world
+        secret = world_secret(config)
+        host, port = rendezvous_address(config)
+        try:
+            self.server = StoreServer(host, port, config.dist_init_timeout)
+            publish(self.server.store)
+            self.workers = LocalWorkers(config, world.local_ranks[1:], devices[1:], host, self.server.port, secret,
+                                        module, role)
+            self.plugin = open_plugin(devices[0])
+            join(self.server.store, 0, world.size, world.facts(config), config.dist_init_timeout, world.node_of,
+                 secret)
+            connect(self.server.store)
+            self.watch = HeartbeatWatch(host if host not in ("0.0.0.0", "::") else LOCAL_HOST, self.server.port,
+                                        list(range(1, world.size)), max_silence=min(config.dist_timeout, 10.0))
+        except BaseException as e:
+            why = self._worker_errors()
+            self.stop()
+            if why and not isinstance(e, PolychipError):
+                raise self.error(f"{self.what} start failed: {why}") from None
+            raise
+        self.start_monitor()
 
     def start_monitor(self) -> None:
         self._monitor = threading.Thread(target=self._watch_loop, name="polychip-rank-monitor", daemon=True)
@@ -266,3 +219,5 @@ class RankGroup:
         if self.plugin is not None:
             self.plugin.destroy()
             self.plugin = None
+
+

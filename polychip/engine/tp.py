@@ -14,18 +14,14 @@ connection at once, a hung peer after ``--dist-timeout``). Callbacks registered 
 from __future__ import annotations
 
 import logging
-import signal
-import threading
 
 from polychip.config import EngineConfig
 from polychip.devices.discovery import open_device
 from polychip.distributed.communicator import Communicator
-from polychip.distributed.rendezvous import HeartbeatWatch, StoreServer, join
-from polychip.distributed.world import LOCAL_HOST, World, local_devices, rendezvous_address
+from polychip.distributed.world import World, local_devices
 from polychip.engine import step_wire
 from polychip.engine.model_runner import Batch, ModelRunner, StepLimits
-from polychip.engine.rank_group import (POLL_PERIOD, LocalWorkers, RankGroup, agree_on_pool, device_status,  # noqa: F401
-                                        model_signature, worker_command, world_secret)
+from polychip.engine.rank_group import RankGroup, agree_on_pool, device_status, model_signature
 from polychip.errors import ConfigError, PolychipError
 from polychip.models.loader import read_config, resolve_model_dir
 from polychip.ops.tp_shard import ShardLayout
@@ -59,30 +55,18 @@ class TensorParallel(RankGroup):
         self.comm = None
         devices = local_devices(config, world)
         check_shardable(config)        # before any process starts
-        secret = world_secret(config)
-        host, port = rendezvous_address(config)
-        try:
-            self.server = StoreServer(host, port, config.dist_init_timeout)
-            log.info("tensor parallel: %d ranks on %d node(s); rendezvous at %s:%d; this node: %s",
-                     world.size, world.nnodes, host, self.server.port,
+
+        def say(store) -> None:
+            log.info("tensor parallel: %d ranks on %d node(s); this node: %s", world.size, world.nnodes,
                      ", ".join(f"rank {r} on {d}" for r, d in zip(world.local_ranks, devices)))
-            self.workers = LocalWorkers(config, world.local_ranks[1:], devices[1:], host, self.server.port, secret)
-            self.plugin = open_device(devices[0], tuple(config.plugins), config.device_config,
-                                      num_threads=config.num_threads)
-            join(self.server.store, 0, world.size, world.facts(config), config.dist_init_timeout, world.node_of,
-                 secret)
-            self.comm = Communicator(self.plugin.communicator_backend(), 0, world.size, self.server.store,
+
+        def connect(store) -> None:
+            self.comm = Communicator(self.plugin.communicator_backend(), 0, world.size, store,
                                      timeout_s=config.dist_timeout, plugin_name=self.plugin.name,
                                      device=self.plugin.device_handle(), accumulate_fp32=config.allreduce_fp32)
-            self.watch = HeartbeatWatch(host if host not in ("0.0.0.0", "::") else LOCAL_HOST, self.server.port,
-                                        list(range(1, world.size)), max_silence=min(config.dist_timeout, 10.0))
-        except BaseException as e:
-            why = self._worker_errors()
-            self.stop()
-            if why and not isinstance(e, PolychipError):
-                raise TensorParallelError(f"tensor-parallel start failed: {why}") from None
-            raise
-        self.start_monitor()
+        self.start(devices, "polychip.engine.tp_worker", "rank",
+                   lambda d: open_device(d, tuple(config.plugins), config.device_config, num_threads=config.num_threads),
+                   connect, say)
 
     # set-up, in the same order as every worker
     def agree_on_pool(self, pages: int, model_config, kv_bytes_per_page: int) -> int:
@@ -121,37 +105,3 @@ class TPModelRunner(ModelRunner):
             return super().execute(batch)
         except RuntimeError as e:   # gloo/nccl report a lost or hung peer as RuntimeError subclasses
             raise self.tp.failure(e) from None
-
-
-def run_node(config: EngineConfig) -> int:
-    """Node ``node_rank > 0``: start this node's worker ranks and wait. Returns non-zero as soon as
-    one fails (and ends the others); 0 when rank 0 stops them all."""
-    world = World.from_config(config)
-    if config.pp_size > 1:
-        from polychip.engine.pipeline.stages import node_devices
-        devices, module, role = node_devices(config, world), "polychip.engine.pipeline.worker", "stage"
-    else:
-        devices, module, role = local_devices(config, world), "polychip.engine.tp_worker", "rank"
-    host, port = rendezvous_address(config)
-    log.info("node %d of %d: %ss %s on %s; rank 0 at %s:%d", world.node_rank, world.nnodes, role,
-             world.local_ranks, devices, host, port)
-    workers = LocalWorkers(config, world.local_ranks, devices, host, port, world_secret(config), module, role)
-    stop = threading.Event()
-    previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        while not stop.wait(POLL_PERIOD):
-            done = workers.exited()
-            bad = {r: c for r, c in done.items() if c != 0}
-            if bad:
-                r, code = next(iter(bad.items()))
-                log.error("%s exited with code %d; stopping this node", workers.describe(r), code)
-                return code if code > 0 else 1
-            if len(done) == len(workers.procs):
-                log.info("node %d: every rank finished", world.node_rank)
-                return 0
-        log.info("node %d: stopping on a signal", world.node_rank)
-        return 0
-    finally:
-        workers.kill()
-        for s, h in previous.items():
-            signal.signal(s, h)

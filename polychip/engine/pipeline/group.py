@@ -14,13 +14,13 @@ import json
 import logging
 
 from polychip.config import EngineConfig
-from polychip.distributed.rendezvous import PREFIX, HeartbeatWatch, StoreServer, join
+from polychip.distributed.rendezvous import PREFIX
 from polychip.distributed.stage_links import StageLinks
-from polychip.distributed.world import LOCAL_HOST, World, rendezvous_address
+from polychip.distributed.world import World
 from polychip.engine.pipeline.plan import Plan, plan_pipeline
 from polychip.engine.pipeline.runner import FirstStageRunner
 from polychip.engine.pipeline.stages import open_stage_device, stage_devices
-from polychip.engine.rank_group import LocalWorkers, RankGroup, device_status, model_signature, world_secret
+from polychip.engine.rank_group import RankGroup, device_status, model_signature
 from polychip.errors import ConfigError, PolychipError
 from polychip.models.stage import spans
 
@@ -72,28 +72,13 @@ class PipelineGroup(RankGroup):
                                           for s in self.plan.stages) + f" ({self.plan.chosen_by})")
         for note in self.plan.notes:
             log.warning("pipeline plan: %s", note)
-        secret = world_secret(config)
-        host, port = rendezvous_address(config)
-        try:
-            self.server = StoreServer(host, port, config.dist_init_timeout)
-            self.server.store.set(PLAN_KEY, json.dumps({"counts": self.plan.counts, "dtype": self.plan.dtype}))
-            local = world.local_ranks[1:]
-            self.workers = LocalWorkers(config, local, [self.devices[r] for r in local], host, self.server.port,
-                                        secret, WORKER_MODULE, "stage")
-            self.plugin = open_stage_device(config, self.devices[0])
-            join(self.server.store, 0, world.size, world.facts(config), config.dist_init_timeout, world.node_of,
-                 secret)
-            self.links = StageLinks(0, world.size, self.server.store, self.plugin.name,
-                                    self.plugin.communicator_backend(), timeout_s=config.dist_timeout)
-            self.watch = HeartbeatWatch(host if host not in ("0.0.0.0", "::") else LOCAL_HOST, self.server.port,
-                                        list(range(1, world.size)), max_silence=min(config.dist_timeout, 10.0))
-        except BaseException as e:
-            why = self._worker_errors()
-            self.stop()
-            if why and not isinstance(e, PolychipError):
-                raise PipelineError(f"pipeline start failed: {why}") from None
-            raise
-        self.start_monitor()
+
+        def connect(store) -> None:
+            self.links = StageLinks(0, world.size, store, self.plugin.name, self.plugin.communicator_backend(),
+                                    timeout_s=config.dist_timeout)
+        plan = json.dumps({"counts": self.plan.counts, "dtype": self.plan.dtype})
+        self.start([self.devices[r] for r in world.local_ranks], WORKER_MODULE, "stage",
+                   lambda d: open_stage_device(config, d), connect, lambda store: store.set(PLAN_KEY, plan))
 
     def attach_runner(self, loaded, limits):
         """Stage 0's runner over its layers, and the link buffers (after the weights, before the reserve)."""

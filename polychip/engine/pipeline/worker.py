@@ -8,17 +8,14 @@ stage sends until the stop message. A stage that fails writes its error into the
 """
 from __future__ import annotations
 
-import argparse
-import faulthandler
 import json
 import logging
 import os
-import signal
 import sys
 
-from polychip.config import EngineConfig, parse_host_port
+from polychip.config import EngineConfig
 from polychip.distributed import secret as dist_secret
-from polychip.distributed.rendezvous import DuplicateRankError, Heartbeat, connect_store, join, report_failure
+from polychip.distributed.rendezvous import Heartbeat, join
 from polychip.distributed.stage_links import StageLinks
 from polychip.distributed.world import World
 from polychip.engine.kv_pool import KVPool, resolve_kv_dtype
@@ -28,7 +25,7 @@ from polychip.engine.pipeline.group import PLAN_KEY, agree_on_pool
 from polychip.engine.pipeline.runner import StageRunner
 from polychip.engine.pipeline.stages import open_stage_device
 from polychip.engine.rank_group import device_status
-from polychip.errors import PolychipError
+from polychip.engine.rank_workers import worker_main
 from polychip.models.loader import load_model
 from polychip.models.stage import spans
 
@@ -90,32 +87,7 @@ def serve_stage(config: EngineConfig, rank: int, device: str, host: str, port: i
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m polychip.engine.pipeline.worker", description=__doc__)
-    p.add_argument("--rank", type=int, required=True, help="this stage's number (1 .. pp_size - 1)")
-    p.add_argument("--device", required=True, help="this stage's device, e.g. simxpu:0")
-    p.add_argument("--store", required=True, help="HOST:PORT of node 0's rendezvous store")
-    p.add_argument("--config", required=True, help="the EngineConfig as JSON")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    args = p.parse_args(sys.argv[1:] if argv is None else argv)
-    faulthandler.register(signal.SIGUSR1, all_threads=True)     # `kill -USR1 PID`: where every thread is
-    config = EngineConfig.from_kwargs(**json.loads(args.config))
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format=f"%(asctime)s %(levelname)s [stage {args.rank}] %(name)s: %(message)s")
-    store = None
-    try:
-        host, port = parse_host_port(args.store, "--store")
-        store = connect_store(host, port, config.dist_init_timeout)
-        serve_stage(config, args.rank, args.device, host, port, store)
-        return 0
-    except BaseException as e:  # report whatever it is to rank 0, then exit non-zero
-        msg = str(e) if isinstance(e, PolychipError) else f"{type(e).__name__}: {e}"
-        log.error("stage %d failed: %s", args.rank, msg)
-        if store is not None and not isinstance(e, DuplicateRankError):   # the rank is another's
-            try:
-                report_failure(store, args.rank, msg)
-            except Exception:  # rank 0 is gone too; the log line above is all we can do
-                pass
-        return 1
+    return worker_main(argv, "polychip.engine.pipeline.worker", __doc__, "stage", serve_stage)
 
 
 if __name__ == "__main__":
