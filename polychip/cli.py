@@ -14,6 +14,7 @@ COMMANDS = {
     "probe": "check a device spec step by step before serving",
     "conformance": "run the plugin-author kit against a device, one line per check",
     "coverage": "show which op implementation a model uses on a device",
+    "plan": "split a model over pipeline stages on unlike devices: layers, memory, step times, throughput",
     "workload": "submit, list, describe, tail and delete models served on devices (via a router)",
     "telemetry": "a router's metrics, filterable by label (e.g. --filter device_type==simxpu), and devices",
     "bench": "benchmarks: serving, compare, peers",

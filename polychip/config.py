@@ -26,6 +26,7 @@ SPEC_GROUP = "speculative decoding (SGLang's flags)"
 SPEC_ALGORITHMS = ("NGRAM",)    # prompt lookup: drafts from the request's own prompt and output
 TP_GROUP = "tensor parallelism (SGLang's flags; --tp-size counts ranks on all nodes)"
 PD_GROUP = "prefill/decode disaggregation (SGLang's flags; docs/disaggregation.md)"
+PP_GROUP = "pipeline parallelism (docs/pipeline-parallel.md; --nnodes, --node-rank, --dist-* as for tp)"
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 TRANSFER_BACKENDS = ("local", "tcp", "mooncake")
 
@@ -70,8 +71,9 @@ class _FromKwargs:
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise ConfigError(f"unknown {cls.__name__} argument(s) {unknown}; known: {sorted(known)}")
-        if kwargs.get("plugins") is not None:
-            kwargs["plugins"] = tuple(kwargs["plugins"])
+        for name in ("plugins", "pp_device_configs"):     # JSON and callers give lists
+            if kwargs.get(name) is not None:
+                kwargs[name] = tuple(kwargs[name])
         return cls(**{k: v for k, v in kwargs.items() if v is not None or k == "model_path"})
 
 
@@ -170,6 +172,20 @@ class EngineConfig(_FromKwargs):
     dist_secret_file: str | None = option(None, "file holding the shared secret of --dist-secret", group=TP_GROUP)
     allreduce_fp32: bool = option(True, "sum bfloat16/float16 all-reduces in their own dtype, not float32",
                                   group=TP_GROUP, flag="--disable-allreduce-fp32")
+    # pipeline parallelism (engine/pipeline): one model split by layers over devices, unlike ones included
+    pp_size: int = option(1, "pipeline stages, one process and one device each, each holding a run of layers",
+                          group=PP_GROUP)
+    pp_devices: str | None = option(None, "each stage's device in stage order, e.g. cpu:0,simxpu:0 (stage 0 "
+                                          "schedules, samples and holds the embedding and the lm_head)",
+                                    group=PP_GROUP)
+    pp_layer_split: str | None = option(None, "layers per stage, e.g. 10,20 (default: the planner's split from "
+                                              "each device's declared compute, memory and bandwidth)",
+                                        group=PP_GROUP)
+    pp_device_configs: tuple[str, ...] = option((), "a device spec for the stages of another plugin than "
+                                                    "--device-config's (repeatable)", group=PP_GROUP,
+                                                flag="--pp-device-config")
+    pp_micro_batches: int | None = option(None, "micro-batches in flight between the stages (default: one per "
+                                                "stage; 1: the stages take turns)", group=PP_GROUP)
     # prefill/decode disaggregation (SGLang's flags; engine/disagg)
     disaggregation_mode: str = option("null", "null: plain serving; prefill: run prompts for decode sides and hand "
                                               "their KV over; decode: take requests whose prompt a prefill side "
@@ -214,6 +230,7 @@ class EngineConfig(_FromKwargs):
         if not isinstance(self.plugins, tuple):
             raise ConfigError("plugins must be a tuple of module paths or files")
         self._check_parallel()
+        self._check_pipeline()
         self._check_speculative()
         self._check_disaggregation()
         if self.enable_hierarchical_cache and self.disable_radix_cache:
@@ -223,6 +240,37 @@ class EngineConfig(_FromKwargs):
         if self.enable_hierarchical_cache and self.tp_size > 1:
             raise ConfigError("enable_hierarchical_cache copies rank 0's KV pool only; it cannot be used with "
                               f"tp_size {self.tp_size} yet")
+
+    def _check_pipeline(self) -> None:
+        if not isinstance(self.pp_size, int) or self.pp_size < 1:
+            raise ConfigError(f"pp_size must be an integer >= 1, got {self.pp_size!r}")
+        _check_min(self, ("pp_micro_batches",), 1)
+        if not isinstance(self.pp_device_configs, tuple):
+            raise ConfigError("pp_device_configs must be a tuple of device spec files")
+        if self.pp_size == 1:
+            if self.pp_devices is not None or self.pp_layer_split is not None or self.pp_device_configs:
+                raise ConfigError("pp_devices, pp_layer_split and pp_device_configs need pp_size > 1")
+            return
+        stages = [d.strip() for d in (self.pp_devices or "").split(",") if d.strip()]
+        if len(stages) != self.pp_size:
+            raise ConfigError(f"pp_size {self.pp_size} needs pp_devices naming {self.pp_size} devices in stage "
+                              f"order (e.g. cpu:0,simxpu:0), got {self.pp_devices!r}")
+        if self.pp_size % self.nnodes:
+            raise ConfigError(f"pp_size ({self.pp_size}) counts stages across all nodes and must be a multiple of "
+                              f"nnodes ({self.nnodes})")
+        clash = [name for name, bad in (("tp_size > 1", self.tp_size > 1),
+                                        ("disaggregation_mode", self.disaggregation_mode != "null"),
+                                        ("enable_hierarchical_cache", self.enable_hierarchical_cache),
+                                        ("speculative_algorithm", self.speculative_algorithm is not None))
+                 if bad]
+        if clash:
+            raise ConfigError(f"pipeline parallelism (pp_size {self.pp_size}) cannot be combined with "
+                              f"{', '.join(clash)} yet")
+
+    @property
+    def pp_stage_devices(self) -> list[str]:
+        """Each stage's device string, in stage order ([] without pipeline parallelism)."""
+        return [d.strip() for d in (self.pp_devices or "").split(",") if d.strip()] if self.pp_size > 1 else []
 
     def _check_disaggregation(self) -> None:
         _check_choice("disaggregation_mode", self.disaggregation_mode, DISAGGREGATION_MODES)
@@ -256,7 +304,7 @@ class EngineConfig(_FromKwargs):
         if self.quantization is not None and self.tp_size > 1:
             raise ConfigError(f"quantization {self.quantization!r} cannot be sharded yet: tensor parallelism "
                               f"(tp_size {self.tp_size}) runs float weights only")
-        if self.tp_size % self.nnodes:
+        if self.tp_size % self.nnodes and self.pp_size == 1:     # pipeline stages are counted in _check_pipeline
             raise ConfigError(f"tp_size ({self.tp_size}) counts ranks across all nodes and must be a multiple of "
                               f"nnodes ({self.nnodes})")
         if not 0 <= self.node_rank < self.nnodes:

@@ -30,12 +30,12 @@ ARCHS = {
 
 
 def make_hf_model(path: str, arch: str, tie: bool, layers: int = 2, seed: int = 0,
-                  vocab_size: int = QWEN_VOCAB) -> str:
+                  vocab_size: int = QWEN_VOCAB, intermediate_size: int = 128) -> str:
     """Save a random-weight model of ``arch`` with the Qwen3 tokenizer to ``path``."""
     import transformers
     cfg_name, model_name, extra = ARCHS[arch]
     cfg = getattr(transformers, cfg_name)(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=intermediate_size, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
         tie_word_embeddings=tie, rms_norm_eps=1e-6, bos_token_id=151643, eos_token_id=151645, **extra)
     torch.manual_seed(seed)
@@ -56,10 +56,11 @@ def make_hf_model(path: str, arch: str, tie: bool, layers: int = 2, seed: int = 
 def model_factory(tmp_path_factory):
     made = {}
 
-    def get(arch: str, tie: bool, layers: int = 2) -> str:
-        key = (arch, tie, layers)
+    def get(arch: str, tie: bool, layers: int = 2, intermediate_size: int = 128) -> str:
+        key = (arch, tie, layers, intermediate_size)
         if key not in made:
-            made[key] = make_hf_model(str(tmp_path_factory.mktemp(f"{arch}-{tie}")), arch, tie, layers)
+            made[key] = make_hf_model(str(tmp_path_factory.mktemp(f"{arch}-{tie}")), arch, tie, layers,
+                                      intermediate_size=intermediate_size)
         return made[key]
 
     return get

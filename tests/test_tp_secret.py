@@ -11,7 +11,7 @@ from test_tp_engine import finish, free_port, node
 from polychip import LLM
 from polychip.config import EngineConfig
 from polychip.distributed import secret as dist_secret
-from polychip.engine.tp import worker_command
+from polychip.engine.rank_workers import worker_command
 from polychip.errors import ConfigError
 
 pytestmark = pytest.mark.device_independent

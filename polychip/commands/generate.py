@@ -40,7 +40,7 @@ def main(argv: list[str]) -> int:
         config = engine_config_for(engine_config_from_args(args), config_from_args(args, PackageOptions),
                                    config_from_args(args, TrustOptions))
         if config.node_rank > 0:     # this host only runs its worker ranks; node 0 prints the text
-            from polychip.engine.tp import run_node
+            from polychip.engine.rank_workers import run_node
             return run_node(config)
         llm = LLM.from_config(config)
         print(f"[model loaded in {time.perf_counter() - t0:.1f}s]", file=sys.stderr)

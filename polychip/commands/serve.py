@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         if engine_config.node_rank > 0:     # only node 0 serves HTTP; the others run their worker ranks
             if server_config.seccomp:
                 raise ConfigError("--seccomp filters node 0's serving process; a --node-rank > 0 node serves none")
-            from polychip.engine.tp import run_node
+            from polychip.engine.rank_workers import run_node
             return run_node(_open_package(engine_config, args))
         if server_config.seccomp:
             from polychip.trust.seccomp import check_available

@@ -146,18 +146,7 @@ class Communicator:
 
     def all_gather_json(self, obj) -> list:
         """Every rank's JSON-able ``obj``, in rank order (set-up facts: small, sent once)."""
-        data = json.dumps(obj, sort_keys=True).encode("utf-8")
-        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
-        dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), group=self.control)
-        lengths = [int(t.item()) for t in sizes]
-        width = max(lengths)
-        if width > MAX_CONTROL_VALUES:
-            raise ValueError(f"a rank announced {width} bytes of set-up facts; at most {MAX_CONTROL_VALUES}")
-        padded = torch.zeros(width, dtype=torch.uint8)
-        padded[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        out = [torch.zeros(width, dtype=torch.uint8) for _ in range(self.world_size)]
-        dist.all_gather(out, padded, group=self.control)
-        return [json.loads(t[:n].numpy().tobytes().decode("utf-8")) for t, n in zip(out, lengths)]
+        return gather_json(self.control, self.world_size, obj)
 
     def close(self) -> None:
         """Destroy the groups this instance created (safe to call twice)."""
@@ -166,3 +155,19 @@ class Communicator:
 
     def __repr__(self) -> str:
         return f"<Communicator rank {self.rank}/{self.world_size} {self.backend} ({self.plugin_name})>"
+
+
+def gather_json(group, world_size: int, obj) -> list:
+    """Every rank's JSON-able ``obj`` on a gloo ``group``, in rank order, as UTF-8 bytes (never pickle)."""
+    data = json.dumps(obj, sort_keys=True).encode("utf-8")
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
+    dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), group=group)
+    lengths = [int(t.item()) for t in sizes]
+    width = max(lengths)
+    if width > MAX_CONTROL_VALUES:
+        raise ValueError(f"a rank announced {width} bytes of set-up facts; at most {MAX_CONTROL_VALUES}")
+    padded = torch.zeros(width, dtype=torch.uint8)
+    padded[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    out = [torch.zeros(width, dtype=torch.uint8) for _ in range(world_size)]
+    dist.all_gather(out, padded, group=group)
+    return [json.loads(t[:n].numpy().tobytes().decode("utf-8")) for t, n in zip(out, lengths)]

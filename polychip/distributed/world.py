@@ -1,7 +1,8 @@
-"""Who is who under tensor parallelism: ranks, nodes, and the device each rank of this node opens.
+"""Who is who under tensor or pipeline parallelism: ranks, nodes, and the device each rank of this
+node opens.
 
-As in SGLang, ``tp_size`` counts ranks across all nodes; node ``k`` runs ranks
-``k * per_node .. (k + 1) * per_node - 1``; rank 0 (on node 0) schedules and serves.
+As in SGLang, ``tp_size`` (or ``pp_size``: one rank per stage) counts ranks across all nodes; node
+``k`` runs ranks ``k * per_node .. (k + 1) * per_node - 1``; rank 0 (on node 0) schedules and serves.
 """
 from __future__ import annotations
 
@@ -18,17 +19,17 @@ LOCAL_HOST = "127.0.0.1"
 
 @dataclass(frozen=True)
 class World:
-    tp_size: int
+    size: int              # ranks on all nodes: tp_size, or pp_size under pipeline parallelism
     nnodes: int
     node_rank: int
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "World":
-        return cls(config.tp_size, config.nnodes, config.node_rank)
+        return cls(config.pp_size if config.pp_size > 1 else config.tp_size, config.nnodes, config.node_rank)
 
     @property
     def per_node(self) -> int:
-        return self.tp_size // self.nnodes
+        return self.size // self.nnodes
 
     @property
     def local_ranks(self) -> list[int]:
@@ -40,9 +41,14 @@ class World:
 
     def facts(self, config: EngineConfig) -> dict:
         """What every rank must agree on before any collective (compared at join)."""
-        return {"tp_size": self.tp_size, "nnodes": self.nnodes, "dtype": config.dtype,
-                "page_size": config.page_size, "max_model_len": config.max_model_len,
-                "allreduce_fp32": config.allreduce_fp32}
+        facts = {"tp_size": config.tp_size, "nnodes": self.nnodes, "dtype": config.dtype,
+                 "page_size": config.page_size, "max_model_len": config.max_model_len,
+                 "allreduce_fp32": config.allreduce_fp32}
+        if config.pp_size > 1:      # every stage sizes its buffers from these
+            facts.update({name: getattr(config, name) for name in (
+                "pp_size", "pp_devices", "pp_layer_split", "pp_micro_batches", "chunked_prefill_size",
+                "max_running_requests", "kv_cache_dtype", "quantization")})
+        return facts
 
 
 def rendezvous_address(config: EngineConfig) -> tuple[str, int]:
@@ -74,6 +80,6 @@ def local_devices(config: EngineConfig, world: World) -> list[str]:
         where = f"{need} rank(s) per node over {world.nnodes} nodes" if world.nnodes > 1 else f"{need} ranks"
         hint = "" if spec is not None else "; declare devices in a spec (--device-config, e.g. " \
             f"examples/specs/{plugin.name}-2.yaml)"
-        raise ConfigError(f"--tp-size {world.tp_size} needs {where}, but plugin {plugin.name!r} has only "
+        raise ConfigError(f"--tp-size {world.size} needs {where}, but plugin {plugin.name!r} has only "
                           f"{len(ids)} device(s) available on this node ({ids}){hint}, or lower --tp-size")
     return [f"{plugin.name}:{i}" for i in ids[:need]]

@@ -172,7 +172,8 @@ class AsyncEngine:
                 "dtype": str(eng.loaded.dtype).removeprefix("torch."),
                 "kv_cache_dtype": str(eng.kv_dtype).removeprefix("torch."),
                 "device_dtypes": list(supported_dtypes(plugin)), "quantization": eng.loaded.quantization,
-                "tp_size": eng.config.tp_size, "max_running_requests": eng.config.max_running_requests}
+                "tp_size": eng.config.tp_size, "pp_size": eng.config.pp_size,
+                "max_running_requests": eng.config.max_running_requests}
 
     def startup_times(self) -> dict[str, Any]:
         """Seconds of each start-up step (load: weights and KV pool, compile, warmup) and when each ended."""
@@ -199,6 +200,10 @@ class AsyncEngine:
     def _wake(self) -> None:
         with self._cond:
             self._cond.notify()
+
+    def pipeline(self) -> dict | None:
+        """Each pipeline stage's device, layers and step time, and the plan (None without pipeline parallelism)."""
+        return self.engine.pipeline_status()
 
     def disaggregation(self) -> dict | None:
         """The prefill or decode side's state and figures (None when the server serves plainly)."""

@@ -20,6 +20,8 @@ from polychip.engine.kv_pool import KVPool, dtype_name, resolve_kv_dtype
 from polychip.engine.memory_plan import activation_bytes, size_pool
 from polychip.engine.model_runner import ModelRunner, StepLimits
 from polychip.engine.page_manager import PageManager
+from polychip.engine.pipeline.group import PipelineGroup
+from polychip.engine.pipeline.stepper import PipelineStepper
 from polychip.engine.prefix_cache import PrefixCache
 from polychip.engine.request import CompletionOutput, Request, RequestOutput
 from polychip.engine.sampler import Sampler
@@ -29,7 +31,8 @@ from polychip.engine.spec_decode import NgramProposer, NgramSettings, SpecState,
 from polychip.engine.static_decode import static_decode_limit
 from polychip.engine.stats import STAGES, EngineStats, RankDevice, StageTimer
 from polychip.engine.stop import streamable_len
-from polychip.engine.tp import TensorParallel, TPModelRunner, device_status
+from polychip.engine.rank_group import device_status
+from polychip.engine.tp import TensorParallel, TPModelRunner
 from polychip.errors import ConfigError, InvalidRequestError
 from polychip.models.loader import load_model
 from polychip.models.tokenizer import IncrementalDetokenizer
@@ -51,46 +54,47 @@ class Engine:
         if plugin is not None and config.num_threads is not None:
             raise ConfigError("num_threads is applied when the engine opens its device; for a plugin opened "
                               "by the caller, pass num_threads to open_device instead")
-        # tensor parallel: this process is rank 0; the other ranks' processes start here
+        # tensor or pipeline parallel: this process is rank 0; the other ranks' processes start here
         self.tp = TensorParallel(config) if config.tp_size > 1 else None
+        self.pp = PipelineGroup(config) if config.pp_size > 1 else None
+        self.group = self.tp or self.pp
+        self.pipeline: PipelineStepper | None = None
         try:
             self._load(config, plugin)
         except BaseException:
-            if self.tp is not None:
-                self.tp.stop()
+            if self.group is not None:
+                self.group.stop()
             raise
 
     def _load(self, config: EngineConfig, plugin) -> None:
-        tp = self.tp
+        tp, pp = self.tp, self.pp
         # discovered, spec-checked, initialised
-        self.plugin = tp.plugin if tp is not None else plugin or open_from_config(config)
+        self.plugin = self.group.plugin if self.group is not None else plugin or open_from_config(config)
         self.plugin.set_seed(config.seed)
         began = time.time()
-        self.loaded = load_model(config.model_path, self.plugin, config.dtype, config.enable_fusion,
-                                 config.cache_dir, config.max_model_len, quantization=config.quantization,
-                                 comm=tp.comm if tp else None, strict=config.strict)
+        self.loaded = load_model(config.model_path, self.plugin, pp.plan.dtype if pp else config.dtype,
+                                 config.enable_fusion, config.cache_dir, config.max_model_len,
+                                 quantization=config.quantization, comm=tp.comm if tp else None,
+                                 strict=config.strict, stage=pp.span if pp else None)
         self.model_config = mc = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         # device memory in the order of engine/memory_plan.py: weights (placed by load_model),
         # step-input buffers, the activation reserve, then the KV pool sized against what is left
         limits = StepLimits.of(config, self.max_model_len)
-        static_bs, why = static_decode_limit(config, self.plugin, self.loaded.resolutions)
-        if not static_bs:
-            log.info("every decode step runs eager: %s", why)
-        self.runner = (TPModelRunner(self.loaded.model, self.plugin, limits, tp, static_bs) if tp is not None
-                       else ModelRunner(self.loaded.model, self.plugin, limits, static_bs))
+        static_bs = self._make_runner(config, limits)
         self.activation_reserve = self.plugin.reserve_for_activations(
             activation_bytes(mc, limits.max_tokens, limits.max_rows, self.loaded.dtype))
         page = config.page_size
         kv_heads = self.loaded.kv_heads          # this rank's share under tensor parallelism
         self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.plugin, self.loaded.dtype)
-        per_page = KVPool.bytes_per_page(mc.num_layers, page, kv_heads, mc.head_dim, self.kv_dtype)
+        layers = pp.span.layers if pp else mc.num_layers    # a pipeline stage keeps only its layers' KV
+        per_page = KVPool.bytes_per_page(layers, page, kv_heads, mc.head_dim, self.kv_dtype)
         num_pages = size_pool(config, self.plugin, per_page, page, self.max_model_len,
                               extra_pages=int(static_bs > 0))
-        if tp is not None:   # the smallest rank's pool sets the page count for all
-            num_pages = tp.agree_on_pool(num_pages, mc, per_page)
-        self.pool = KVPool(self.plugin, mc.num_layers, num_pages, page, kv_heads, mc.head_dim, self.kv_dtype,
+        if self.group is not None:   # the smallest rank's pool sets the page count for all
+            num_pages = self.group.agree_on_pool(num_pages, mc, per_page)
+        self.pool = KVPool(self.plugin, layers, num_pages, page, kv_heads, mc.head_dim, self.kv_dtype,
                            scratch=static_bs > 0)
         self.runner.attach_pool(self.pool)
         compiling = time.time()
@@ -115,9 +119,26 @@ class Engine:
         self._timer = StageTimer(self.stage_seconds, self._sync_device if config.profile_stages else None)
         self.counters: dict[str, int] = defaultdict(int)
         self.disagg = open_disaggregation(self, config)
+        if pp is not None:
+            self.pipeline = PipelineStepper(self, self.runner, pp)
         log.info("KV pool: %d pages x %d tokens in %s (%.1f MiB); step inputs %.1f MiB; activation reserve %.1f MiB",
                  num_pages, page, dtype_name(self.kv_dtype), num_pages * per_page / 2**20,
                  self.runner.buffer_bytes / 2**20, self.activation_reserve / 2**20)
+
+    def _make_runner(self, config: EngineConfig, limits: StepLimits) -> int:
+        """The model runner (a stage's, a tensor-parallel rank 0's or a plain one); returns the largest
+        batch the static decode path takes (0: every step eager)."""
+        tp, pp = self.tp, self.pp
+        static_bs, why = (0, "pipeline stages run eager") if pp else \
+            static_decode_limit(config, self.plugin, self.loaded.resolutions)
+        if not static_bs:
+            log.info("every decode step runs eager: %s", why)
+        if pp is not None:
+            self.runner = pp.attach_runner(self.loaded, limits)
+        else:
+            self.runner = (TPModelRunner(self.loaded.model, self.plugin, limits, tp, static_bs) if tp is not None
+                           else ModelRunner(self.loaded.model, self.plugin, limits, static_bs))
+        return static_bs
 
     def _sync_device(self) -> None:
         self.plugin.synchronize()
@@ -232,6 +253,8 @@ class Engine:
     # the step
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; returns an output for every request that made progress."""
+        if self.pipeline is not None:        # micro-batches in flight between the stages
+            return self.pipeline.step()
         timer = self._timer
         with timer("schedule"):
             sched = self.scheduler.schedule()
@@ -250,7 +273,12 @@ class Engine:
                 if sampled:
                     tokens, logprobs = self._sample(logits, sampled)
         with timer("detokenize"):
-            outputs = [self._output(r) for r in self.scheduler.update(sched, sampled, tokens, logprobs)]
+            return self.finish_step(sched, sampled, tokens, logprobs)
+
+    def finish_step(self, sched, sampled: list[Request], tokens: list, logprobs: list) -> list[RequestOutput]:
+        """Book a step's results (a micro-batch's, under pipeline parallelism): the scheduler's update,
+        the outputs, the counters."""
+        outputs = [self._output(r) for r in self.scheduler.update(sched, sampled, tokens, logprobs)]
         if self.disagg is not None:
             self.disagg.after_step(sched.unservable)
         if self._ready_outputs:
@@ -340,8 +368,9 @@ class Engine:
         except Exception as e:    # a plugin's memory query must never break the stats
             log.warning("mem_info of plugin %s failed: %s", self.plugin.name, e)
             return {"device_memory": (), "ranks": ()}
-        label = (lambda r: f"{r.plugin}:{r.device}") if self.tp is None else \
-            (lambda r: f"rank {r.rank} {r.plugin}:{r.device}")
+        role = "stage" if self.pp is not None else "rank"
+        label = (lambda r: f"{r.plugin}:{r.device}") if self.group is None else \
+            (lambda r: f"{role} {r.rank} {r.plugin}:{r.device}")
         return {"device_memory": tuple((label(r), r.free_memory, r.total_memory) for r in ranks), "ranks": ranks}
 
     def flush_prefix_cache(self) -> int:
@@ -356,29 +385,41 @@ class Engine:
 
     @property
     def fault(self) -> str | None:
-        """Why the engine cannot run another step (a tensor-parallel rank failed), or None."""
-        return self.tp.fault if self.tp is not None else None
+        """Why the engine cannot run another step (a tensor-parallel rank or a pipeline stage failed), or None."""
+        return self.group.fault if self.group is not None else None
 
     def on_fault(self, callback) -> None:
         """``callback(reason)`` once, from any thread, when the engine fails for good."""
-        if self.tp is not None:
-            self.tp.on_fault(callback)
+        if self.group is not None:
+            self.group.on_fault(callback)
+
+    def pipeline_status(self) -> dict | None:
+        """The stages (device, layers, step time) and the plan; None without pipeline parallelism."""
+        if self.pp is None:
+            return None
+        return self.pp.report(self.device_report(), len(self.pipeline.in_flight) if self.pipeline else 0)
 
     def device_report(self) -> tuple[RankDevice, ...]:
-        """Every rank's device and memory (one entry without tensor parallelism)."""
-        if self.tp is not None:
-            return tuple(RankDevice(**d) for d in self.tp.statuses())
-        return (RankDevice(**device_status(self.plugin, 0, 0, self.pool.num_bytes if self.pool.storage is not None
-                                           else 0)),)
+        """Every rank's device and memory (one entry without tensor or pipeline parallelism); a
+        pipeline stage's entry also has its layers and step time."""
+        if self.group is not None:
+            return tuple(RankDevice.of(d) for d in self.group.statuses())
+        return (RankDevice.of(device_status(self.plugin, 0, 0, self.pool.num_bytes if self.pool.storage is not None
+                                            else 0)),)
 
     def shutdown(self) -> None:
         if self.disagg is not None:
             self.disagg.stop()
+        if self.pipeline is not None and self.fault is None:
+            try:
+                self.pipeline.drain()     # the stages finish what is in flight before they are told to stop
+            except Exception as e:        # the group is failing: it is stopped below all the same
+                log.warning("pipeline drain at shutdown failed: %s", e)
         self.runner.release_compiled()     # graphs and recorded steps hold the pool's caches
         self.pool.release()
         if self.host_tier is not None:
             self.host_tier.release()
-        if self.tp is not None:
-            self.tp.stop()       # destroys rank 0's device too
+        if self.group is not None:
+            self.group.stop()    # destroys rank 0's device too
         else:
             self.plugin.destroy()

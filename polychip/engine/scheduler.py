@@ -143,23 +143,32 @@ class Scheduler:
         return any(r.num_computed_tokens < len(r.prompt_ids) and r.prompt_ids[:first] == head
                    for r in self.running)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, busy: frozenset[str] = frozenset(), max_requests: int | None = None) -> SchedulerOutput:
+        """One step's work. Under pipeline parallelism one micro-batch's: ``busy`` names the requests
+        of micro-batches still in flight (neither scheduled again nor preempted until they land) and
+        ``max_requests`` caps the micro-batch, so that the running requests spread over the stages."""
         out = SchedulerOutput()
-        budget = self.budget
+        budget, room = self.budget, max_requests if max_requests is not None else len(self.running) + len(self.waiting)
         self.running.sort(key=lambda r: (r.priority, r.timings.arrival))
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and room > 0:
             req = self.running[i]
+            if req.request_id in busy:
+                i += 1
+                continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             draft = self._draft(req, n, budget)
-            if self._make_room(req, self.pages.pages_for(req.num_computed_tokens + n + len(draft)) - len(req.pages),
-                               out):
+            fits = self._make_room(req, self.pages.pages_for(req.num_computed_tokens + n + len(draft)) - len(req.pages),
+                                   out, busy)
+            if fits:
                 req.draft, n = draft, n + len(draft)
                 out.scheduled.append((req, n))
                 budget -= n
+                room -= 1
+            if fits or (fits is None and req in self.running):
                 i += 1
         if not out.preempted:
-            self._admit(out, budget)
+            self._admit(out, budget, room)
         out.scheduled.sort(key=lambda rn: rn[1] != 1)   # decodes first, stable otherwise
         out.num_prompt_tokens = sum(max(0, min(n, len(r.prompt_ids) - r.num_computed_tokens))
                                     for r, n in out.scheduled)
@@ -171,12 +180,16 @@ class Scheduler:
             return []
         return self.proposer.propose(req, min(budget - 1, self.max_model_len - req.num_tokens))
 
-    def _make_room(self, req: Request, need: int, out: SchedulerOutput) -> bool:
-        """Give running ``req`` ``need`` more pages, preempting from the back of the queue
-        while they do not fit. False if ``req`` itself was preempted or cannot fit at all."""
+    def _make_room(self, req: Request, need: int, out: SchedulerOutput, busy: frozenset[str] = frozenset()) -> bool | None:
+        """Give running ``req`` ``need`` more pages, preempting from the back of the queue (never a
+        request in flight) while they do not fit. False if ``req`` itself was preempted or cannot fit
+        at all; None if it must wait for requests in flight to land."""
         while need > 0 and not self.pages.can_allocate(need):
-            victim = self.running[-1]
-            if victim is req and len(self.running) == 1:
+            idle = [r for r in self.running if r.request_id not in busy]
+            victim = idle[-1]
+            if victim is req and len(idle) == 1:
+                if len(self.running) > 1:    # the others are in flight: their pages may come back
+                    return None
                 self.running.remove(req)
                 out.unservable.append(req)
                 return False
@@ -188,9 +201,9 @@ class Scheduler:
             req.pages += self.pages.allocate(need)
         return True
 
-    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+    def _admit(self, out: SchedulerOutput, budget: int, room: int) -> None:
         for req in self._order_waiting():
-            if budget <= 0 or len(self.running) >= self.max_running:
+            if budget <= 0 or len(self.running) >= self.max_running or room <= 0:
                 return
             if self._waits_for_shared_prefix(req, self.pages.cached_prefix_len(req) // self.page):
                 continue
@@ -211,6 +224,7 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append((req, n))
             budget -= n
+            room -= 1
 
     # after the step
     def update(self, out: SchedulerOutput, sampled: list[Request], tokens: list[int | list[int]],

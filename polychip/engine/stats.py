@@ -46,6 +46,21 @@ class RankDevice:
     kv_pool_bytes: int
     pid: int
     health: dict | None = None        # the plugin's health figures (API 1.2), None when it reports none
+    # a pipeline stage's (engine/pipeline): its layers [start, end), micro-batches run, seconds computing
+    stage: int | None = None
+    layers: tuple[int, int] | None = None
+    weight_bytes: int = 0             # the weights it holds
+    micro_batches: int = 0
+    busy_seconds: float = 0.0
+    step_seconds: float = 0.0         # mean seconds of its layers per micro-batch
+
+    @classmethod
+    def of(cls, status: dict) -> "RankDevice":
+        """From a rank's status dict (its heartbeat's JSON), keeping the fields this class knows."""
+        known = {k: v for k, v in status.items() if k in cls.__dataclass_fields__}
+        if known.get("layers") is not None:
+            known["layers"] = tuple(known["layers"])
+        return cls(**known)
 
 
 @dataclass(frozen=True)

@@ -7,25 +7,23 @@ broadcasts until rank 0 says stop. A worker that fails writes its error into the
 """
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 import os
 import sys
 
-from polychip.config import EngineConfig, parse_host_port
+from polychip.config import EngineConfig
 from polychip.devices.discovery import open_device
 from polychip.distributed import secret as dist_secret
 from polychip.distributed.communicator import Communicator
-from polychip.distributed.rendezvous import DuplicateRankError, Heartbeat, connect_store, join, report_failure
+from polychip.distributed.rendezvous import Heartbeat, join
 from polychip.distributed.world import World
 from polychip.engine import step_wire
 from polychip.engine.kv_pool import KVPool, resolve_kv_dtype
 from polychip.engine.memory_plan import activation_bytes, size_pool
 from polychip.engine.model_runner import ModelRunner, StepLimits
 from polychip.engine.static_decode import static_decode_limit
-from polychip.engine.tp import agree_on_pool, device_status, model_signature
-from polychip.errors import PolychipError
+from polychip.engine.rank_group import agree_on_pool, device_status, model_signature
+from polychip.engine.rank_workers import worker_main
 from polychip.models.loader import load_model
 
 log = logging.getLogger("polychip.tp_worker")
@@ -43,12 +41,12 @@ def serve_rank(config: EngineConfig, rank: int, device: str, host: str, port: in
         log.error("rank %d: %s; exiting", rank, reason)
         os._exit(EXIT_LOST_RANK0)   # the main thread may sit in a collective that never returns
 
-    join(store, rank, world.tp_size, world.facts(config), config.dist_init_timeout, world.node_of,
+    join(store, rank, world.size, world.facts(config), config.dist_init_timeout, world.node_of,
          dist_secret.resolve(None, None))     # from the environment rank 0 or run_node gave this process
     beat = Heartbeat(host, port, rank, lambda: device_status(plugin, rank, node, kv_bytes[0]), lost).start()
     comm = None
     try:
-        comm = Communicator(plugin.communicator_backend(), rank, world.tp_size, store,
+        comm = Communicator(plugin.communicator_backend(), rank, world.size, store,
                             timeout_s=config.dist_timeout, plugin_name=plugin.name,
                             device=plugin.device_handle(), accumulate_fp32=config.allreduce_fp32)
         loaded = load_model(config.model_path, plugin, config.dtype, config.enable_fusion, config.cache_dir,
@@ -90,31 +88,7 @@ def serve_rank(config: EngineConfig, rank: int, device: str, host: str, port: in
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m polychip.engine.tp_worker", description=__doc__)
-    p.add_argument("--rank", type=int, required=True)
-    p.add_argument("--device", required=True, help="this rank's device, e.g. simxpu:1")
-    p.add_argument("--store", required=True, help="HOST:PORT of node 0's rendezvous store")
-    p.add_argument("--config", required=True, help="the EngineConfig as JSON")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    args = p.parse_args(sys.argv[1:] if argv is None else argv)
-    config = EngineConfig.from_kwargs(**json.loads(args.config))
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format=f"%(asctime)s %(levelname)s [rank {args.rank}] %(name)s: %(message)s")
-    store = None
-    try:
-        host, port = parse_host_port(args.store, "--store")
-        store = connect_store(host, port, config.dist_init_timeout)
-        serve_rank(config, args.rank, args.device, host, port, store)
-        return 0
-    except BaseException as e:  # report whatever it is to rank 0, then exit non-zero
-        msg = str(e) if isinstance(e, PolychipError) else f"{type(e).__name__}: {e}"
-        log.error("rank %d failed: %s", args.rank, msg)
-        if store is not None and not isinstance(e, DuplicateRankError):   # the rank is another's
-            try:
-                report_failure(store, args.rank, msg)
-            except Exception:  # rank 0 is gone too; the log line above is all we can do
-                pass
-        return 1
+    return worker_main(argv, "polychip.engine.tp_worker", __doc__, "rank", serve_rank)
 
 
 if __name__ == "__main__":

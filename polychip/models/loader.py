@@ -21,11 +21,12 @@ from safetensors import safe_open
 
 from polychip.devices import boundary, memory
 from polychip.devices.ops import ALLOC_DTYPES
-from polychip.devices.spec import require_dtypes
-from polychip.errors import ModelLoadError
+from polychip.devices.spec import fmt_bytes, require_dtypes
+from polychip.errors import ConfigError, DeviceOutOfMemoryError, ModelLoadError
 from polychip.models.config import ModelConfig
 from polychip.models.decoder import DecoderModel, rope_tables
 from polychip.models.op_plan import check_ops, planned_fusions, read_op_plan
+from polychip.models.stage import StageSpan, keep_stage
 from polychip.models.tokenizer import Tokenizer
 from polychip.ops import passes, tp_shard
 from polychip.ops.native import register_native
@@ -53,6 +54,7 @@ class LoadedModel:
     quantization_format: str | None = None     # where quantised weights came from: compressed-tensors, gptq, ...
     plan_warnings: list[str] = field(default_factory=list)    # where the device differs from plan.json
     shard: tp_shard.ShardLayout | None = None     # this rank's part under tensor parallelism
+    stage: StageSpan | None = None                 # this process's layers under pipeline parallelism
 
     @property
     def kv_heads(self) -> int:
@@ -129,23 +131,27 @@ def stored_meta(files: list[str]) -> dict[str, torch.Tensor]:
 
 
 def read_tensors(files: list[str], cfg: ModelConfig, packed_head: bool, shard: tp_shard.ShardLayout | None = None,
-                 quantize: str | None = None, plan: QuantPlan | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                 quantize: str | None = None, plan: QuantPlan | None = None,
+                 stage: StageSpan | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """As :func:`stored_tensors`, with each layer of a quantisation ``plan`` converted into its layer's tensors."""
-    entries = stored_tensors(files, cfg, packed_head, shard, quantize)
+    entries = stored_tensors(files, cfg, packed_head, shard, quantize, stage)
     return entries if plan is None else quant_load.converted(entries, plan)
 
 
 def stored_tensors(files: list[str], cfg: ModelConfig, packed_head: bool, shard: tp_shard.ShardLayout | None = None,
-                   quantize: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                   quantize: str | None = None, stage: StageSpan | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(state-dict key, host tensor) for every weight, one at a time: with ``shard`` only this rank's
-    part is read; ``quantize="int8"`` quantises each linear weight as it is read (and adds an int8
-    lm_head for a tied one); weights stored quantised come as they are."""
+    part is read, with ``stage`` only this stage's tensors (none of another stage's is read);
+    ``quantize="int8"`` quantises each linear weight as it is read (and adds an int8 lm_head for a
+    tied one); weights stored quantised come as they are."""
     for path in files:
         try:
             with safe_open(path, framework="pt") as f:
                 for name in f.keys():
                     key = name.removeprefix("model.")
-                    if not quant_load.keep_key(key, cfg, packed_head):
+                    if stage is not None:
+                        key = stage.local_key(key)
+                    if key is None or not quant_load.keep_key(key, cfg, packed_head):
                         continue
                     t = f.get_tensor(name) if shard is None else tp_shard.slice_weight(shard, key, f.get_slice(name))
                     entries = int8.quantized_entries(key, t) if quantize else [(key, t)]
@@ -164,6 +170,17 @@ def place_weights(tensors: Iterable[tuple[str, torch.Tensor]], shapes: dict[str,
     never holds a part it later frees. ``shapes`` are the unfused model's; floating-point weights
     are cast to ``dtype`` except those ``fixed`` names (a quantised layer's float32 scales, fp8
     weights); integer ones keep theirs (their scheme's dtype was checked against the device)."""
+    try:
+        return _place_weights(tensors, shapes, merges, dtype, plugin, fixed)
+    except DeviceOutOfMemoryError as e:     # one weight did not fit: say what all of them need
+        need = sum(s.numel() for s in shapes.values()) * dtype.itemsize
+        raise DeviceOutOfMemoryError(
+            f"{e.args[0]}; the model's weights need {fmt_bytes(need)} in all on {plugin.name}:{plugin.index}, "
+            "which holds less (a smaller --dtype, --quantization int8, or split the layers over devices with "
+            "--pp-size)", requested=e.requested) from e.__cause__
+
+
+def _place_weights(tensors, shapes, merges, dtype, plugin, fixed) -> dict[str, torch.Tensor]:
     target_of = {part: merged for merged, parts in merges.items() for part in parts}
     fixed = fixed or {}
     fixed.update({part: fixed[merged] for merged, parts in merges.items() if merged in fixed for part in parts})
@@ -239,13 +256,14 @@ def rewrite(model, plugin, registry, torch_dtype, ops, plan: dict | None, enable
 def load_model(model_path: str | None, plugin, dtype: str = "auto", enable_fusion: bool = True,
                cache_dir: str | None = None, max_model_len: int | None = None,
                registry: OpRegistry | None = None, quantization: str | None = None, comm=None,
-               strict: bool = False) -> LoadedModel:
+               strict: bool = False, stage: StageSpan | None = None) -> LoadedModel:
     """Weights stored quantised (a checkpoint's ``quantization_config``, an int8 package) load as they
     are; ``quantization`` may name their scheme, or on a float model "int8" or "w8a8" quantises while
     loading; ``strict`` refuses a scheme op the plugin lacks (quant_load.check_strict). A folder with
     a ``plan.json`` (an opened package) gets the plan's fusions and a warning per op this device
     resolves differently. ``comm``: a
-    distributed Communicator; with more than one rank, this rank's shard is loaded."""
+    distributed Communicator; with more than one rank, this rank's shard is loaded. ``stage``: a
+    pipeline stage's layers (models/stage.py); only its weights are read and placed."""
     t0 = time.perf_counter()
     model_dir, from_cache = resolve_model_dir(model_path, cache_dir)
     cfg = read_config(model_dir)
@@ -262,6 +280,9 @@ def load_model(model_path: str | None, plugin, dtype: str = "auto", enable_fusio
     stored_state = stored_meta(files)
     choice = quant_load.choose(plugin, quant_load.read_hf_config(model_dir), stored_state, cfg.tie_word_embeddings,
                                quantization, shard)
+    if stage is not None and choice.plan is not None:
+        raise ConfigError(f"{choice.scheme} weights ({choice.format}) cannot be split into pipeline stages yet: "
+                          "pipeline parallelism runs float and int8 weights only")
     torch_dtype = getattr(torch, dname)
     if registry is None:
         registry = OpRegistry(plugin.name)
@@ -272,6 +293,9 @@ def load_model(model_path: str | None, plugin, dtype: str = "auto", enable_fusio
     packed_head = int8.scale_key(int8.LM_HEAD_KEY) in stored_state
     with torch.device("meta"):
         model = DecoderModel(cfg, ops)
+    if stage is not None:
+        keep_stage(model, stage)
+        stored_state = {k: t for k, t in ((stage.local_key(k), t) for k, t in stored_state.items()) if k is not None}
     if shard is not None:
         tp_shard.shard_modules(model, shard, comm)
     quantize = "int8" if choice.self_int8 else None
@@ -280,14 +304,14 @@ def load_model(model_path: str | None, plugin, dtype: str = "auto", enable_fusio
     resolutions, merges, fusions, warnings = rewrite(model, plugin, registry, torch_dtype, ops, plan, enable_fusion)
     quant_load.check_strict(strict, choice.scheme, resolutions, plugin)
     # then the weights, each placed once on the device (fused ones merged on the host first)
-    tensors = read_tensors(files, cfg, packed_head, shard, quantize, choice.plan)
+    tensors = read_tensors(files, cfg, packed_head, shard, quantize, choice.plan, stage)
     state = place_weights(tensors, shapes, merges, torch_dtype, plugin, fixed_dtypes(model))
     state.update({alias: state[source] for alias, source in aliases.items()})
     model.load_state_dict(state, assign=True, strict=True)
     place_rope(model, cfg, max_model_len or cfg.max_position_embeddings, torch_dtype, plugin)
     model.eval()
     lm = LoadedModel(model, cfg, tokenizer, torch_dtype, model_dir, registry, resolutions, fusions,
-                     time.perf_counter() - t0, from_cache, choice.scheme, choice.format, warnings, shard)
+                     time.perf_counter() - t0, from_cache, choice.scheme, choice.format, warnings, shard, stage)
     log.info("loaded %s (%s, %s%s) in %.2fs", model_dir, cfg.architecture, dname,
              f", {choice.scheme} weights" + (f" ({choice.plan.source})" if choice.plan else "") if choice.scheme
              else "", lm.load_seconds)

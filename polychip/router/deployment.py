@@ -51,6 +51,7 @@ class ReplicaEntry(_Strict):
     dtype: str = "auto"
     quantization: Quantization = None
     tp_size: int = Field(default=1, ge=1)
+    pp_devices: list[str] = Field(default_factory=list)     # a pipeline group: each stage's device, device first
     host: str = "127.0.0.1"
     port: int | None = Field(default=None, ge=1, le=65535)   # None: a free port
     device_config: str | None = None             # device spec YAML for the replica
@@ -75,6 +76,15 @@ class ReplicaEntry(_Strict):
             raise ValueError(f"expected a device like cpu, cuda:0 or simxpu:1, got {v!r}")
         return v
 
+    @field_validator("pp_devices")
+    @classmethod
+    def _stage_devices(cls, v):
+        bad = [d for d in v if not DEVICE_RE.match(d)]
+        if bad or len(v) == 1 or len(set(v)) != len(v):
+            raise ValueError(f"expected two or more distinct devices like cpu:0 or simxpu:1, one per pipeline stage, "
+                             f"got {v!r}")
+        return v
+
     @field_validator("url")
     @classmethod
     def _url_shape(cls, v):
@@ -90,6 +100,9 @@ class ReplicaEntry(_Strict):
         if self.url is not None and (self.port is not None or self.args or self.model_path or self.role):
             raise ValueError("a url replica is run elsewhere; port, args, model_path and role belong to launched "
                              "ones (a url replica reports its role itself)")
+        if self.pp_devices and (self.device != self.pp_devices[0] or self.tp_size > 1 or self.role):
+            raise ValueError("a pipeline group (pp_devices) names its stage 0 device as device, and takes neither "
+                             "tp_size nor role")
         if self.bootstrap_port is not None and self.role != "prefill":
             raise ValueError("bootstrap_port belongs to a replica with role prefill")
         return self

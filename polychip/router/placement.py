@@ -89,7 +89,20 @@ class _Placer:
         if broken:
             return self.problems.append(f"{where}.device: {r.device} cannot be used: {'; '.join(broken)}")
         self._claim(where, r, kind, wanted)
+        for stage, device in list(enumerate(r.pp_devices))[1:]:     # a pipeline group's other stages
+            self._stage(f"{where}.pp_devices.{stage}", r, plugins, device)
         self._check_dtypes(where, r, rec.devices[start])
+
+    def _stage(self, where: str, r: ReplicaEntry, plugins, device: str) -> None:
+        kind, index = split_device(device)
+        rec = plugins.get(kind)
+        ids = sorted(rec.devices) if rec is not None and not rec.problem else []
+        index = ids[0] if index is None and ids else index
+        problem = "unknown device type" if rec is None else rec.problem or (
+            "not present on this host" if index not in rec.devices else rec.devices[index].problem)
+        if problem:
+            return self.problems.append(f"{where}: {device} cannot be used: {problem}")
+        self._claim(where, r, kind, [index])
 
     def _claim(self, where: str, r: ReplicaEntry, kind: str, wanted: list[int]) -> None:
         if kind in SHAREABLE:

@@ -38,6 +38,8 @@ class ReplicaInfo:
     handoffs: tuple[tuple[str, float], ...] = ()
     # what each rank's plugin reports about its device (temperature, throttling, ...); () when none
     device_health: tuple[DeviceHealth, ...] = ()
+    # a pipeline group (its /server_info "pipeline" block): each stage's (device, layers, mean step seconds)
+    stages: tuple[tuple[str, str, float], ...] = ()
 
     @classmethod
     def parse(cls, data: dict) -> "ReplicaInfo":
@@ -59,7 +61,25 @@ class ReplicaInfo:
                    kv_usage=float(get("kv_usage", (int, float), 0.0)),
                    prefix_cache_hit_rate=float(get("prefix_cache_hit_rate", (int, float), 0.0)),
                    device_health=parse_device_health(data.get("device_health")),
-                   **_disaggregation(data.get("disaggregation")))
+                   stages=_stages(data.get("pipeline")), **_disaggregation(data.get("disaggregation")))
+
+
+def _stages(block) -> tuple[tuple[str, str, float], ...]:
+    """A pipeline group's stages from its "pipeline" block; ValueError naming a bad field."""
+    if block is None:
+        return ()
+    rows = block.get("stages") if isinstance(block, dict) else None
+    if not isinstance(rows, list):
+        raise ValueError(f"/server_info field 'pipeline' should hold a list of stages, got {block!r}")
+    out = []
+    for st in rows:
+        ok = isinstance(st, dict) and isinstance(st.get("device"), str) and isinstance(st.get("layers"), list) \
+            and len(st["layers"]) == 2 and all(isinstance(v, int) for v in st["layers"]) \
+            and isinstance(st.get("step_seconds"), (int, float)) and not isinstance(st["step_seconds"], bool)
+        if not ok:
+            raise ValueError(f"/server_info field 'pipeline.stages' has a malformed stage: {st!r}")
+        out.append((st["device"], f"{st['layers'][0]}-{st['layers'][1] - 1}", float(st["step_seconds"])))
+    return tuple(out)
 
 
 HANDOFF_FIGURES = ("transfers_in_flight", "transfers_done", "transfers_failed", "fallbacks", "bytes",

@@ -75,6 +75,8 @@ def serve_command(entry: ReplicaEntry, port: int, dtype: str, quantization: str 
         cmd += ["--quantization", quantization]
     if entry.tp_size > 1:
         cmd += ["--tp-size", str(entry.tp_size)]
+    if entry.pp_devices:                        # a pipeline group, one process per stage behind one port
+        cmd += ["--pp-size", str(len(entry.pp_devices)), "--pp-devices", ",".join(entry.pp_devices)]
     if entry.device_config:
         cmd += ["--device-config", entry.device_config]
     if entry.role is not None:                  # a side of a prefill/decode pair

@@ -109,6 +109,7 @@ class _EngineCollector:
         yield mem
         yield kv
         yield from self._health(s.ranks)
+        yield from self._pipeline(s)
         yield from self._disaggregation()
 
     @staticmethod
@@ -127,6 +128,27 @@ class _EngineCollector:
                     f.add_metric([r.plugin, str(r.device), str(r.rank), str(r.node)], float(r.health[key]))
             if f.samples:
                 yield f
+
+    def _pipeline(self, s: EngineStats):
+        """Each pipeline stage's device, layers and step time (nothing without pipeline parallelism)."""
+        stages = [r for r in s.ranks if r.stage is not None and r.layers is not None]
+        if not stages:
+            return
+        labels = ["model_name", "stage", "plugin", "device", "layers"]
+        rows = (("polychip_pipeline_stage_layers", GaugeMetricFamily, "Layers a pipeline stage holds",
+                 lambda r: r.layers[1] - r.layers[0]),
+                ("polychip_pipeline_stage_step_seconds", GaugeMetricFamily, "Mean seconds of a stage's layers per "
+                                                                            "micro-batch", lambda r: r.step_seconds),
+                ("polychip_pipeline_stage_busy_seconds", CounterMetricFamily, "Seconds a stage spent computing",
+                 lambda r: r.busy_seconds),
+                ("polychip_pipeline_stage_micro_batches", CounterMetricFamily, "Micro-batches a stage ran",
+                 lambda r: r.micro_batches))
+        for name, family, doc, value in rows:
+            f = family(name, doc, labels=labels)
+            for r in stages:
+                f.add_metric([self.model_name, str(r.stage), r.plugin, str(r.device),
+                              f"{r.layers[0]}-{r.layers[1] - 1}"], value(r))
+            yield f
 
     def _disaggregation(self):
         d = self.disagg

@@ -5,8 +5,9 @@ live figures of ``Engine.stats()`` (queue lengths, KV usage, prefix-cache hit ra
 with the pool's integrity check, ``device_health`` (what each rank's plugin reports through
 ``health()``, plugin API 1.2: temperature_c, thermal_limit_c, throttling, correctable_errors,
 utilization; ``error`` when the plugin's answer was unusable; empty when no plugin reports any),
-and ``disaggregation``: a prefill or decode side's role, bootstrap
-port, transfers in flight and done, bytes and seconds (None for plain serving).
+``disaggregation``: a prefill or decode side's role, bootstrap port, transfers in flight and done,
+bytes and seconds (None for plain serving), and ``pipeline``: each pipeline stage's device, layers
+and step time, the split and its planned bottleneck (None without).
 
 SGLang's fields (its ``ServerArgs`` names, ``status``, ``internal_states``; server/sglang_api.py)
 come first, so sglang-router can register the replica; polychip's own keys win where names meet.
@@ -63,4 +64,5 @@ async def server_info(request: Request):
     ae = state.engine
     info = build_server_info(app_state.server_identity, await ae.current_stats(), await ae.integrity())
     info["disaggregation"] = ae.disaggregation()       # role, backend, transfers, bytes; None when plain
+    info["pipeline"] = ae.pipeline()                   # stages: device, layers, step time; None without pp
     return info

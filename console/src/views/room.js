@@ -1,6 +1,6 @@
 // Room: every host and device (from /admin/devices), every replica with its health, circuit, KV
-// cache, queue and prefix-cache figures, and a prefill/decode side's role and KV hand-offs (from
-// /admin/replicas). On `polychip serve` (no
+// cache, queue and prefix-cache figures, a prefill/decode side's role and KV hand-offs, and a
+// pipeline group's stages (device, layers, step time) (from /admin/replicas). On `polychip serve` (no
 // /admin/replicas) it shows the one replica from /server_info.
 import { html } from '../html.js';
 import { Gate } from '../gate.js';
@@ -38,8 +38,10 @@ function ServeRoom({ api }) {
 // one /server_info as a row of the replica table
 function fromServerInfo(i) {
   const d = i.disaggregation;
+  const stages = i.pipeline ? i.pipeline.stages.map((s) => [s.device, `${s.layers[0]}-${s.layers[1] - 1}`,
+    s.step_seconds]) : [];
   return { name: 'this server', url: location.origin, up: true, model: i.model, version: i.version,
-           device: i.device, device_type: i.device_type, info: i, served: null, inflight: null,
+           device: i.device, device_type: i.device_type, info: { ...i, stages }, served: null, inflight: null,
            role: d ? d.mode : null, handoffs: d || null };
 }
 
@@ -67,7 +69,8 @@ function ReplicaRow({ r }) {
   return html`<tr class=${r.up ? 'up' : 'down'} data-replica=${r.name}>
     <td><b>${r.name}</b><div class="muted small">${r.url}</div></td>
     <td><span class="chip">${r.device_type}</span> ${r.device}
-      ${r.role ? html` <span class="chip role" data-role=${r.role}>${r.role}</span>` : ''}</td>
+      ${r.role ? html` <span class="chip role" data-role=${r.role}>${r.role}</span>` : ''}
+      <${Stages} stages=${r.info ? r.info.stages : null} /></td>
     <td>${r.model ?? '–'} · ${r.version ?? '–'}</td>
     <td class="status">${status}${r.incapable ? html`<div class="small">${r.incapable}</div>` : ''}</td>
     <td>${r.circuit ?? html`<span class="muted" title="this router does not report circuit state">n/a</span>`}</td>
@@ -76,6 +79,13 @@ function ReplicaRow({ r }) {
     <td>${fig(r, 'waiting', 'num_waiting') ?? '–'}</td>
     <td>${pct(fig(r, 'prefix_hit_rate', 'prefix_cache_hit_rate'))}</td>
     <td>${r.inflight ?? '–'}</td><td>${r.served ?? '–'}</td><td><${Handoffs} h=${r.handoffs} /></td></tr>`;
+}
+
+// a pipeline group's stages: each one's device, layers and mean step time per micro-batch
+function Stages({ stages }) {
+  if (!stages || !stages.length) return '';
+  return html`<div class="stages small">${stages.map(([device, layers, secs], i) => html`<div data-stage=${i}>
+    stage ${i}: ${device} · layers ${layers} · ${(secs * 1000).toFixed(1)} ms/step</div>`)}</div>`;
 }
 
 // a prefill or decode side's hand-offs: in flight, done (failed), bytes moved and their seconds

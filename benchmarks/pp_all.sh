@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# The pipeline figures of docs/pipeline-parallel.md but the uneven-split sweep, in one quiet run (~10 min):
+#   WHO=pp /work/bin/quiet bash benchmarks/pp_all.sh
+# The sweep is a quiet run of its own (~12 min):
+#   WHO=pp /work/bin/quiet .venv/bin/python benchmarks/pp_uneven.py --input-len 128 --output-len 32
+set -e
+cd "$(dirname "$0")"
+PY=../.venv/bin/python
+$PY pp_exactness.py
+$PY pp_fits.py
+$PY pp_efficiency.py

@@ -1,0 +1,201 @@
+"""Pipeline parallelism, units: stage spans and the split pass, a stage's weights, the planner (best split
+against every split, memory refusals, declared and missing figures), the scheduler's micro-batch rules,
+the config, and how the router reads a group. No process is started here."""
+from __future__ import annotations
+
+import itertools
+import os
+
+import pytest
+import torch
+
+from polychip.config import EngineConfig
+from polychip.engine.kv_pool import PageAllocator
+from polychip.engine.page_manager import PageManager
+from polychip.engine.pipeline.cost import Workload
+from polychip.engine.pipeline.plan import plan_pipeline, setting
+from polychip.engine.scheduler import Scheduler
+from polychip.errors import ConfigError, DeviceOutOfMemoryError
+from polychip.models.loader import load_model
+from polychip.models.stage import StageSpan, parse_split, spans
+from test_scheduler import PAGE, req
+
+pytestmark = pytest.mark.device_independent   # names its devices, or runs none (conftest.py)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SLOW3 = os.path.join(ROOT, "examples", "specs", "simxpu-slow3.yaml")
+
+
+def test_spans_keys_and_the_split_flag():
+    a, b = spans([1, 3])
+    assert (a.first, a.last, b.start, b.end, b.label()) == (True, False, 1, 4, "1-3")
+    assert a.local_key("layers.0.mlp.up_proj.weight") == "layers.0.mlp.up_proj.weight"
+    assert b.local_key("layers.2.mlp.up_proj.weight") == "layers.1.mlp.up_proj.weight"
+    assert b.local_key("layers.0.mlp.up_proj.weight") is None and b.local_key("embed_tokens.weight") is None
+    assert a.local_key("norm.weight") == "norm.weight"
+    assert parse_split("10,20", 30, 2) == [10, 20]
+    for text, msg in (("10,20", "gives 2 stage"), ("0,30", "at least one layer"), ("10,19", "sums to 29"),
+                      ("a,b", "separated by commas")):
+        with pytest.raises(ConfigError, match=msg):
+            parse_split(text, 30, 3 if msg == "gives 2 stage" else 2)
+
+
+def test_a_stage_loads_only_its_layers_renumbered(model_factory):
+    from polychip.devices.discovery import open_device
+    path = model_factory("llama", False, 4)
+    plugin = open_device("cpu")
+    try:
+        last = load_model(path, plugin, "float32", stage=StageSpan(1, 2, 1, 4, 4))
+        keys = set(last.model.state_dict())
+        assert not any(k.startswith(("embed_tokens", "lm_head", "norm.")) for k in keys)
+        assert {k.split(".")[1] for k in keys} == {"0", "1", "2"}
+        assert [layer.self_attn.layer for layer in last.model.layers] == [0, 1, 2]
+        first = load_model(path, plugin, "float32", stage=StageSpan(0, 2, 0, 1, 4))
+        assert len(first.model.layers) == 1 and first.model.lm_head is not None   # untied: its own lm_head
+        full = load_model(path, plugin, "float32")
+        torch.testing.assert_close(last.model.layers[0].mlp.down_proj.weight, full.model.layers[1].mlp.down_proj.weight)
+    finally:
+        plugin.destroy()
+
+
+def cpu_spec(tmp_path, tflops: float) -> str:
+    path = tmp_path / f"cpu-{tflops}.yaml"
+    path.write_text(f"device_type: cpu\ndevice_ids: [0]\nmemory: {{total: 4GiB}}\ncompute: {{tflops_fp32: {tflops}}}\n"
+                    "supported_dtypes: [float32, bfloat16]\n")
+    return str(path)
+
+
+def slow_card(tmp_path, tflops: float) -> str:
+    """simxpu-slow3.yaml with FLOP/s of the size a host core has (the link's cost stays small beside them)."""
+    path = tmp_path / "slow.yaml"
+    path.write_text(open(SLOW3).read().replace("tflops_fp32: 8.3", f"tflops_fp32: {tflops}"))
+    return str(path)
+
+
+def config(path, **kw) -> EngineConfig:
+    return EngineConfig(**{"model_path": path, "dtype": "float32", "pp_size": 2, "pp_devices": "cpu:0,simxpu:0",
+                           "device_config": SLOW3, "chunked_prefill_size": 64, "max_running_requests": 16, **kw})
+
+
+def test_the_planner_gives_the_slower_card_fewer_layers_and_beats_every_other_split(model_factory, tmp_path):
+    """A cpu declared 3x the slow card's FLOP/s: the slow card gets fewer layers, and no split of the same
+    setting has a smaller bottleneck (the dynamic programme against brute force)."""
+    path = model_factory("llama", False, 12, intermediate_size=2048)
+    cfg = config(path, device_config=slow_card(tmp_path, 0.025), pp_device_configs=(cpu_spec(tmp_path, 0.075),))
+    wl = Workload(16, 800, 16)          # mostly prefill: the lm_head on stage 0 weighs about one layer
+    plan = plan_pipeline(cfg, wl)
+    assert plan.chosen_by == "planner" and plan.known and not plan.notes
+    assert plan.counts[0] > plan.counts[1], plan.counts
+    st = setting(cfg, wl)
+    worst = {c: max(st.times(s)[2] for s in spans(list(c))) for c in
+             ((n, 12 - n) for n in range(1, 12))}
+    assert plan.round_seconds == pytest.approx(min(worst.values()))
+    assert plan.throughput()[0] > 0 and plan.bottleneck.round_seconds == plan.round_seconds
+    even = plan_pipeline(config(path, device_config=slow_card(tmp_path, 0.025),
+                                pp_device_configs=(cpu_spec(tmp_path, 0.075),), pp_layer_split="6,6"), wl)
+    assert even.chosen_by == "--pp-layer-split" and even.round_seconds > plan.round_seconds
+
+
+def test_a_device_without_figures_is_assumed_as_fast_as_the_others_and_said(model_factory):
+    plan = plan_pipeline(config(model_factory("llama", False, 4)))
+    assert plan.stages[0].figures.source.startswith("assumed") and "cpu:0 declares no compute figures" in plan.notes[0]
+
+
+def test_three_stages_best_split_is_the_brute_force_one(model_factory, tmp_path):
+    path = model_factory("llama", False, 7, intermediate_size=1024)
+    cfg = EngineConfig(model_path=path, dtype="float32", pp_size=3, pp_devices="cpu:0,simxpu:0,simxpu:1",
+                       device_config=os.path.join(ROOT, "examples", "specs", "simxpu-2.yaml"),
+                       pp_device_configs=(cpu_spec(tmp_path, 3),), chunked_prefill_size=64)
+    st = setting(cfg)
+    best = min(max(st.times(s)[2] for s in spans(list(c)))
+               for c in itertools.product(range(1, 6), repeat=3) if sum(c) == 7)
+    assert plan_pipeline(cfg).round_seconds == pytest.approx(best)
+
+
+def card(tmp_path, total: str) -> str:
+    path = tmp_path / "card.yaml"
+    path.write_text(f"device_type: simxpu\ndevice_ids: [0, 1]\nmemory: {{total: {total}}}\n"
+                    "supported_dtypes: [float32]\n")
+    return str(path)
+
+
+def test_memory_refusals_name_stage_device_need_and_have(model_factory, tmp_path):
+    path = model_factory("llama", False, 4)       # 2 x 39 MB of embedding and lm_head, tiny layers
+    kw = dict(model_path=path, dtype="float32", pp_size=2, pp_devices="simxpu:0,simxpu:1", max_running_requests=4)
+    with pytest.raises(DeviceOutOfMemoryError, match=r"no split of 4 layers over these 2 devices fits \(none of 3\); the even split 2,2: stage 0 \(simxpu:0, layers 0-1\) "
+                                                     r"needs [\d.]+ MiB \(weights 74\.\d MiB.*\) and has 48\.0 MiB"):
+        plan_pipeline(EngineConfig(device_config=card(tmp_path, "48MiB"), **kw))
+    plan = plan_pipeline(EngineConfig(device_config=card(tmp_path, "160MiB"), **kw))
+    assert plan.stages[0].memory["weights"] > 2 * 38_000_000 > 50 * plan.stages[1].memory["weights"]
+    with pytest.raises(DeviceOutOfMemoryError, match=r"the pipeline split 1,3 does not fit: stage 0"):
+        plan_pipeline(EngineConfig(device_config=card(tmp_path, "160MiB"), pp_layer_split="1,3",
+                                   max_total_tokens=2**20, **kw))
+    with pytest.raises(ConfigError, match=r"stage 1's device simxpu:1 does not support the model dtype bfloat16"):
+        plan_pipeline(EngineConfig(device_config=card(tmp_path, "160MiB"), **{**kw, "dtype": "bfloat16",
+                                                                              "pp_devices": "cpu:0,simxpu:1"}))
+
+
+def test_the_config_says_what_a_pipeline_needs():
+    for kw, msg in ((dict(pp_size=2), "needs pp_devices naming 2 devices"),
+                    (dict(pp_size=2, pp_devices="cpu:0,simxpu:0", tp_size=2), "cannot be combined with tp_size"),
+                    (dict(pp_devices="cpu:0"), "need pp_size > 1"),
+                    (dict(pp_size=3, pp_devices="cpu:0,cpu:1,simxpu:0", nnodes=2, dist_init_addr="h:1"),
+                     "multiple of nnodes")):
+        with pytest.raises(ConfigError, match=msg):
+            EngineConfig(**kw)
+
+
+def make(num_pages=64, budget=16):
+    return Scheduler(PageManager(PageAllocator(num_pages), PAGE, prefix_cache=False), budget, 8,
+                     max_model_len=10**6)
+
+
+def test_a_micro_batch_skips_requests_in_flight_and_takes_its_share():
+    s = make()
+    rs = [req(str(i), [1, 2, 3]) for i in range(6)]
+    for r in rs:
+        s.add(r)
+    first = s.schedule(frozenset(), max_requests=3)
+    assert [r.request_id for r, _ in first.scheduled] == ["0", "1", "2"]
+    second = s.schedule(frozenset({"0", "1", "2"}), max_requests=3)
+    assert [r.request_id for r, _ in second.scheduled] == ["3", "4", "5"]
+    assert not s.schedule(frozenset(r.request_id for r in rs), max_requests=3).scheduled
+
+
+def test_a_request_in_flight_is_never_preempted_and_one_that_must_wait_is_not_dropped():
+    s = make(num_pages=2, budget=16)
+    a, b = req("a", list(range(4)), max_tokens=8), req("b", list(range(10, 14)), max_tokens=8)
+    s.add(a)
+    s.add(b)
+    out = s.schedule()                        # one page each; the pool is full
+    s.update(out, [a, b], [7, 7], [None, None])
+    # a is in flight; b needs a second page: a is the only other request, so b waits rather than taking it
+    out = s.schedule(frozenset({"a"}))
+    assert not out.scheduled and not out.preempted and not out.unservable and b in s.running and a in s.running
+    # with nothing in flight the usual rule applies: the later request is preempted for the earlier
+    out = s.schedule()
+    assert out.preempted == [b] and [r for r, _ in out.scheduled] == [a]
+
+
+def test_the_router_reads_a_groups_stages_and_refuses_a_malformed_block():
+    from polychip.router.replica import ReplicaInfo
+    base = {"model": "m", "device_type": "cpu", "device": "cpu:0"}
+    stages = [{"stage": 0, "device": "cpu:0", "layers": [0, 10], "step_seconds": 0.01},
+              {"stage": 1, "device": "simxpu:0", "layers": [10, 30], "step_seconds": 0.02}]
+    info = ReplicaInfo.parse({**base, "pipeline": {"stages": stages}})
+    assert info.stages == (("cpu:0", "0-9", 0.01), ("simxpu:0", "10-29", 0.02))
+    assert ReplicaInfo.parse(base).stages == ()
+    with pytest.raises(ValueError, match="pipeline.stages' has a malformed stage"):
+        ReplicaInfo.parse({**base, "pipeline": {"stages": [{"device": "cpu:0", "layers": "0-9"}]}})
+
+
+def test_a_deployment_replica_names_its_stages():
+    from polychip.router.deployment import ReplicaEntry
+    from polychip.router.supervisor import serve_command
+    entry = ReplicaEntry(name="g", model="m", device="cpu:0", pp_devices=["cpu:0", "simxpu:0"])
+    cmd = serve_command(entry, 8000, "auto", None)
+    assert cmd[cmd.index("--pp-size") + 1] == "2" and cmd[cmd.index("--pp-devices") + 1] == "cpu:0,simxpu:0"
+    with pytest.raises(ValueError, match="names its stage 0 device as device"):
+        ReplicaEntry(name="g", model="m", device="simxpu:0", pp_devices=["cpu:0", "simxpu:0"])
+    with pytest.raises(ValueError, match="two or more distinct devices"):
+        ReplicaEntry(name="g", model="m", device="cpu:0", pp_devices=["cpu:0", "cpu:0"])
