@@ -69,7 +69,7 @@ def test_one_models_backlog_never_blocks_another_models_requests(stack):
 
 
 def test_abandoned_entries_leave_at_once_and_memory_stays_bounded():
-    from polychip.router.wfq import FairQueue
+    from polychip.router.routing.wfq import FairQueue
     q = FairQueue({"high": 3.0, "normal": 1.0, "low": 1.0}, 10)
     q.push("normal", "stuck at the head")
     gc.collect()

@@ -32,7 +32,7 @@ FAKE_SERVE = textwrap.dedent("""
 # a router process stand-in: the real Supervisor launching one replica from a deployment entry
 ROUTER = textwrap.dedent("""
     import asyncio, sys
-    from polychip.router import supervisor as sup
+    from polychip.router.fleet import launcher as sup
     from polychip.router.deployment import ReplicaEntry
     fake, info, run_dir = sys.argv[1], sys.argv[2], sys.argv[3]
     sup.serve_command = lambda entry, port, *rest: [sys.executable, "-c", fake, str(port), info]
@@ -89,7 +89,7 @@ def test_a_launched_replica_dies_when_its_router_is_killed(tmp_path):
 
 
 def test_a_new_router_replaces_what_an_old_one_left_and_ports_are_reported(tmp_path):
-    from polychip.router.supervisor import Supervisor
+    from polychip.router.fleet.launcher import Supervisor
     # a replica an old router left: the record names its pid and command (as if pdeathsig were lost)
     leftover = subprocess.Popen([sys.executable, "-c", FAKE_SERVE, "0", str(tmp_path / "old.txt")],
                                 start_new_session=True, stdout=subprocess.DEVNULL)

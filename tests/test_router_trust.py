@@ -12,7 +12,7 @@ from trust_helpers import trust_store
 
 from polychip.commands import router as router_cmd
 from polychip.router.deployment import ReplicaEntry, load_deployment
-from polychip.router.supervisor import Supervisor, serve_command
+from polychip.router.fleet.launcher import Supervisor, serve_command
 from polychip.trust import keys as signing
 from polychip.trust.detached import sign_file
 from polychip.trust.options import TrustOptions

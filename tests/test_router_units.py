@@ -8,11 +8,11 @@ import pytest
 
 from polychip.errors import ConfigError
 from polychip.router.settings import GuardConfig, PrefixConfig
-from polychip.router.policies import LeastLoad, PrefixAware
-from polychip.router.prefix_tree import PrefixTree
-from polychip.router.replica import Replica
-from polychip.router.rollout import ModelRoute, Rollout
-from polychip.router.wfq import FairQueue, QueueFullError
+from polychip.router.routing.policies import LeastLoad, PrefixAware
+from polychip.router.routing.prefix_tree import PrefixTree
+from polychip.router.fleet.worker import Replica
+from polychip.router.rollout.weights import ModelRoute, Rollout
+from polychip.router.routing.wfq import FairQueue, QueueFullError
 
 pytestmark = pytest.mark.device_independent   # runs no model on the test device (conftest.py)
 
@@ -117,8 +117,8 @@ def test_least_load_counts_inflight_and_reported_load_and_breaks_ties_in_turn():
 
 def test_least_load_does_not_count_our_finished_requests_from_a_stale_report():
     from polychip.router.settings import HealthConfig
-    from polychip.router.health import HealthChecker
-    from polychip.router.replica import ReplicaInfo
+    from polychip.router.fleet.health import HealthChecker
+    from polychip.router.fleet.worker import ReplicaInfo
     hc = HealthChecker(HealthConfig(), None, list, {}, lambda r: None)
     busy = ReplicaInfo.parse({"model": "m", "device_type": "cpu", "num_running": 16, "num_waiting": 0})
     a, b = _replica("a"), _replica("b")
@@ -181,8 +181,8 @@ def test_the_guard_rolls_back_a_slow_canary_against_the_baseline():
 
 def test_health_thresholds_down_after_n_failures_up_after_m_successes():
     from polychip.router.settings import HealthConfig
-    from polychip.router.health import HealthChecker
-    from polychip.router.replica import ReplicaInfo
+    from polychip.router.fleet.health import HealthChecker
+    from polychip.router.fleet.worker import ReplicaInfo
     hc = HealthChecker(HealthConfig(failure_threshold=3, success_threshold=2), None, list, {}, lambda r: None)
     info = ReplicaInfo.parse({"model": "m", "device_type": "cpu"})
     r = Replica("a", "http://a")
@@ -218,7 +218,7 @@ def test_learnt_models_take_the_heaviest_version_as_baseline():
 
 
 def test_breaker_opens_on_failures_in_a_row_or_a_failure_rate_and_probes_back():
-    from polychip.router.breaker import Breaker
+    from polychip.router.fleet.breaker import Breaker
     from polychip.router.settings import BreakerConfig
     now = [0.0]
     b = Breaker(BreakerConfig(failure_threshold=3, open_seconds=10, min_requests=10, failure_rate=0.5),
@@ -247,8 +247,8 @@ def test_breaker_opens_on_failures_in_a_row_or_a_failure_rate_and_probes_back():
 
 
 def test_retry_budget_and_wilson_bounds():
-    from polychip.router.breaker import RetryBudget
-    from polychip.router.guard import wilson
+    from polychip.router.fleet.breaker import RetryBudget
+    from polychip.router.rollout.guard import wilson
     now = [0.0]
     budget = RetryBudget(0.2, 2, 60, clock=lambda: now[0])
     for _ in range(20):

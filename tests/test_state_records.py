@@ -12,11 +12,11 @@ import pytest
 from router_helpers import start_router
 
 from polychip.router.deployment import from_dict
-from polychip.router.rollout import Rollout
+from polychip.router.rollout.weights import Rollout
 from polychip.router.settings import GuardConfig, HealthConfig, RouterConfig
 from polychip.router.state import MemoryStore, SqliteStore
 from polychip.router.state_sync import RouterState, file_intent
-from polychip.router.workloads import Workload, Workloads
+from polychip.router.fleet.workloads import Workload, Workloads
 from polychip.router.workload_spec import WorkloadSpec
 from polychip.router.batch.store import BatchStore
 

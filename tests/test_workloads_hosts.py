@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from polychip.router.app import Router, build_app
-from polychip.router.inventory import Inventory, parse_devices_json
+from polychip.router.fleet.inventory import Inventory, parse_devices_json
 from polychip.router.settings import HealthConfig, RouterConfig
 from router_helpers import ThreadServer, wait_for
 from tests.etcd_cluster import EtcdCluster

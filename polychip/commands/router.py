@@ -62,8 +62,8 @@ def main(argv: list[str] | None = None) -> int:
         inventory = None
         if args.deployment:
             from polychip.router.deployment import load_deployment
-            from polychip.router.inventory import Inventory
-            from polychip.router.placement import place
+            from polychip.router.fleet.inventory import Inventory
+            from polychip.router.fleet.placement import place
             deployment, inventory = load_deployment(args.deployment, trust), Inventory()
             placed = place(deployment, inventory)   # refuse what no device here can serve, before binding
         cfg = settings_from_args(args, deployment.router if deployment else None)

@@ -28,21 +28,21 @@ from polychip.http.errors import install_error_handlers
 from polychip.http.gate import EdgeLimits, Gate
 from polychip.http.server import url_host
 from polychip.router.deployment import Deployment, load_deployment
-from polychip.router.dispatch import Dispatcher, capable
-from polychip.router.health import HealthChecker
-from polychip.router.inventory import Inventory
+from polychip.router.routing.dispatch import Dispatcher, capable
+from polychip.router.fleet.health import HealthChecker
+from polychip.router.fleet.inventory import Inventory
 from polychip.router.metrics import RouterMetrics
-from polychip.router.placement import Placement, device_configs, effective_dtype, place
-from polychip.router.policies import make_policy
-from polychip.router.proxy import Proxy
-from polychip.router.replica import Replica
-from polychip.router.replica_logs import ReplicaLogs
-from polychip.router.rollout import ModelRoute, Rollout
+from polychip.router.fleet.placement import Placement, device_configs, effective_dtype, place
+from polychip.router.routing.policies import make_policy
+from polychip.router.routing.proxy import Proxy
+from polychip.router.fleet.worker import Replica
+from polychip.router.fleet.replica_logs import ReplicaLogs
+from polychip.router.rollout.weights import ModelRoute, Rollout
 from polychip.router.routes import admin, batches, openai_api, probes, workloads as workload_api
 from polychip.router.settings import RouterConfig, reload_changes
 from polychip.router.state_sync import RouterState
-from polychip.router.supervisor import Supervisor
-from polychip.router.workloads import Workloads
+from polychip.router.fleet.launcher import Supervisor
+from polychip.router.fleet.workloads import Workloads
 from polychip.trust.options import TrustOptions
 
 log = logging.getLogger("polychip.router")

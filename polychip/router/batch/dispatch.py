@@ -13,7 +13,7 @@ from polychip.http.errors import APIError, error_body
 from polychip.router.batch.files import FileStore
 from polychip.router.batch.jobs import BatchJobs
 from polychip.router.batch.store import BatchStore
-from polychip.router.proxy import Call
+from polychip.router.routing.proxy import Call
 from polychip.router.routes.openai_api import RoutedBody, prompt_text, resolve_model
 from polychip.router.settings import BatchConfig
 

@@ -14,8 +14,8 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict
 
 from polychip.http.errors import APIError, parse_body
-from polychip.router.dispatch import token_cost
-from polychip.router.proxy import Call
+from polychip.router.routing.dispatch import token_cost
+from polychip.router.routing.proxy import Call
 from polychip.router.routes import requires_key, router_of
 from polychip.router.settings import PRIORITY_CLASSES
 

@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from polychip.http.errors import APIError, parse_body
 from polychip.router.routes import requires_key, router_of
-from polychip.router.workload_placement import Refused
+from polychip.router.fleet.workload_placement import Refused
 from polychip.router.workload_spec import WorkloadSpec
 
 MAX_TAIL = 100_000

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from polychip.errors import PolychipError
 from polychip.router.deployment import Deployment, ReplicaEntry, raise_problems
-from polychip.router.inventory import Device, Inventory
+from polychip.router.fleet.inventory import Device, Inventory
 
 log = logging.getLogger("polychip.router")
 

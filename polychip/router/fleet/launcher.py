@@ -30,7 +30,7 @@ from polychip.http.launcher import VERSION_ENV, serve_command as serve_argv
 from polychip.http.server import free_port
 from polychip.router.deployment import ReplicaEntry
 
-log = logging.getLogger("polychip.router.supervisor")
+log = logging.getLogger("polychip.router.fleet.launcher")
 
 BACKOFF_START, BACKOFF_MAX, STABLE_AFTER = 1.0, 30.0, 60.0
 PR_SET_PDEATHSIG = 1

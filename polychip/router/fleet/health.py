@@ -12,7 +12,7 @@ from typing import Callable
 import httpx
 
 from polychip.router.settings import HealthConfig
-from polychip.router.replica import Replica, ReplicaInfo
+from polychip.router.fleet.worker import Replica, ReplicaInfo
 
 log = logging.getLogger("polychip.router")
 

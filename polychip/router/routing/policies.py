@@ -8,8 +8,8 @@ from __future__ import annotations
 import abc
 
 from polychip.router.settings import PrefixConfig
-from polychip.router.prefix_tree import PrefixTree
-from polychip.router.replica import Replica
+from polychip.router.routing.prefix_tree import PrefixTree
+from polychip.router.fleet.worker import Replica
 
 
 class Policy(abc.ABC):

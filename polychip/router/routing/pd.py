@@ -17,7 +17,7 @@ import json
 import logging
 from urllib.parse import urlsplit
 
-from polychip.router.replica import Replica
+from polychip.router.fleet.worker import Replica
 
 log = logging.getLogger("polychip.router")
 

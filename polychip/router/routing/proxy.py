@@ -30,13 +30,13 @@ import httpx
 from fastapi.responses import Response, StreamingResponse
 
 from polychip.http.errors import error_body, error_response
-from polychip.router.breaker import RetryBudget
+from polychip.router.fleet.breaker import RetryBudget
 from polychip.router.settings import RouterConfig
-from polychip.router.dispatch import Dispatcher, NoReplicaError, QueueFullError, Ticket
+from polychip.router.routing.dispatch import Dispatcher, NoReplicaError, QueueFullError, Ticket
 from polychip.router.metrics import RouterMetrics
-from polychip.router.pd import Pairing
-from polychip.router.replica import Replica
-from polychip.router.rollout import Rollout
+from polychip.router.routing.pd import Pairing
+from polychip.router.fleet.worker import Replica
+from polychip.router.rollout.weights import Rollout
 
 log = logging.getLogger("polychip.router")
 access = logging.getLogger("polychip.router.access")

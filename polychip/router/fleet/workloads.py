@@ -25,13 +25,13 @@ from dataclasses import dataclass, field
 
 from polychip.http.server import url_host
 from polychip.router.deployment import ReplicaEntry, raise_problems
-from polychip.router.replica import Replica
+from polychip.router.fleet.worker import Replica
 from polychip.router.state.records import WorkloadRecord
-from polychip.router.supervisor import exit_reason
-from polychip.router.workload_placement import HostDevices, Refused, needs_of, place
+from polychip.router.fleet.launcher import exit_reason
+from polychip.router.fleet.workload_placement import HostDevices, Refused, needs_of, place
 from polychip.router.workload_spec import WorkloadSpec
 
-log = logging.getLogger("polychip.router.workloads")
+log = logging.getLogger("polychip.router.fleet.workloads")
 
 STATUSES = ("pending", "loading", "ready", "draining", "failed", "stopped")
 HOSTS = "hosts/"            # hosts/NODE: the devices that host's router last read (for /admin/devices)

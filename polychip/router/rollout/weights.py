@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from polychip.errors import ConfigError
 from polychip.router.settings import GuardConfig
-from polychip.router.guard import Published, VersionWindow, verdict
+from polychip.router.rollout.guard import Published, VersionWindow, verdict
 
 log = logging.getLogger("polychip.router")
 

@@ -13,12 +13,12 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from polychip.router.breaker import Breaker
+from polychip.router.fleet.breaker import Breaker
 from polychip.router.settings import RouterConfig
-from polychip.router.policies import Policy
-from polychip.router.replica import Replica
-from polychip.router.rollout import ModelRoute, Rollout
-from polychip.router.wfq import FairQueue, QueueFullError
+from polychip.router.routing.policies import Policy
+from polychip.router.fleet.worker import Replica
+from polychip.router.rollout.weights import ModelRoute, Rollout
+from polychip.router.routing.wfq import FairQueue, QueueFullError
 
 log = logging.getLogger("polychip.router")
 

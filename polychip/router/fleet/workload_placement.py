@@ -14,7 +14,7 @@ import os
 import sys
 from dataclasses import dataclass
 
-from polychip.router.inventory import Device, PluginDevices
+from polychip.router.fleet.inventory import Device, PluginDevices
 from polychip.router.workload_spec import WorkloadSpec
 
 SHAREABLE = ("cpu",)          # device types several workloads may share
