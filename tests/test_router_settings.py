@@ -139,7 +139,7 @@ def started(tmp_path, replica):
     dep = load_deployment(str(path))
     srv, router = start_router(dep.router, [], dep, str(path))
     try:
-        wait_for(lambda: router.dispatcher.replicas["a"].up, 10, "a up")
+        wait_for(lambda: router.registry.workers["a"].up, 10, "a up")
         yield path, srv, router
     finally:
         srv.stop()

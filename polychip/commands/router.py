@@ -100,7 +100,7 @@ def run_router(router, sock) -> int:
             await router.reload()
         except PolychipError as e:
             log.error("SIGHUP reload refused, the running set is unchanged: %s", e)
-    ready = lambda: (f"polychip router ready: {url} ({len(router.dispatcher.replicas)} replica(s), "  # noqa: E731
+    ready = lambda: (f"polychip router ready: {url} ({len(router.registry)} replica(s), "  # noqa: E731
                      f"policy {router.cfg.policy})")
     edge.serve_on(edge.ReadyServer(uv, ready, log, {signal.SIGHUP: reload_on_sighup}), sock)
     if router.startup_error is not None:

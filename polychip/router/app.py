@@ -35,7 +35,8 @@ from polychip.router.metrics import RouterMetrics
 from polychip.router.fleet.placement import Placement, device_configs, effective_dtype, place
 from polychip.router.routing.policies import make_policy
 from polychip.router.routing.proxy import Proxy
-from polychip.router.fleet.worker import Replica
+from polychip.router.fleet.registry import WorkerRegistry
+from polychip.router.fleet.worker import Worker
 from polychip.router.fleet.replica_logs import ReplicaLogs
 from polychip.router.rollout.weights import ModelRoute, Rollout
 from polychip.router.routes import admin, batches, openai_api, probes, workloads as workload_api
@@ -72,8 +73,9 @@ class Router:
         self.trust = trust          # checks the deployment file on reload; its flags go to launched replicas
         self.rollout = Rollout(cfg.guard, on_rollback=self._rolled_back, on_kept=self._rollback_refused,
                                serving=self._version_serving)
-        self.dispatcher = Dispatcher(cfg, self.rollout, make_policy(cfg.policy, cfg.prefix))
-        self.metrics = RouterMetrics(self.dispatcher)
+        self.registry = WorkerRegistry(cfg.breaker)
+        self.dispatcher = Dispatcher(cfg, self.rollout, make_policy(cfg.policy, cfg.prefix), self.registry)
+        self.metrics = RouterMetrics(self.registry, self.dispatcher.queue_lengths, self.rollout)
         self.state = RouterState(cfg, self.rollout, self.dispatcher)
         self.supervisor = Supervisor(scope=os.path.abspath(deployment_path) if deployment_path else "",
                                      logs=_replica_logs(cfg), on_event=self._process_event,
@@ -86,7 +88,7 @@ class Router:
         self.settings_from_file = settings_from_file or (lambda dep: dep.router)
         self.excluded: dict[str, str] = {}
         for i, url in enumerate(replica_urls):
-            self._add(Replica(f"r{i}", url.rstrip("/")))
+            self._add(Worker(f"r{i}", url.rstrip("/")))
         self.client: httpx.AsyncClient | None = None
         self.proxy: Proxy | None = None
         self._tasks: list[asyncio.Task] = []
@@ -105,10 +107,9 @@ class Router:
         self.client = httpx.AsyncClient(transport=transport, timeout=timeout)
         self.proxy = Proxy(cfg, self.dispatcher, self.rollout, self.metrics, self.client)
         headers = {"authorization": f"Bearer {cfg.replica_api_key}"} if cfg.replica_api_key else {}
-        self.health = HealthChecker(cfg.health, self.client, lambda: list(self.dispatcher.replicas.values()),
-                                    headers, self._replica_changed)
+        self.health = HealthChecker(cfg.health, self.client, self.registry, headers, self._replica_changed)
         await self.state.start()
-        for replica in self.dispatcher.replicas.values():
+        for replica in self.registry:
             self.state.replica_changed(replica)
         if self.deployment is not None:
             placed = self.placed or await self._place(self.deployment)
@@ -137,9 +138,7 @@ class Router:
         if self.client is not None:
             await self.client.aclose()
 
-    def _replica_changed(self, replica: Replica) -> None:
-        if replica.up and replica.breaker is not None:
-            replica.breaker.came_back(replica.changed_at)
+    def _replica_changed(self, replica: Worker) -> None:
         if replica.info is not None:
             self.rollout.learn(replica.info.model, replica.info.version)
             self.state.adopt_learnt(replica.info.model)
@@ -147,8 +146,8 @@ class Router:
         self.workloads.replica_changed(replica)
         self.dispatcher.pump()
 
-    def _add(self, replica: Replica) -> None:
-        self.dispatcher.add(replica)
+    def _add(self, replica: Worker) -> None:
+        self.registry.add(replica)
         if self.state.store is not None:
             self.state.replica_changed(replica)
 
@@ -162,14 +161,13 @@ class Router:
         self.metrics.rollbacks_refused.labels(model, version).inc()
 
     def _version_serving(self, model: str, version: str) -> bool:
-        return any(r.up and not r.draining and r.serving_model == model and r.serving_version == version
-                   for r in self.dispatcher.replicas.values())
+        return self.registry.serving(model, version)
 
     # deployment files
     def _live_figures(self) -> tuple[dict[str, int], int]:
         """What /admin/live samples each step: the queue per priority class, requests in flight."""
         d = self.dispatcher
-        return d.queue_lengths(), sum(r.inflight for r in d.replicas.values())
+        return d.queue_lengths(), self.registry.inflight()
 
     async def _place(self, dep: Deployment) -> Placement:
         """Place ``dep``; the device inventory is read in worker threads, off the event loop."""
@@ -186,23 +184,23 @@ class Router:
         self.rollout.forget_undeclared({m.name for m in dep.models})
         wanted = {r.name: r for r in placed.launch + placed.remote}
         old_entries = {r.name: r for r in self.deployment.replicas} if self.deployment is not dep else {}
-        for name, replica in dict(self.dispatcher.replicas).items():
+        for name, replica in dict(self.registry.workers).items():
             if name in self.workloads:           # workloads have their own life (workloads.py)
                 continue
             if name not in wanted or (name in old_entries and old_entries[name] != wanted[name]):
                 await self._drain(replica)
         for name, entry in wanted.items():
-            if name not in self.dispatcher.replicas:
+            if name not in self.registry:
                 self._add(self._replica_for(entry, dep))
         self.deployment = dep
 
-    def _replica_for(self, entry, dep: Deployment) -> Replica:
-        """The Replica of a deployment entry; a launched one is started now."""
+    def _replica_for(self, entry, dep: Deployment) -> Worker:
+        """The Worker of a deployment entry; a launched one is started now."""
         if entry.url is not None:
-            return Replica(entry.name, entry.url, entry.model, entry.version)
+            return Worker(entry.name, entry.url, entry.model, entry.version)
         port = entry.port or 0              # 0: the replica binds a free port and reports it
         base = f"http://{url_host(entry.host)}:"
-        replica = Replica(entry.name, f"{base}{port}" if port else "", entry.model, entry.version, entry.device,
+        replica = Worker(entry.name, f"{base}{port}" if port else "", entry.model, entry.version, entry.device,
                           launched=True)
         if not port:
             replica.down_reason = "starting: its port is not reported yet"
@@ -211,14 +209,14 @@ class Router:
                               on_port=lambda p: setattr(replica, "url", f"{base}{p}"))
         return replica
 
-    async def _drain(self, replica: Replica) -> None:
+    async def _drain(self, replica: Worker) -> None:
         """No new requests; in-flight ones get drain_timeout; then stop it if we launched it."""
         replica.draining = True
         log.info("draining replica %s (%d in flight)", replica.name, replica.inflight)
         deadline = time.monotonic() + self.cfg.drain_timeout
         while replica.inflight and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
-        self.dispatcher.remove(replica.name)
+        self.registry.remove(replica.name)
         self.state.replica_changed(replica, gone=True)
         if replica.launched:
             await self.supervisor.stop(replica.name, self.cfg.drain_timeout)
@@ -236,12 +234,12 @@ class Router:
             if dep.workloads:
                 await self.workloads.inventory_ready()
             await self.workloads.check_declared(dep.workloads, dep.source)
-            before = set(self.dispatcher.replicas)
+            before = set(self.registry.names())
             self.apply_settings(cfg)
             await self._apply(dep, placed)
             self.state.reconcile(dep.models)
             await self.workloads.declare(dep.workloads, dep.source)
-            after = set(self.dispatcher.replicas)
+            after = set(self.registry.names())
             log.info("deployment reloaded from %s: +%s -%s, settings changed: %s", self.deployment_path,
                      sorted(after - before), sorted(before - after), changed or "none")
             return {"added": sorted(after - before), "removed": sorted(before - after),
@@ -269,7 +267,7 @@ class Router:
 
     def replicas_view(self) -> list[dict]:
         out = []
-        for r in sorted(self.dispatcher.replicas.values(), key=lambda r: r.name):
+        for r in self.registry.sorted():
             d = r.describe()
             route = self.rollout.models.get(r.serving_model or "")
             d["incapable"] = capable(r, route)

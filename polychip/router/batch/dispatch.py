@@ -13,7 +13,7 @@ from polychip.http.errors import APIError, error_body
 from polychip.router.batch.files import FileStore
 from polychip.router.batch.jobs import BatchJobs
 from polychip.router.batch.store import BatchStore
-from polychip.router.routing.proxy import Call
+from polychip.router.routing.call import Call
 from polychip.router.routes.openai_api import RoutedBody, prompt_text, resolve_model
 from polychip.router.settings import BatchConfig
 
@@ -44,7 +44,7 @@ def router_jobs(router, cfg: BatchConfig) -> BatchJobs:
         deadline = time.monotonic() + cfg.retry_for
         headers = {"authorization": f"Bearer {router.cfg.replica_api_key}"} if router.cfg.replica_api_key else {}
         while True:
-            up = [r for r in router.dispatcher.replicas.values() if r.up and not r.draining]
+            up = [r for r in router.registry if r.up and not r.draining]
             if up:
                 resp = await router.client.post(up[0].url + "/batch_check", json={"url": url, "bodies": bodies},
                                                 headers=headers)

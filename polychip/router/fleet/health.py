@@ -11,8 +11,10 @@ from typing import Callable
 
 import httpx
 
+from polychip.router.fleet.info import ReplicaInfo
+from polychip.router.fleet.registry import WorkerRegistry
+from polychip.router.fleet.worker import Worker
 from polychip.router.settings import HealthConfig
-from polychip.router.fleet.worker import Replica, ReplicaInfo
 
 log = logging.getLogger("polychip.router")
 
@@ -20,9 +22,9 @@ CONNECTION_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)      # refused or
 
 
 class HealthChecker:
-    def __init__(self, cfg: HealthConfig, client: httpx.AsyncClient, replicas: Callable[[], list[Replica]],
-                 headers: dict, on_change: Callable[[Replica], None]):
-        self.cfg, self.client, self.replicas, self.headers = cfg, client, replicas, headers
+    def __init__(self, cfg: HealthConfig, client: httpx.AsyncClient | None, registry: WorkerRegistry,
+                 headers: dict, on_change: Callable[[Worker], None]):
+        self.cfg, self.client, self.registry, self.headers = cfg, client, registry, headers
         self.on_change = on_change          # called when a replica goes up or down, or reports news
 
     async def run(self) -> None:
@@ -32,9 +34,9 @@ class HealthChecker:
 
     async def check_all(self) -> None:
         # a launched replica that has not reported its port yet has no URL to check
-        await asyncio.gather(*(self.check(r) for r in self.replicas() if r.url))
+        await asyncio.gather(*(self.check(r) for r in self.registry if r.url))
 
-    async def check(self, replica: Replica) -> None:
+    async def check(self, replica: Worker) -> None:
         was_up = replica.up
         ours_at_send = replica.inflight
         try:
@@ -52,30 +54,8 @@ class HealthChecker:
         if replica.up != was_up or replica.up:
             self.on_change(replica)
 
-    def succeeded(self, replica: Replica, info: ReplicaInfo, ours: int = 0) -> None:
-        problem = _mismatch(replica, info)
-        if problem:
-            self.failed(replica, problem, at_once=True)
-            return
-        replica.info, replica.inflight_at_report = info, ours
-        replica.fails = 0
-        replica.successes += 1
-        if not replica.up and (not replica.ever_up or replica.successes >= self.cfg.success_threshold):
-            replica.mark_up()
+    def succeeded(self, replica: Worker, info: ReplicaInfo, ours: int = 0) -> None:
+        replica.health_passed(info, ours, self.cfg)
 
-    def failed(self, replica: Replica, reason: str, at_once: bool) -> None:
-        replica.fails += 1
-        replica.successes = 0
-        if replica.up and (at_once or replica.fails >= self.cfg.failure_threshold):
-            replica.mark_down(reason)
-        elif not replica.up:
-            replica.down_reason = reason
-
-
-def _mismatch(replica: Replica, info: ReplicaInfo) -> str | None:
-    """A launched replica must serve what the deployment declares."""
-    if replica.declared_model is not None and info.model != replica.declared_model:
-        return f"serves model {info.model!r}, the deployment declares {replica.declared_model!r}"
-    if replica.declared_version is not None and info.version != replica.declared_version:
-        return f"reports version {info.version!r}, the deployment declares {replica.declared_version!r}"
-    return None
+    def failed(self, replica: Worker, reason: str, at_once: bool) -> None:
+        replica.health_failed(reason, at_once, self.cfg)

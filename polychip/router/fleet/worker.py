@@ -1,87 +1,29 @@
-"""A replica as the router sees it: where it is, what it reported, whether it is up, and the
-router's own count of requests in flight there."""
+"""A Worker: one replica as the router sees it, and the one owner of what the router knows of it.
+
+- where it is and what it reported (``url``, ``info``: its ``/server_info``);
+- its health state: the health checker's verdicts move it up or down (``health_passed`` /
+  ``health_failed``, with the thresholds the checker is given);
+- its circuit breaker: every request's outcome goes to ``record_outcome`` (or ``record_neutral``);
+- its load: the requests the router has in flight there (``started`` / ``released``), and ``load()``.
+
+``is_available()`` is what dispatch asks: healthy, not draining, and the breaker lets a request through.
+Per-worker speed estimates and device health figures (issue 34) belong here, beside the load.
+"""
 from __future__ import annotations
 
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+
+from polychip.router.fleet.breaker import Breaker
+from polychip.router.fleet.info import ReplicaInfo
+from polychip.router.settings import BreakerConfig, HealthConfig
 
 log = logging.getLogger("polychip.router")
 
 
-@dataclass(frozen=True)
-class ReplicaInfo:
-    """The parts of a replica's ``/server_info`` the router uses."""
-
-    model: str
-    version: str
-    plugin: str
-    device_type: str
-    device: str                      # e.g. "simxpu:1"
-    dtype: str
-    device_dtypes: tuple[str, ...]
-    quantization: str | None
-    tp_size: int
-    max_running_requests: int
-    num_waiting: int
-    num_running: int
-    kv_usage: float
-    prefix_cache_hit_rate: float
-    # a prefill/decode side (its /server_info "disaggregation" block): role, where decode sides reach
-    # a prefill side, and the hand-off figures; None / empty for plain serving
-    role: str | None = None
-    bootstrap_port: int | None = None
-    transfer_backend: str | None = None
-    handoffs: tuple[tuple[str, float], ...] = ()
-
-    @classmethod
-    def parse(cls, data: dict) -> "ReplicaInfo":
-        """From the JSON; a missing or mistyped field is a ValueError naming it."""
-        def get(key, kind, default=None):
-            value = data.get(key, default)
-            if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
-                raise ValueError(f"/server_info field {key!r} should be {kind}, got {value!r}")
-            return value
-        device_type = get("device_type", str, data.get("plugin"))
-        index = data.get("device_index", 0)
-        return cls(model=get("model", str), version=str(data.get("version") or "default"),
-                   plugin=get("plugin", str, device_type), device_type=device_type,
-                   device=get("device", str, f"{device_type}:{index}"), dtype=get("dtype", str, "unknown"),
-                   device_dtypes=tuple(get("device_dtypes", list, [])),
-                   quantization=data.get("quantization"), tp_size=get("tp_size", int, 1),
-                   max_running_requests=get("max_running_requests", int, 64),
-                   num_waiting=get("num_waiting", int, 0), num_running=get("num_running", int, 0),
-                   kv_usage=float(get("kv_usage", (int, float), 0.0)),
-                   prefix_cache_hit_rate=float(get("prefix_cache_hit_rate", (int, float), 0.0)),
-                   **_disaggregation(data.get("disaggregation")))
-
-
-HANDOFF_FIGURES = ("transfers_in_flight", "transfers_done", "transfers_failed", "fallbacks", "bytes",
-                   "transfer_seconds")
-
-
-def _disaggregation(block) -> dict:
-    """A replica's role and hand-off figures from its "disaggregation" block; ValueError naming a bad field."""
-    if block is None:
-        return {}
-    if not isinstance(block, dict) or block.get("mode") not in ("prefill", "decode"):
-        raise ValueError(f"/server_info field 'disaggregation' should name mode prefill or decode, got {block!r}")
-    port = block.get("bootstrap_port")
-    if block["mode"] == "prefill" and (not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536):
-        raise ValueError(f"/server_info field 'disaggregation.bootstrap_port' should be a port, got {port!r}")
-    figures = []
-    for key in HANDOFF_FIGURES:
-        value = block.get(key, 0)
-        if not isinstance(value, (int, float)) or isinstance(value, bool):
-            raise ValueError(f"/server_info field 'disaggregation.{key}' should be a number, got {value!r}")
-        figures.append((key, float(value)))
-    return {"role": block["mode"], "bootstrap_port": port if block["mode"] == "prefill" else None,
-            "transfer_backend": str(block.get("transfer_backend")), "handoffs": tuple(figures)}
-
-
 @dataclass
-class Replica:
+class Worker:
     name: str
     url: str
     # what a deployment file declares (None for --replica URLs: learnt from /server_info)
@@ -90,19 +32,28 @@ class Replica:
     device: str | None = None
     launched: bool = False
     info: ReplicaInfo | None = None
+    # health
     up: bool = False
     ever_up: bool = False
     draining: bool = False
     down_reason: str = "not checked yet"
     fails: int = 0
     successes: int = 0
+    changed_at: float = field(default_factory=time.monotonic)
+    # load
     inflight: int = 0
     inflight_at_report: int = 0          # our in-flight requests the last report may already count
     served: int = 0
     first_ttft: float | None = None          # time to first token of its first answered request
     first_token_at: float | None = None      # wall clock of that first token
-    changed_at: float = field(default_factory=time.monotonic)
-    breaker: Any = None                  # its circuit breaker (router.breaker.Breaker), set by the dispatcher
+    breaker: Breaker = field(init=False)
+
+    def __post_init__(self):
+        self.breaker = Breaker(BreakerConfig(), self.name)
+
+    def configure(self, breaker: BreakerConfig) -> None:
+        """The breaker settings in force now (the registry's, at add and on every reload)."""
+        self.breaker.cfg = breaker
 
     # what it serves: what the replica itself reports, else what was declared
     @property
@@ -123,6 +74,33 @@ class Replica:
     def device_name(self) -> str:
         return self.info.device if self.info else (self.device or "unknown")
 
+    @property
+    def role(self) -> str | None:
+        """"prefill" or "decode" for a side of a prefill/decode pair (as it reports itself), else None."""
+        return self.info.role if self.info else None
+
+    # dispatch and outcomes
+    def is_available(self) -> bool:
+        """May a new request go here now: up, not draining, its circuit letting requests through."""
+        return self.up and not self.draining and self.breaker.allows()
+
+    def started(self) -> None:
+        """A request was sent here."""
+        self.inflight += 1
+        self.breaker.started()
+
+    def released(self) -> None:
+        """A request's slot here is free again."""
+        self.inflight -= 1
+
+    def record_outcome(self, ok: bool, what: str = "") -> None:
+        """What a request did here (a failure is what the replica did wrong), for the breaker."""
+        self.breaker.record(ok, what)
+
+    def record_neutral(self) -> None:
+        """A request ended with no verdict on the replica (client gone, replica full)."""
+        self.breaker.neutral()
+
     def capacity(self, override: int | None) -> int:
         if override is not None:
             return override
@@ -137,12 +115,43 @@ class Replica:
         foreign = max(0, self.info.num_waiting + self.info.num_running - self.inflight_at_report)
         return self.inflight + foreign + self.info.kv_usage
 
+    # health
+    def health_passed(self, info: ReplicaInfo, ours: int, cfg: HealthConfig) -> None:
+        """A good ``/server_info`` (``ours``: our requests in flight when it was asked). A replica that
+        serves another model or version than declared stays down; one never up before is up at once."""
+        problem = self._mismatch(info)
+        if problem:
+            self.health_failed(problem, True, cfg)
+            return
+        self.info, self.inflight_at_report = info, ours
+        self.fails = 0
+        self.successes += 1
+        if not self.up and (not self.ever_up or self.successes >= cfg.success_threshold):
+            self.mark_up()
+
+    def health_failed(self, reason: str, at_once: bool, cfg: HealthConfig) -> None:
+        self.fails += 1
+        self.successes = 0
+        if self.up and (at_once or self.fails >= cfg.failure_threshold):
+            self.mark_down(reason)
+        elif not self.up:
+            self.down_reason = reason
+
+    def _mismatch(self, info: ReplicaInfo) -> str | None:
+        """A launched replica must serve what the deployment declares."""
+        if self.declared_model is not None and info.model != self.declared_model:
+            return f"serves model {info.model!r}, the deployment declares {self.declared_model!r}"
+        if self.declared_version is not None and info.version != self.declared_version:
+            return f"reports version {info.version!r}, the deployment declares {self.declared_version!r}"
+        return None
+
     def mark_up(self) -> None:
         if not self.up:
             log.info("replica %s (%s, %s) is up", self.name, self.url, self.device_name)
         self.up = self.ever_up = True
         self.down_reason = ""
         self.changed_at = time.monotonic()
+        self.breaker.came_back(self.changed_at)     # an open circuit from before it came back: probe now
 
     def mark_down(self, reason: str) -> None:
         if self.up:
@@ -152,21 +161,15 @@ class Replica:
         self.down_reason = reason
         self.changed_at = time.monotonic()
 
-    @property
-    def role(self) -> str | None:
-        """"prefill" or "decode" for a side of a prefill/decode pair (as it reports itself), else None."""
-        return self.info.role if self.info else None
-
     def describe(self) -> dict:
+        info = self.info
         return {"name": self.name, "url": self.url, "up": self.up, "draining": self.draining, "role": self.role,
-                "handoffs": dict(self.info.handoffs) if self.info and self.info.role else None,
+                "handoffs": dict(info.handoffs) if info and info.role else None,
                 "down_reason": self.down_reason or None, "model": self.serving_model,
                 "version": self.serving_version, "device": self.device_name, "device_type": self.device_type,
                 "launched": self.launched, "inflight": self.inflight, "served": self.served,
-                "circuit": self.breaker.state if self.breaker else "closed",
-                "breaker": self.breaker.describe() if self.breaker else None,
-                "kv_cache_usage": self.info.kv_usage if self.info else None,
-                "running": self.info.num_running if self.info else None,
-                "waiting": self.info.num_waiting if self.info else None,
-                "prefix_hit_rate": self.info.prefix_cache_hit_rate if self.info else None,
-                "info": None if self.info is None else {k: v for k, v in vars(self.info).items()}}
+                "circuit": self.breaker.state, "breaker": self.breaker.describe(),
+                "kv_cache_usage": info.kv_usage if info else None, "running": info.num_running if info else None,
+                "waiting": info.num_waiting if info else None,
+                "prefix_hit_rate": info.prefix_cache_hit_rate if info else None,
+                "info": None if info is None else dict(vars(info))}

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from polychip.http.server import url_host
 from polychip.router.deployment import ReplicaEntry, raise_problems
-from polychip.router.fleet.worker import Replica
+from polychip.router.fleet.worker import Worker
 from polychip.router.state.records import WorkloadRecord
 from polychip.router.fleet.launcher import exit_reason
 from polychip.router.fleet.workload_placement import HostDevices, Refused, needs_of, place
@@ -289,14 +289,14 @@ class Workloads:
         return w
 
     async def _stop(self, w: Workload) -> None:
-        replica = self.router.dispatcher.replicas.get(w.id)
+        replica = self.router.registry.get(w.id)
         if replica is not None:
             await self.router._drain(replica)
         else:
             await self.router.supervisor.stop(w.id, self.router.cfg.drain_timeout)
         self._note_first_token(w)
         served = (w.spec.served_name, w.spec.version)
-        if not any((r.serving_model, r.serving_version) == served for r in self.router.dispatcher.replicas.values()):
+        if not any((r.serving_model, r.serving_version) == served for r in self.router.registry):
             self.router.rollout.forget(*served)
         self._set(w, "stopped", "stopped", f"{', '.join(w.devices)} free again")
         if self.router.supervisor.logs is not None:
@@ -311,7 +311,7 @@ class Workloads:
                              quantization=spec.quantization, tp_size=spec.tp_size, host=self.bind_host,
                              args=spec.serve_flags())
         base, w.url = f"http://{url_host(self.bind_host)}:", None
-        replica = Replica(w.id, "", spec.served_name, spec.version, w.devices[0], launched=True)
+        replica = Worker(w.id, "", spec.served_name, spec.version, w.devices[0], launched=True)
         replica.down_reason = "starting: its port is not reported yet"
 
         def bound(port: int) -> None:      # the replica binds port 0 and reports the port it got
@@ -319,7 +319,7 @@ class Workloads:
             self._save(w)
         self._set(w, "pending")
         self.router.supervisor.start(entry, 0, spec.dtype, spec.quantization, on_port=bound)
-        self.router.dispatcher.add(replica)
+        self.router.registry.add(replica)
 
     def process_event(self, name: str, kind: str, detail) -> None:
         """The supervisor's hook: a start or an exit of workload ``name``'s process."""
@@ -336,7 +336,7 @@ class Workloads:
             self._set(w, "failed", "exited", f"{exit_reason(detail)}; restart {w.restarts} follows"
                       + (f"; last output: {last}" if last else ""))
 
-    def replica_changed(self, replica: Replica) -> None:
+    def replica_changed(self, replica: Worker) -> None:
         """The health checker's hook: the workload's replica came up or went down."""
         w = self.items.get(replica.name)
         if w is None or w.status in ("draining", "stopped"):
@@ -368,7 +368,7 @@ class Workloads:
         self._save(w)
 
     def _note_first_token(self, w: Workload) -> None:
-        replica = self.router.dispatcher.replicas.get(w.id)
+        replica = self.router.registry.get(w.id)
         if w.first_token_s is None and replica is not None and replica.first_ttft is not None:
             w.first_token_s = round(replica.first_ttft, 4)
             w.event("first token", f"first request's time to first token {replica.first_ttft * 1000:.0f} ms",

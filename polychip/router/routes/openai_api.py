@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict
 
 from polychip.http.errors import APIError, parse_body
 from polychip.router.routing.dispatch import token_cost
-from polychip.router.routing.proxy import Call
+from polychip.router.routing.call import Call
 from polychip.router.routes import requires_key, router_of
 from polychip.router.settings import PRIORITY_CLASSES
 

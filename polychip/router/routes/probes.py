@@ -13,8 +13,8 @@ probe_routes = APIRouter()
 @probe_routes.get("/health")
 async def health(request: Request):
     router = router_of(request)
-    replicas = router.dispatcher.replicas
-    up = [r.name for r in replicas.values() if r.up]
+    replicas = router.registry
+    up = [r.name for r in replicas.up()]
     body = {"status": "ok" if up else "no replica is up", "replicas_up": len(up), "replicas": len(replicas),
             "state": router.state.health()}     # the state loops: a failing or dead one shows here
     return JSONResponse(body, status_code=200 if up else 503)

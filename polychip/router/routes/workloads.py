@@ -92,7 +92,7 @@ def host_view(router) -> dict:
             for d in w.devices:
                 holders.setdefault(d, []).append(w.id)
     replicas: dict[str, list[str]] = {}
-    for r in router.dispatcher.replicas.values():
+    for r in router.registry:
         replicas.setdefault(r.device_name, []).append(r.url)
     found = inv.record() if inv else {"hostname": None, "plugins": [], "devices": []}
     for d in found["devices"]:
