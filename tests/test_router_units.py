@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 
 from polychip.errors import ConfigError
-from polychip.router.settings import GuardConfig, PrefixConfig
+from polychip.router.settings import GuardConfig, LiveSettings, PrefixConfig, RouterConfig
 from polychip.router.routing.policies import LeastLoad, PrefixAware
 from polychip.router.routing.prefix_tree import PrefixTree
 from polychip.router.fleet.registry import WorkerRegistry
@@ -117,10 +117,9 @@ def test_least_load_counts_inflight_and_reported_load_and_breaks_ties_in_turn():
 
 
 def test_least_load_does_not_count_our_finished_requests_from_a_stale_report():
-    from polychip.router.settings import HealthConfig
     from polychip.router.fleet.health import HealthChecker
     from polychip.router.fleet.info import ReplicaInfo
-    hc = HealthChecker(HealthConfig(), None, WorkerRegistry(), {}, lambda r: None)
+    hc = HealthChecker(LiveSettings(RouterConfig()), None, WorkerRegistry(), lambda r: None)
     busy = ReplicaInfo.parse({"model": "m", "device_type": "cpu", "num_running": 16, "num_waiting": 0})
     a, b = _replica("a"), _replica("b")
     hc.succeeded(a, busy, 16)       # reported while 16 of ours ran there; they have finished since
@@ -184,7 +183,8 @@ def test_health_thresholds_down_after_n_failures_up_after_m_successes():
     from polychip.router.settings import HealthConfig
     from polychip.router.fleet.health import HealthChecker
     from polychip.router.fleet.info import ReplicaInfo
-    hc = HealthChecker(HealthConfig(failure_threshold=3, success_threshold=2), None, WorkerRegistry(), {}, lambda r: None)
+    health = HealthConfig(failure_threshold=3, success_threshold=2)
+    hc = HealthChecker(LiveSettings(RouterConfig(health=health)), None, WorkerRegistry(), lambda r: None)
     info = ReplicaInfo.parse({"model": "m", "device_type": "cpu"})
     r = Worker("a", "http://a")
     hc.succeeded(r, info)

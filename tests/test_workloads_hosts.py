@@ -97,7 +97,7 @@ def test_a_second_router_of_one_host_relaunches_nothing_and_says_why(tmp_path, c
                 wait_for(lambda: not router.state._pending, 5, "the record written to etcd")
         (_, first), (_, second) = routers
         wid = r.json()["id"]
-        assert list(first.supervisor.managed) == [wid] and not second.supervisor.managed
+        assert list(first.launcher.managed) == [wid] and not second.launcher.managed
         assert second.workloads.items[wid].host == second.state.host      # listed, not launched a second time
         assert first.state.host == second.state.host and first.state.node_id != second.state.node_id
         assert f"routers ['{first.state.node_id}'] also place workloads on host {second.state.host}" in caplog.text

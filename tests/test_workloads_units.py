@@ -16,7 +16,7 @@ from polychip.router.fleet.replica_logs import ReplicaLogs
 from polychip.router.fleet.workload_placement import HostDevices, Needs, Refused, place
 from polychip.router.workload_spec import WorkloadSpec
 from polychip.router.state import SqliteStore
-from polychip.router.fleet.workloads import Workload
+from polychip.router.fleet.workload import Workload
 
 pytestmark = pytest.mark.device_independent
 

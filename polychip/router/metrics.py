@@ -40,6 +40,8 @@ class RouterMetrics:
                                 "replica", ["prefill", "decode"], registry=r)
         self.pd_unpaired = Counter("polychip_router_pd_unpaired", "Requests a decode replica served plainly: no "
                                    "prefill replica was up", ["decode"], registry=r)
+        self.loop_failures = Counter("polychip_router_loop_failures", "Failures of the router's background loops "
+                                     "(each logged with its name; the loop restarts)", ["loop"], registry=r)
         r.register(_StateCollector(workers, queue_lengths, rollout))
         self.live = LiveSeries()        # the same requests, kept as recent time series (/admin/live)
 

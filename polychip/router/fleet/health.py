@@ -22,10 +22,14 @@ CONNECTION_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)      # refused or
 
 
 class HealthChecker:
-    def __init__(self, cfg: HealthConfig, client: httpx.AsyncClient | None, registry: WorkerRegistry,
-                 headers: dict, on_change: Callable[[Worker], None]):
-        self.cfg, self.client, self.registry, self.headers = cfg, client, registry, headers
+    def __init__(self, settings, client, registry: WorkerRegistry, on_change: Callable[[Worker], None]):
+        self.settings, self.client, self.registry = settings, client, registry   # client: routing's ReplicaClient
         self.on_change = on_change          # called when a replica goes up or down, or reports news
+
+    @property
+    def cfg(self) -> HealthConfig:
+        """The health settings in force (a reload may change them)."""
+        return self.settings.now.health
 
     async def run(self) -> None:
         while True:
@@ -40,7 +44,8 @@ class HealthChecker:
         was_up = replica.up
         ours_at_send = replica.inflight
         try:
-            r = await self.client.get(replica.url + "/server_info", headers=self.headers, timeout=self.cfg.timeout)
+            r = await self.client.http.get(replica.url + "/server_info", headers=self.client.headers,
+                                           timeout=self.cfg.timeout)
             if r.status_code != 200:
                 raise RuntimeError(f"/server_info answered HTTP {r.status_code}: {r.text[:200]}")
             info = ReplicaInfo.parse(r.json())

@@ -29,6 +29,7 @@ class ReplicaInfo:
     bootstrap_port: int | None = None
     transfer_backend: str | None = None
     handoffs: tuple[tuple[str, float], ...] = ()
+    startup: dict | None = None      # its "startup" block: load, compile and warm-up times (when it has one)
 
     @classmethod
     def parse(cls, data: dict) -> "ReplicaInfo":
@@ -49,6 +50,7 @@ class ReplicaInfo:
                    num_waiting=get("num_waiting", int, 0), num_running=get("num_running", int, 0),
                    kv_usage=float(get("kv_usage", (int, float), 0.0)),
                    prefix_cache_hit_rate=float(get("prefix_cache_hit_rate", (int, float), 0.0)),
+                   startup=data["startup"] if isinstance(data.get("startup"), dict) else None,
                    **_disaggregation(data.get("disaggregation")))
 
 

@@ -110,7 +110,7 @@ def exit_reason(code: int) -> str:
     return f"exit status {code}"
 
 
-class Supervisor:
+class Launcher:
     def __init__(self, run_dir: Path | str | None = None, scope: str = "", logs=None, on_event=None,
                  trust_flags: list[str] = ()):
         self.managed: dict[str, Managed] = {}
@@ -120,11 +120,12 @@ class Supervisor:
         self.on_event = on_event or (lambda name, kind, detail: None)
         self.trust_flags = list(trust_flags)     # the router's trust options, for every replica it launches
 
-    def start(self, entry: ReplicaEntry, port: int, dtype: str, quantization: str | None,
-              on_port: Callable[[int], None] | None = None) -> Managed:
-        """Launch (port 0: the replica binds a free port and ``on_port`` hears which)."""
+    def start(self, entry: ReplicaEntry, on_port: Callable[[int], None] | None = None) -> Managed:
+        """Launch ``entry`` (with its dtype and quantization resolved) on its port; port 0 (none given):
+        the replica binds a free port and ``on_port`` hears which."""
+        port = entry.port or 0
         env = {**os.environ, **entry.env, VERSION_ENV: entry.version}
-        m = Managed(entry, port, serve_command(entry, port, dtype, quantization, self.trust_flags), env,
+        m = Managed(entry, port, serve_command(entry, port, entry.dtype, entry.quantization, self.trust_flags), env,
                     on_port=on_port)
         self.replace_leftover(entry.name, m.cmd)
         self.managed[entry.name] = m
@@ -227,6 +228,10 @@ class Supervisor:
     def pid(self, name: str) -> int | None:
         m = self.managed.get(name)
         return m.proc.pid if m and m.proc and m.proc.returncode is None else None
+
+    def restarts(self, name: str) -> int:
+        m = self.managed.get(name)
+        return m.restarts if m else 0
 
 
 def _stop_pid(pid: int, grace: float) -> None:

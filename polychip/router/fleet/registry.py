@@ -6,11 +6,15 @@ when it joins, and the new ones a reload brings (``configure``).
 """
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
 from typing import Callable, Iterator
 
 from polychip.router.fleet.worker import Worker
 from polychip.router.settings import BreakerConfig
 
+log = logging.getLogger("polychip.router")
 
 class WorkerRegistry:
     def __init__(self, breaker: BreakerConfig | None = None):
@@ -31,6 +35,20 @@ class WorkerRegistry:
         if worker is not None:
             for hook in self.on_removed:
                 hook(worker)
+        return worker
+
+    async def drain(self, name: str, timeout: float) -> Worker | None:
+        """No new requests to it; those in flight get ``timeout`` seconds; then it leaves."""
+        worker = self.workers.get(name)
+        if worker is None:
+            return None
+        worker.draining = True
+        log.info("draining replica %s (%d in flight)", name, worker.inflight)
+        deadline = time.monotonic() + timeout
+        while worker.inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        if self.workers.get(name) is worker:
+            self.remove(name)
         return worker
 
     def configure(self, breaker: BreakerConfig) -> None:

@@ -71,6 +71,11 @@ class Rollout:
         # (model, version) -> what the other routers saw in their windows; set on the leader (state_sync.py)
         self.others: dict[tuple[str, str], Published] = {}
 
+    def version_for(self, model: str, user: str | None) -> str | None:
+        """The version a request goes to (None: any; no replica has reported its version yet)."""
+        route = self.models.get(model)
+        return route.pick(user) if route is not None else None
+
     # the set of models and versions
     def declare(self, route: ModelRoute) -> None:
         """A model from the deployment file; replaces weights, keeps figures."""

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from polychip.router.fleet.registry import WorkerRegistry
 from polychip.router.fleet.worker import Worker
 from polychip.router.rollout.weights import ModelRoute, Rollout
-from polychip.router.routing.policies import Policy
+from polychip.router.routing.policies import Policy, make_policy
 from polychip.router.routing.wfq import FairQueue, QueueFullError
-from polychip.router.settings import RouterConfig
+from polychip.router.settings import LiveSettings, RouterConfig
 
 log = logging.getLogger("polychip.router")
 
@@ -48,18 +48,6 @@ class Ticket:
         return (self.model, self.version, self.preferred, frozenset(self.exclude))
 
 
-CHARS_PER_TOKEN = 4          # the router has no tokenizer: prompt tokens are estimated from its length
-DEFAULT_MAX_TOKENS = 256     # charged when a request names no max_tokens
-
-
-def token_cost(prompt: str, data: dict) -> float:
-    """WFQ charge: an estimate of the prompt's tokens plus the tokens asked for."""
-    asked = data.get("max_completion_tokens", data.get("max_tokens"))
-    asked = asked if isinstance(asked, int) and not isinstance(asked, bool) and asked > 0 else DEFAULT_MAX_TOKENS
-    n = data.get("n") if isinstance(data.get("n"), int) and data.get("n", 1) > 0 else 1
-    return len(prompt) / CHARS_PER_TOKEN + asked * n
-
-
 def capable(replica: Worker, route: ModelRoute | None) -> str | None:
     """Why ``replica``'s device cannot serve the model (None when it can)."""
     if route is None or replica.info is None:
@@ -74,10 +62,24 @@ def capable(replica: Worker, route: ModelRoute | None) -> str | None:
 
 
 class Dispatcher:
-    def __init__(self, cfg: RouterConfig, rollout: Rollout, policy: Policy, registry: WorkerRegistry):
-        self.cfg, self.rollout, self.policy, self.registry = cfg, rollout, policy, registry
+    def __init__(self, settings: LiveSettings, rollout: Rollout, registry: WorkerRegistry):
+        self.settings, self.rollout, self.registry = settings, rollout, registry
+        cfg = settings.now
+        self.policy: Policy = make_policy(cfg.policy, cfg.prefix)
         self.queue = FairQueue(cfg.priority_weights, cfg.max_queue)
         registry.on_removed.append(lambda w: self.policy.forget(w))
+        settings.on_change(self._reconfigure)
+
+    @property
+    def cfg(self) -> RouterConfig:
+        return self.settings.now
+
+    def _reconfigure(self, old: RouterConfig, new: RouterConfig) -> None:
+        """A reload: the queue's weights and limit, and the policy when its settings changed."""
+        self.queue.set_weights(new.priority_weights)
+        self.queue.max_size = new.max_queue
+        if (old.policy, old.prefix) != (new.policy, new.prefix):
+            self.policy = make_policy(new.policy, new.prefix)
 
     def models(self) -> list[str]:
         return sorted(self.registry.models() | set(self.rollout.models))

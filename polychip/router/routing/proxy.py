@@ -33,12 +33,13 @@ from polychip.router.fleet.worker import Worker
 from polychip.router.metrics import RouterMetrics
 from polychip.router.rollout.weights import Rollout
 from polychip.router.routing.call import Call, Final, Retry
+from polychip.router.fleet.client import ReplicaClient
 from polychip.router.routing.dispatch import Dispatcher, NoReplicaError, QueueFullError, Ticket
 from polychip.router.routing.outcomes import Outcomes
 from polychip.router.routing.pd import Pairing
 from polychip.router.routing.retry_budget import RetryBudget
 from polychip.router.routing.sse import SSEEvents, close_quietly, has_token, parse_event, read_and_close, sse_text
-from polychip.router.settings import RouterConfig
+from polychip.router.settings import LiveSettings, RouterConfig
 
 log = logging.getLogger("polychip.router")
 
@@ -53,13 +54,24 @@ def is_admission(status: int, content: bytes, headers) -> bool:
 
 
 class Proxy:
-    def __init__(self, cfg: RouterConfig, dispatcher: Dispatcher, rollout: Rollout, metrics: RouterMetrics,
-                 client: httpx.AsyncClient):
-        self.cfg, self.d, self.rollout, self.metrics, self.client = cfg, dispatcher, rollout, metrics, client
+    def __init__(self, settings: LiveSettings, dispatcher: Dispatcher, rollout: Rollout, metrics: RouterMetrics,
+                 client: ReplicaClient):
+        self.settings, self.d, self.rollout, self.metrics = settings, dispatcher, rollout, metrics
+        self.replicas = client
         self.pairing = Pairing(dispatcher, metrics)       # a decode replica's prefill side (routing/pd.py)
         self.outcomes = Outcomes(dispatcher, rollout, metrics)
-        b = cfg.breaker
+        b = settings.now.breaker
         self.budget = RetryBudget(b.retry_budget_ratio, b.retry_budget_min, b.window)
+        settings.on_change(lambda old, new: self.budget.configure(
+            new.breaker.retry_budget_ratio, new.breaker.retry_budget_min, new.breaker.window))
+
+    @property
+    def cfg(self) -> RouterConfig:
+        return self.settings.now
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        return self.replicas.http
 
     async def handle(self, call: Call) -> Response:
         ticket = Ticket(call.model, call.version, call.priority, call.preferred, call.prompt, cost=call.cost)
@@ -115,10 +127,7 @@ class Proxy:
 
     # one attempt
     def _headers(self, call: Call) -> dict:
-        headers = {"content-type": "application/json", "x-request-id": call.request_id}
-        if self.cfg.replica_api_key:
-            headers["authorization"] = f"Bearer {self.cfg.replica_api_key}"
-        return headers
+        return {"content-type": "application/json", "x-request-id": call.request_id, **self.replicas.headers}
 
     def _broken(self, replica: Worker, e: Exception) -> Retry:
         """A refused connection marks the replica down at once; a connection that broke (it may be
