@@ -11,7 +11,7 @@ import pytest
 from polychip.devices import boundary
 from polychip.devices.spec import from_dict
 from polychip.http.launcher import ServerProcess
-from polychip.router.replica import ReplicaInfo
+from polychip.router.fleet.info import ReplicaInfo
 from polychip_simxpu import drivers, slowdown, thermal
 from polychip_simxpu.plugin import SimXpuPlugin
 

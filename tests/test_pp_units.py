@@ -178,7 +178,7 @@ def test_a_request_in_flight_is_never_preempted_and_one_that_must_wait_is_not_dr
 
 
 def test_the_router_reads_a_groups_stages_and_refuses_a_malformed_block():
-    from polychip.router.replica import ReplicaInfo
+    from polychip.router.fleet.info import ReplicaInfo
     base = {"model": "m", "device_type": "cpu", "device": "cpu:0"}
     stages = [{"stage": 0, "device": "cpu:0", "layers": [0, 10], "step_seconds": 0.01},
               {"stage": 1, "device": "simxpu:0", "layers": [10, 30], "step_seconds": 0.02}]

@@ -12,7 +12,7 @@ from trust_helpers import trust_store
 
 from polychip.commands import router as router_cmd
 from polychip.router.deployment import ReplicaEntry, load_deployment
-from polychip.router.supervisor import Supervisor, serve_command
+from polychip.router.fleet.launcher import Launcher, serve_command
 from polychip.trust import keys as signing
 from polychip.trust.detached import sign_file
 from polychip.trust.options import TrustOptions
@@ -62,5 +62,5 @@ def test_launched_replicas_get_the_trust_flags(site):
     flags = TrustOptions(store, allow_downgrade=True).replica_flags()
     assert flags == ["--trust-store", os.path.join(os.path.abspath(store), "trust.yaml"), "--allow-downgrade"]
     entry = ReplicaEntry(name="a", model="m", version="v1", device="cpu")
-    cmd = serve_command(entry, 4000, "auto", None, Supervisor(trust_flags=flags).trust_flags)
+    cmd = serve_command(entry, 4000, "auto", None, Launcher(trust_flags=flags).trust_flags)
     assert cmd[cmd.index("--trust-store") + 1] == flags[1] and "--allow-downgrade" in cmd

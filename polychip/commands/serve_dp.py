@@ -17,8 +17,8 @@ ROUTER_LEVEL = ("--dp-size", "--host", "--port", "--api-key", "--device", "--ser
 def serve_dp(argv: list[str]) -> int:
     from polychip.commands.router import run_router
     from polychip.router.app import Router
-    from polychip.router.inventory import Inventory
-    from polychip.router.placement import place
+    from polychip.router.fleet.inventory import Inventory
+    from polychip.router.fleet.placement import place
     from polychip.router.settings import RouterConfig
     args = serve_parser().parse_args(argv)
     setup_logging(args.log_level)
@@ -60,8 +60,8 @@ def replica_args(argv: list[str]) -> list[str]:
 def dp_deployment(args, extra: list[str], inventory):
     """The Deployment of ``--dp-size`` replicas on the devices of ``--device``."""
     from polychip.router.deployment import from_dict
-    from polychip.router.inventory import auto_device_type
-    from polychip.router.placement import split_device
+    from polychip.router.fleet.inventory import auto_device_type
+    from polychip.router.fleet.placement import split_device
     kind, index = split_device(args.device)
     if kind == "auto":
         kind = auto_device_type(inventory.get())

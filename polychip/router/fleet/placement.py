@@ -15,11 +15,10 @@ from dataclasses import dataclass, field
 from polychip.dtypes import quantization_dtype
 from polychip.errors import PolychipError
 from polychip.router.deployment import Deployment, ReplicaEntry, raise_problems
-from polychip.router.inventory import Device, Inventory
+from polychip.router.fleet.inventory import Device, Inventory
+from polychip.router.fleet.ledger import SHAREABLE
 
 log = logging.getLogger("polychip.router")
-
-SHAREABLE = ("cpu",)          # device types several replicas may share
 
 
 @dataclass
@@ -28,6 +27,7 @@ class Placement:
     remote: list[ReplicaEntry] = field(default_factory=list)
     excluded: dict[str, str] = field(default_factory=dict)      # replica name -> why
     devices: dict[str, Device] = field(default_factory=dict)    # launched replica name -> its (first) device
+    held: dict[str, list[str]] = field(default_factory=dict)    # launched replica name -> the devices it holds
 
     @property
     def dtypes(self) -> dict[str, tuple[str, ...]]:
@@ -37,6 +37,13 @@ class Placement:
 def effective_dtype(replica: ReplicaEntry, dep: Deployment) -> str:
     model = next(m for m in dep.models if m.name == replica.model)
     return replica.dtype if replica.dtype != "auto" else (model.dtype or "auto")
+
+
+def launch_entry(replica: ReplicaEntry, dep: Deployment) -> ReplicaEntry:
+    """The entry as it is launched: its dtype and quantization resolved from its model's."""
+    model = next(m for m in dep.models if m.name == replica.model)
+    return replica.model_copy(update={"dtype": effective_dtype(replica, dep),
+                                      "quantization": replica.quantization or model.quantization})
 
 
 def needs(replica: ReplicaEntry, dep: Deployment) -> list[str]:
@@ -89,6 +96,7 @@ class _Placer:
         if broken:
             return self.problems.append(f"{where}.device: {r.device} cannot be used: {'; '.join(broken)}")
         self._claim(where, r, kind, wanted)
+        self.out.held[r.name] = [f"{kind}:{d}" for d in wanted]
         for stage, device in list(enumerate(r.pp_devices))[1:]:     # a pipeline group's other stages
             self._stage(f"{where}.pp_devices.{stage}", r, plugins, device)
         self._check_dtypes(where, r, rec.devices[start])
@@ -103,6 +111,7 @@ class _Placer:
         if problem:
             return self.problems.append(f"{where}: {device} cannot be used: {problem}")
         self._claim(where, r, kind, [index])
+        self.out.held[r.name].append(f"{kind}:{index}")
 
     def _claim(self, where: str, r: ReplicaEntry, kind: str, wanted: list[int]) -> None:
         if kind in SHAREABLE:

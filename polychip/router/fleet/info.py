@@ -1,15 +1,10 @@
-"""A replica as the router sees it: where it is, what it reported, whether it is up, and the
-router's own count of requests in flight there."""
+"""What a replica reports of itself (its ``/server_info``), as the router reads it: parsed strictly,
+a missing or mistyped field named."""
 from __future__ import annotations
 
-import logging
-import time
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from polychip.router.device_health import DeviceHealth, parse_device_health
-
-log = logging.getLogger("polychip.router")
 
 
 @dataclass(frozen=True)
@@ -40,6 +35,7 @@ class ReplicaInfo:
     device_health: tuple[DeviceHealth, ...] = ()
     # a pipeline group (its /server_info "pipeline" block): each stage's (device, layers, mean step seconds)
     stages: tuple[tuple[str, str, float], ...] = ()
+    startup: dict | None = None      # its "startup" block: load, compile and warm-up times (when it has one)
 
     @classmethod
     def parse(cls, data: dict) -> "ReplicaInfo":
@@ -60,6 +56,7 @@ class ReplicaInfo:
                    num_waiting=get("num_waiting", int, 0), num_running=get("num_running", int, 0),
                    kv_usage=float(get("kv_usage", (int, float), 0.0)),
                    prefix_cache_hit_rate=float(get("prefix_cache_hit_rate", (int, float), 0.0)),
+                   startup=data["startup"] if isinstance(data.get("startup"), dict) else None,
                    device_health=parse_device_health(data.get("device_health")),
                    stages=_stages(data.get("pipeline")), **_disaggregation(data.get("disaggregation")))
 
@@ -103,95 +100,3 @@ def _disaggregation(block) -> dict:
         figures.append((key, float(value)))
     return {"role": block["mode"], "bootstrap_port": port if block["mode"] == "prefill" else None,
             "transfer_backend": str(block.get("transfer_backend")), "handoffs": tuple(figures)}
-
-
-@dataclass
-class Replica:
-    name: str
-    url: str
-    # what a deployment file declares (None for --replica URLs: learnt from /server_info)
-    declared_model: str | None = None
-    declared_version: str | None = None
-    device: str | None = None
-    launched: bool = False
-    info: ReplicaInfo | None = None
-    up: bool = False
-    ever_up: bool = False
-    draining: bool = False
-    down_reason: str = "not checked yet"
-    fails: int = 0
-    successes: int = 0
-    inflight: int = 0
-    inflight_at_report: int = 0          # our in-flight requests the last report may already count
-    served: int = 0
-    first_ttft: float | None = None          # time to first token of its first answered request
-    first_token_at: float | None = None      # wall clock of that first token
-    changed_at: float = field(default_factory=time.monotonic)
-    breaker: Any = None                  # its circuit breaker (router.breaker.Breaker), set by the dispatcher
-
-    # what it serves: what the replica itself reports, else what was declared
-    @property
-    def serving_model(self) -> str | None:
-        return self.info.model if self.info else self.declared_model
-
-    @property
-    def serving_version(self) -> str | None:
-        return self.info.version if self.info else self.declared_version
-
-    @property
-    def device_type(self) -> str:
-        if self.info:
-            return self.info.device_type
-        return (self.device or "unknown").partition(":")[0]
-
-    @property
-    def device_name(self) -> str:
-        return self.info.device if self.info else (self.device or "unknown")
-
-    def capacity(self, override: int | None) -> int:
-        if override is not None:
-            return override
-        return self.info.max_running_requests if self.info else 1
-
-    def load(self) -> float:
-        """least_load's figure: our in-flight count, plus the requests the last report shows beyond
-        ours (other routers' or direct traffic), plus KV usage. Ours are counted live, not from the
-        report: a report taken during a burst that has since finished must not keep drawing load away."""
-        if self.info is None:
-            return float(self.inflight)
-        foreign = max(0, self.info.num_waiting + self.info.num_running - self.inflight_at_report)
-        return self.inflight + foreign + self.info.kv_usage
-
-    def mark_up(self) -> None:
-        if not self.up:
-            log.info("replica %s (%s, %s) is up", self.name, self.url, self.device_name)
-        self.up = self.ever_up = True
-        self.down_reason = ""
-        self.changed_at = time.monotonic()
-
-    def mark_down(self, reason: str) -> None:
-        if self.up:
-            log.warning("replica %s (%s) is down: %s", self.name, self.url, reason)
-        self.up = False
-        self.successes = 0
-        self.down_reason = reason
-        self.changed_at = time.monotonic()
-
-    @property
-    def role(self) -> str | None:
-        """"prefill" or "decode" for a side of a prefill/decode pair (as it reports itself), else None."""
-        return self.info.role if self.info else None
-
-    def describe(self) -> dict:
-        return {"name": self.name, "url": self.url, "up": self.up, "draining": self.draining, "role": self.role,
-                "handoffs": dict(self.info.handoffs) if self.info and self.info.role else None,
-                "down_reason": self.down_reason or None, "model": self.serving_model,
-                "version": self.serving_version, "device": self.device_name, "device_type": self.device_type,
-                "launched": self.launched, "inflight": self.inflight, "served": self.served,
-                "circuit": self.breaker.state if self.breaker else "closed",
-                "breaker": self.breaker.describe() if self.breaker else None,
-                "kv_cache_usage": self.info.kv_usage if self.info else None,
-                "running": self.info.num_running if self.info else None,
-                "waiting": self.info.num_waiting if self.info else None,
-                "prefix_hit_rate": self.info.prefix_cache_hit_rate if self.info else None,
-                "info": None if self.info is None else {k: v for k, v in vars(self.info).items()}}
