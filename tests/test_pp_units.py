@@ -191,7 +191,7 @@ def test_the_router_reads_a_groups_stages_and_refuses_a_malformed_block():
 
 def test_a_deployment_replica_names_its_stages():
     from polychip.router.deployment import ReplicaEntry
-    from polychip.router.supervisor import serve_command
+    from polychip.router.fleet.launcher import serve_command
     entry = ReplicaEntry(name="g", model="m", device="cpu:0", pp_devices=["cpu:0", "simxpu:0"])
     cmd = serve_command(entry, 8000, "auto", None)
     assert cmd[cmd.index("--pp-size") + 1] == "2" and cmd[cmd.index("--pp-devices") + 1] == "cpu:0,simxpu:0"
