@@ -12,7 +12,7 @@ Every import counts: top-level, inside functions, under ``if TYPE_CHECKING``, re
     engine
     models  ops  quant  distributed
     devices
-    config.py  errors.py  dtypes.py  yaml_file.py
+    config.py  errors.py  dtypes.py  yaml_file.py  flags.py
 
 The router talks HTTP to replicas: it imports only the edge, itself and the leaves.
 """
@@ -54,6 +54,7 @@ LAYER_OF = {
     "polychip.errors": "leaves",
     "polychip.dtypes": "leaves",            # the dtype vocabulary
     "polychip.yaml_file": "leaves",         # reading a YAML file (specs, deployments)
+    "polychip.flags": "leaves",             # the one CLI generator (parsers, flags of the config dataclasses)
     # the kit's API 1.0 paths, aliases of polychip.pluginkit for one minor version: the kit's layer
     "polychip.devices.conformance": "pluginkit",
     "polychip.devices.probe": "pluginkit",
@@ -66,8 +67,8 @@ ABOVE_MODELS = {"engine"} | ABOVE_ENGINE
 BELOW_EDGE = {"pluginkit", "engine", "models", "ops", "quant", "distributed", "devices"}
 # importer layer -> (layers it must not import, the rule in words)
 FORBIDDEN = {
-    "leaves": (set(LAYER_OF.values()) - {"leaves"}, "config.py, errors.py, dtypes.py and yaml_file.py import "
-                                                    "nothing from the package but each other"),
+    "leaves": (set(LAYER_OF.values()) - {"leaves"}, "config.py, errors.py, dtypes.py, yaml_file.py and flags.py "
+                                                    "import nothing from the package but each other"),
     "devices": ({"ops", "models", "quant", "distributed"} | ABOVE_MODELS,
                 "the plugin layer (devices/) never imports ops, models, the engine, the server or the kit"),
     "ops": ({"models"} | ABOVE_MODELS, "ops never import models or the engine (or above)"),

@@ -16,12 +16,13 @@ import time
 
 from polychip.commands.common import add_engine_args, engine_config_from_args, fail, setup_logging
 from polychip.errors import ConfigError, PolychipError
+from polychip.flags import Parser
 
 log = logging.getLogger("polychip.batch")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="polychip batch", description=__doc__,
+    p = Parser(prog="polychip batch", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-i", "--input-file", required=True, help="the batch file (JSONL)")
     p.add_argument("-o", "--output-file", required=True, help="where the records go (JSONL)")

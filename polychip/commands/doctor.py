@@ -5,13 +5,12 @@ and version matrix, the device plugins and their devices, seccomp, and the ports
 when any finding is a FAIL."""
 from __future__ import annotations
 
-import argparse
 import datetime
 import socket
 from dataclasses import dataclass
 
-from polychip.commands.options import add_config_args, config_from_args
 from polychip.errors import PolychipError
+from polychip.flags import Parser, add_config_args, config_from_args
 
 EXPIRY_WARNING_DAYS = 30
 
@@ -139,7 +138,7 @@ def port_findings(host: str, ports: list[int]) -> list[Finding]:
 
 def main(argv: list[str]) -> int:
     from polychip.trust.options import TrustOptions
-    p = argparse.ArgumentParser(prog="polychip doctor", description=__doc__)
+    p = Parser(prog="polychip doctor", description=__doc__)
     p.add_argument("--package", default=None, help="a .pcpkg to check against this host")
     p.add_argument("--device-config", action="append", default=[], dest="specs", help="device spec (repeatable)")
     p.add_argument("--plugin", action="append", default=[], dest="plugins")

@@ -7,7 +7,6 @@ broadcasts until rank 0 says stop. A worker that fails writes its error into the
 """
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -26,6 +25,7 @@ from polychip.engine.model_runner import ModelRunner, StepLimits
 from polychip.engine.static_decode import static_decode_limit
 from polychip.engine.tp import agree_on_pool, device_status, model_signature
 from polychip.errors import PolychipError
+from polychip.flags import Parser
 from polychip.models.loader import load_model
 
 log = logging.getLogger("polychip.tp_worker")
@@ -90,7 +90,7 @@ def serve_rank(config: EngineConfig, rank: int, device: str, host: str, port: in
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m polychip.engine.tp_worker", description=__doc__)
+    p = Parser(prog="python -m polychip.engine.tp_worker", description=__doc__)
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--device", required=True, help="this rank's device, e.g. simxpu:1")
     p.add_argument("--store", required=True, help="HOST:PORT of node 0's rendezvous store")

@@ -16,40 +16,19 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-from polychip.config import EngineConfig, option
+from polychip.config import EngineConfig
 from polychip.errors import ConfigError
 from polychip.trust import keys as signing
 from polychip.package.compat import check_target
 from polychip.package.hashing import copy_hashing
 from polychip.package.manifest import SUFFIX, PackageError
 from polychip.package.reader import scan
-from polychip.trust.options import TrustOptions
+from polychip.trust.options import PackageOptions, TrustOptions
 from polychip.trust.pins import check_pin
 from polychip.trust.detached import verify_file
 from polychip.trust.store import TrustError, override
 
 log = logging.getLogger("polychip.package")
-GROUP = "packages (--model-path x.pcpkg)"
-
-
-@dataclass(frozen=True)
-class PackageOptions:
-    """How a package (``--model-path x.pcpkg``) is trusted; the flags come from these fields.
-    Trusted keys (or ``require_signature``) make a valid signature by one of them a condition of
-    loading; hashes are always checked."""
-
-    trusted_keys: tuple[str, ...] = option(
-        (), "Ed25519 public key (polychip keygen) a package must be signed by (repeatable); the recommended "
-            "way to load packages", group=GROUP, flag="--trusted-key")
-    require_signature: bool = option(False, "refuse a package that is not signed by a --trusted-key", group=GROUP)
-    strict_versions: bool = option(False, "refuse a package built for other plugin/driver/runtime/collective/"
-                                          "firmware versions (default: warn naming each)", group=GROUP)
-
-    def __post_init__(self):
-        if not isinstance(self.trusted_keys, tuple):
-            raise ConfigError("trusted_keys must be a tuple of public key files")
-        if self.require_signature and not self.trusted_keys:
-            raise ConfigError("--require-signature needs at least one --trusted-key to check the signature with")
 
 
 def is_package(model_path: str | None) -> bool:

@@ -77,7 +77,7 @@ class Router:
         self.state = RouterState(cfg, self.rollout, self.dispatcher)
         self.supervisor = Supervisor(scope=os.path.abspath(deployment_path) if deployment_path else "",
                                      logs=_replica_logs(cfg), on_event=self._process_event,
-                                     trust_flags=trust.replica_flags() if trust is not None else [])
+                                     trust=trust)
         self.inventory = inventory or Inventory()
         self.workloads = Workloads(self, self.state)      # its records live in the state store (started first)
         self.url: str | None = None          # set once the server listens

@@ -23,6 +23,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from polychip.errors import ConfigError
 from polychip.http.server import url_host
 from polychip.router.deployment import ReplicaEntry, raise_problems
 from polychip.router.replica import Replica
@@ -195,7 +196,11 @@ class Workloads:
     # the operator's verbs
     async def submit(self, spec: WorkloadSpec, wid: str | None = None, source: str = "api",
                      devices: list[str] | None = None) -> Workload:
-        """Place and launch; returns at once (status pending). Refused when it cannot be placed."""
+        """Place and launch; returns at once (status pending). Refused when it cannot be placed, or
+        when it gives a guarded serve setting the router's trust settings do not allow (422)."""
+        refused = self.router.supervisor.trust.refusals(spec.serve_options(), "serve_args")
+        if refused:
+            raise Refused(422, "; ".join(refused))
         await self.inventory_ready()
         async with self._lock:
             devices = devices or await self.placement(spec)
@@ -318,7 +323,11 @@ class Workloads:
             replica.url = w.url = f"{base}{port}"
             self._save(w)
         self._set(w, "pending")
-        self.router.supervisor.start(entry, 0, spec.dtype, spec.quantization, on_port=bound)
+        try:
+            self.router.supervisor.start(entry, 0, spec.dtype, spec.quantization, on_port=bound)
+        except ConfigError as e:           # e.g. a stored record with a guarded setting: not launched
+            self._set(w, "failed", "refused", str(e))
+            return
         self.router.dispatcher.add(replica)
 
     def process_event(self, name: str, kind: str, detail) -> None:
