@@ -4,7 +4,7 @@ the version matrix (polychip, torch, plugin, and what the plugin's ``versions()`
 compared entry by entry: each mismatch a warning, or a refusal with ``--strict-versions``."""
 from __future__ import annotations
 
-import polychip
+from polychip.version import __version__ as polychip_version
 from polychip.package.manifest import PackageError
 
 
@@ -20,7 +20,7 @@ def _api(version) -> tuple[int, int] | str:
 def current_versions(plugin) -> dict:
     """The version matrix of this process on ``plugin`` (initialised), as a manifest records it."""
     import torch        # here, so that verifying a file (`polychip verify --skip-device`) never loads torch
-    return {"polychip": polychip.__version__, "torch": torch.__version__, "plugin_api": plugin.api_version,
+    return {"polychip": polychip_version, "torch": torch.__version__, "plugin_api": plugin.api_version,
             "plugin": f"{plugin.name} {plugin.plugin_version}", "device": dict(plugin.versions())}
 
 

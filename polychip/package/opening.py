@@ -2,8 +2,8 @@
 the version matrix, then extract into a cache keyed by the manifest's sha256 (verifying every
 file while streaming). A second start finds the folder and re-hashes it instead of extracting.
 
-``serve`` and ``generate`` call :func:`engine_config_for` before the engine exists; Python code
-uses :func:`open_llm`.
+``serve``, ``generate`` and ``batch`` call :func:`engine_config_for` before the engine exists; Python
+code uses ``polychip.LLM`` (polychip/package/trusted_llm.py), which does the same.
 """
 from __future__ import annotations
 
@@ -206,7 +206,7 @@ def engine_config_for(config: EngineConfig, options: PackageOptions,
 
 def open_llm(path: str, trusted_keys: tuple[str, ...] = (), require_signature: bool = False,
              strict_versions: bool = False, **engine_args):
-    """``LLM`` on a package: verified and extracted first."""
+    """``LLM`` on a package: verified and extracted first (``polychip.LLM`` does the same)."""
     from polychip.engine.llm import LLM
     options = PackageOptions(tuple(trusted_keys), require_signature, strict_versions)
     return LLM.from_config(engine_config_for(EngineConfig.from_kwargs(model_path=path, **engine_args), options))
