@@ -10,7 +10,7 @@ import json
 import random
 import time
 
-from polychip.router.guard import JUDGED, Published, VersionWindow, sketch_from_text, verdict
+from polychip.router.rollout.guard import JUDGED, Published, VersionWindow, sketch_from_text, verdict
 from polychip.router.settings import GuardConfig
 
 

@@ -193,7 +193,7 @@ def router_stack():
         dep = deployment(servers) if deployment else None
         srv, router = start_router(RouterConfig(health=fast, **cfg), [] if dep else [s.url for s in servers], dep)
         started.append(srv)
-        wait_for(lambda: router.dispatcher.replicas and all(r.up for r in router.dispatcher.replicas.values()),
+        wait_for(lambda: router.registry.workers and all(r.up for r in router.registry.workers.values()),
                  10, "replicas up")
         return srv.url, router
 

@@ -44,7 +44,7 @@ def fleet():
         servers = [ThreadServer(f.app).start() for f in fakes]
         srv, router = start_router(RouterConfig(health=FAST, **cfg), [s.url for s in servers])
         started.extend(servers + [srv])
-        wait_for(lambda: all(r.up for r in router.dispatcher.replicas.values()), 10, "replicas up")
+        wait_for(lambda: all(r.up for r in router.registry.workers.values()), 10, "replicas up")
         return srv.url, router, servers
     yield make
     for s in reversed(started):
@@ -66,7 +66,7 @@ def test_a_decode_replica_gets_the_least_loaded_prefill_replica_and_prefill_repl
     assert 'polychip_router_pd_pairs_total{decode="' in metrics and "polychip_router_replica_pd_bytes{" in metrics
     roles = {r["url"]: r["role"] for r in httpx.get(url + "/admin/replicas").json()["replicas"]}
     assert sorted(roles.values()) == ["decode", "prefill", "prefill"]
-    assert all(r.inflight == 0 for r in router.dispatcher.replicas.values())    # the prefill slots came back
+    assert all(r.inflight == 0 for r in router.registry.workers.values())    # the prefill slots came back
 
 
 def test_plain_replicas_beside_a_pair_serve_and_a_decode_replica_serves_plainly_without_prefill(fleet):
@@ -77,7 +77,7 @@ def test_plain_replicas_beside_a_pair_serve_and_a_decode_replica_serves_plainly_
     assert len(plain.bodies) == 2 and len(dec.bodies) == 2 and pre.bodies == []
     assert all("bootstrap_port" not in b for b in plain.bodies)
     servers[0].stop()                                           # the prefill replica goes away
-    prefill = next(r for r in router.dispatcher.replicas.values() if r.role == "prefill")
+    prefill = next(r for r in router.registry.workers.values() if r.role == "prefill")
     wait_for(lambda: not prefill.up, 10, "the prefill replica down")
     for _ in range(2):
         assert _ask(url).status_code == 200
@@ -115,7 +115,7 @@ def test_a_real_pair_behind_the_router_answers_as_the_decode_chip_alone(pair):
     pre, dec = pair
     srv, router = start_router(RouterConfig(health=FAST), [pre.url, dec.url])
     try:
-        wait_for(lambda: all(r.up for r in router.dispatcher.replicas.values()), 30, "replicas up")
+        wait_for(lambda: all(r.up for r in router.registry.workers.values()), 30, "replicas up")
         body = {"model": "tiny", "prompt": "the pair " * 40, "max_tokens": 8, "temperature": 0}
         plain = httpx.post(dec.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
         with httpx.stream("POST", srv.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
@@ -125,7 +125,7 @@ def test_a_real_pair_behind_the_router_answers_as_the_decode_chip_alone(pair):
         for side in (pre, dec):
             d = httpx.get(side.url + "/server_info").json()["disaggregation"]
             assert d["transfers_done"] == 1 and d["bytes"] > 0
-        wait_for(lambda: dict(router.dispatcher.replicas[next(n for n, r in router.dispatcher.replicas.items()
+        wait_for(lambda: dict(router.registry.workers[next(n for n, r in router.registry.workers.items()
                                                                 if r.role == "decode")].info.handoffs)
                  ["transfers_done"] == 1, 10, "the router to see the hand-off")
     finally:

@@ -8,8 +8,8 @@ import asyncio
 
 import pytest
 
-from polychip.router.guard import Published, VersionWindow, wilson
-from polychip.router.rollout import ModelRoute, Rollout
+from polychip.router.rollout.guard import Published, VersionWindow, wilson
+from polychip.router.rollout.weights import ModelRoute, Rollout
 from polychip.router.settings import GuardConfig, RouterConfig
 from polychip.router.state_sync import RouterState
 

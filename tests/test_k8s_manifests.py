@@ -12,7 +12,7 @@ import yaml
 
 from polychip.commands.router import build_parser
 from polychip.router.deployment import from_dict
-from polychip.router.settings import settings_from_args
+from polychip.router.settings_flags import settings_from_args
 
 pytestmark = pytest.mark.device_independent
 K8S = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "k8s")

@@ -35,7 +35,7 @@ def loaded_after(code: str) -> list[str]:
 
 def test_importing_the_router_loads_no_torch_engine_or_devices():
     assert loaded_after("import polychip.router.app, polychip.router.routes.openai_api, "
-                        "polychip.router.placement, polychip.router.supervisor") == []
+                        "polychip.router.fleet.placement, polychip.router.fleet.launcher") == []
 
 
 def test_router_help_loads_no_torch_engine_or_devices():

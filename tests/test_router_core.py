@@ -29,7 +29,7 @@ def cluster(request):
         started.extend(servers)
         srv, router = start_router(RouterConfig(health=FAST, **cfg), [s.url for s in servers])
         started.append(srv)
-        wait_for(lambda: all(r.up for r in router.dispatcher.replicas.values()), 10, "replicas up")
+        wait_for(lambda: all(r.up for r in router.registry.workers.values()), 10, "replicas up")
         return srv.url, router, servers
 
     yield make
@@ -101,7 +101,7 @@ def test_connection_refused_retries_on_another_and_marks_down(cluster):
     servers[0].stop()                       # r0 gone; the router has not noticed yet
     results = [complete(url) for _ in range(6)]
     assert all(r.status_code == 200 and r.headers["x-polychip-replica"] == "r1" for r in results)
-    assert not router.dispatcher.replicas["r0"].up
+    assert not router.registry.workers["r0"].up
     metrics = httpx.get(url + "/metrics").text
     assert 'polychip_router_replica_up{device_type="cpu",model="tiny",replica="r0",version="v1"} 0.0' in metrics
     assert "polychip_router_retries_total" in metrics
@@ -112,11 +112,11 @@ def test_a_replica_that_comes_back_rejoins_after_the_success_threshold(cluster):
     url, router, servers = cluster(fakes)
     port = servers[0].port
     servers[0].stop()
-    wait_for(lambda: not router.dispatcher.replicas["r0"].up, 5, "r0 down")
+    wait_for(lambda: not router.registry.workers["r0"].up, 5, "r0 down")
     again = ThreadServer(fakes[0].app, port=port).start()
     try:
-        wait_for(lambda: router.dispatcher.replicas["r0"].up, 10, "r0 up again")
-        assert router.dispatcher.replicas["r0"].successes >= FAST.success_threshold
+        wait_for(lambda: router.registry.workers["r0"].up, 10, "r0 up again")
+        assert router.registry.workers["r0"].successes >= FAST.success_threshold
     finally:
         again.stop()
 
@@ -151,7 +151,7 @@ def test_no_replica_left_is_an_answer_not_a_hang(cluster):
     servers[0].stop()
     r = complete(url)
     assert r.status_code in (502, 503) and "error" in r.json()
-    wait_for(lambda: not router.dispatcher.replicas["r0"].up, 5, "down")
+    wait_for(lambda: not router.registry.workers["r0"].up, 5, "down")
     r = complete(url)
     assert r.status_code == 503 and r.headers["retry-after"] == "1"
     assert httpx.get(url + "/health").status_code == 503
@@ -195,7 +195,7 @@ def test_a_client_that_leaves_mid_stream_frees_the_replica(cluster):
         first = next(l for l in r.iter_lines() if l.startswith("data:"))
         assert '"text": "x"' in first
     # the connection is closed after one event: the router lets go of the replica, which stops too
-    wait_for(lambda: router.dispatcher.replicas["r0"].inflight == 0 and fake.inflight == 0, 10, "released")
+    wait_for(lambda: router.registry.workers["r0"].inflight == 0 and fake.inflight == 0, 10, "released")
     assert fake.served == 0
 
 
@@ -209,7 +209,7 @@ def test_a_finished_stream_frees_its_slot_at_done_not_at_the_body_end(cluster):
         for line in r.iter_lines():
             if line == "data: [DONE]":
                 break
-        assert router.dispatcher.replicas["r0"].inflight == 0       # freed before [DONE] reached us
+        assert router.registry.workers["r0"].inflight == 0       # freed before [DONE] reached us
         t0 = time.monotonic()
         nxt = complete(url)       # the body above is still open for ~3 s
         assert nxt.status_code == 200 and nxt.json()["choices"][0]["text"] == "xxx"

@@ -9,8 +9,8 @@ import pytest
 
 from polychip.commands import router as router_cmd
 from polychip.router.deployment import DeploymentError, load_deployment
-from polychip.router.inventory import Inventory
-from polychip.router.placement import place
+from polychip.router.fleet.inventory import Inventory
+from polychip.router.fleet.placement import place
 
 pytestmark = pytest.mark.device_independent   # runs no model on the test device (conftest.py)
 
@@ -116,7 +116,7 @@ def test_replicas_whose_device_lacks_the_dtype_are_left_out(tmp_path, host):
 
 def test_tensor_parallel_and_int8_replicas_launch_with_serve_flags(tmp_path, host):
     """tp_size and quantization reach `polychip serve` as --tp-size and --quantization."""
-    from polychip.router.supervisor import serve_command
+    from polychip.router.fleet.launcher import serve_command
     text = GOOD.replace("device: cpu, port: 31001}", "device: cpu, port: 31001, tp_size: 2, quantization: int8}")
     placed = place(load_deployment(write(tmp_path, text)), host)
     a = next(r for r in placed.launch if r.name == "a")
@@ -157,7 +157,7 @@ def test_the_example_deployments_are_valid(name, host):
 
 
 def fake_host(entries):
-    from polychip.router.inventory import parse_devices_json
+    from polychip.router.fleet.inventory import parse_devices_json
     return Inventory(reader=lambda device_config, plugins: parse_devices_json(entries))
 
 
@@ -172,7 +172,7 @@ def ready(name, ids, dtypes=("float32",), priority=0, broken=()):
 def test_placement_reads_what_polychip_devices_reports(tmp_path):
     """The router places on the devices `polychip devices --json` lists (run in a child process):
     a device that failed its init there cannot be given a replica, and memory is kept per replica."""
-    from polychip.router.inventory import auto_device_type
+    from polychip.router.fleet.inventory import auto_device_type
     entries = [ready("cpu", [0], ("float32", "bfloat16")), ready("simxpu", [0, 1], broken=(1,), priority=5),
                {"name": "cuda", "source": "builtin", "status": "Error", "priority": 10, "failed_step": "is_available",
                 "reason": "no GPU", "devices": []}]
@@ -189,6 +189,6 @@ def test_placement_reads_what_polychip_devices_reports(tmp_path):
 
 def test_a_devices_command_that_fails_names_its_error():
     from polychip.errors import PluginError
-    from polychip.router.inventory import read_devices
+    from polychip.router.fleet.inventory import read_devices
     with pytest.raises(PluginError, match="no-such-spec.yaml"):
         read_devices("/nonexistent/no-such-spec.yaml")

@@ -162,7 +162,7 @@ def test_prefix_aware_keeps_a_prefix_on_one_replica_and_hits_more_than_round_rob
             assert httpx.post(u + "/flush_cache", json={}, timeout=30).status_code == 200
         srv, router = start_router(RouterConfig(policy=policy, health=HealthConfig(interval=0.5)), urls)
         try:
-            wait_for(lambda: all(r.up for r in router.dispatcher.replicas.values()), 20, "up")
+            wait_for(lambda: all(r.up for r in router.registry.workers.values()), 20, "up")
             seen, rates[policy] = _prefix_workload(srv.url)
         finally:
             srv.stop()

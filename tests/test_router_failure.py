@@ -69,7 +69,7 @@ def test_one_models_backlog_never_blocks_another_models_requests(stack):
 
 
 def test_abandoned_entries_leave_at_once_and_memory_stays_bounded():
-    from polychip.router.wfq import FairQueue
+    from polychip.router.routing.wfq import FairQueue
     q = FairQueue({"high": 3.0, "normal": 1.0, "low": 1.0}, 10)
     q.push("normal", "stuck at the head")
     gc.collect()
@@ -213,7 +213,7 @@ def test_half_open_probes_close_the_circuit_of_a_replica_that_recovers(stack):
     from polychip.router.settings import BreakerConfig
     bad, good = FakeReplica(mode="http503"), FakeReplica()
     url, router = stack([bad, good], policy="round_robin", breaker=BreakerConfig(open_seconds=4.0))
-    breaker = router.dispatcher.replicas["r0"].breaker
+    breaker = router.registry.workers["r0"].breaker
     sent = 0
     while breaker.state != "open" and sent < 12:     # read at once: on a loaded machine open_seconds may pass
         assert _post(url, {}).status_code == 200
@@ -245,7 +245,7 @@ def test_a_full_replica_is_tried_elsewhere_and_is_not_an_error(stack):
     print(f"\nfault 6/admission: replica answering 503 server_overloaded: clients {Counter(r.status_code for r in got)},"
           f" weights after {weights}")
     assert all(r.status_code == 200 for r in got) and weights["v2"] == 50.0
-    assert router.dispatcher.replicas["r1"].breaker.state == "closed"
+    assert router.registry.workers["r1"].breaker.state == "closed"
 
 
 # fault 7: priorities reach the replica; WFQ charges tokens

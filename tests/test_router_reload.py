@@ -37,12 +37,12 @@ def test_admin_reload_adds_removes_and_reweights(tmp_path, fakes):
     dep = load_deployment(str(path))
     srv, router = start_router(RouterConfig(health=HealthConfig(interval=0.2)), [], dep, str(path))
     try:
-        wait_for(lambda: router.dispatcher.replicas["a"].up, 10, "a up")
+        wait_for(lambda: router.registry.workers["a"].up, 10, "a up")
         path.write_text(deployment_text({"b": (servers[1].url, "v1"), "c": (servers[2].url, "v2")},
                                         {"v1": 1, "v2": 3}))
         r = httpx.post(srv.url + "/admin/reload", timeout=30)
         assert r.status_code == 200 and r.json()["added"] == ["b", "c"] and r.json()["removed"] == ["a"]
-        wait_for(lambda: all(x.up for x in router.dispatcher.replicas.values()), 10, "b, c up")
+        wait_for(lambda: all(x.up for x in router.registry.workers.values()), 10, "b, c up")
         got = [httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1}).headers[
             "x-polychip-replica"] for _ in range(8)]
         assert sorted(got) == ["b"] * 2 + ["c"] * 6
@@ -51,7 +51,7 @@ def test_admin_reload_adds_removes_and_reweights(tmp_path, fakes):
         r = httpx.post(srv.url + "/admin/reload", timeout=30)
         assert r.status_code == 400 and "models.0.versions.v2: weight 3 but no replica serves" in \
             r.json()["error"]["message"]
-        assert sorted(router.dispatcher.replicas) == ["b", "c"]
+        assert sorted(router.registry.workers) == ["b", "c"]
     finally:
         srv.stop()
 

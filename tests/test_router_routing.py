@@ -188,4 +188,4 @@ def test_a_client_that_leaves_while_queued_gives_its_place_back(stack):
     assert asyncio.run(run()).status_code == 200
     time.sleep(0.3)
     assert [b["prompt"] for b in fake.bodies] == ["a"]          # the abandoned request never reached it
-    assert router.dispatcher.replicas["r0"].inflight == 0
+    assert router.registry.workers["r0"].inflight == 0

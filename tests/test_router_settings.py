@@ -11,7 +11,8 @@ from router_helpers import FakeReplica, ThreadServer, start_router, wait_for
 
 from polychip.commands import router as router_cmd
 from polychip.router.deployment import from_dict, load_deployment
-from polychip.router.settings import RouterConfig, _fields, reload_changes, settings_from_args
+from polychip.router.settings import RouterConfig, reload_changes
+from polychip.router.settings_flags import _fields, settings_from_args
 from polychip.errors import ConfigError
 
 pytestmark = pytest.mark.device_independent   # runs no model on the test device (conftest.py)
@@ -139,7 +140,7 @@ def started(tmp_path, replica):
     dep = load_deployment(str(path))
     srv, router = start_router(dep.router, [], dep, str(path))
     try:
-        wait_for(lambda: router.dispatcher.replicas["a"].up, 10, "a up")
+        wait_for(lambda: router.registry.workers["a"].up, 10, "a up")
         yield path, srv, router
     finally:
         srv.stop()

@@ -41,7 +41,7 @@ def three():
 def _router(path):
     dep = load_deployment(str(path))
     srv, router = start_router(dep.router, [], dep, str(path))
-    wait_for(lambda: all(r.up for r in router.dispatcher.replicas.values()), 15, "replicas up")
+    wait_for(lambda: all(r.up for r in router.registry.workers.values()), 15, "replicas up")
     return srv, router
 
 

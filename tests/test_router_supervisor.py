@@ -29,19 +29,16 @@ FAKE_SERVE = textwrap.dedent("""
     time.sleep(3600)
 """)
 
-# a router process stand-in: the real Supervisor launching one replica from a deployment entry
+# a router process stand-in: the real Launcher launching one replica from a deployment entry
 ROUTER = textwrap.dedent("""
     import asyncio, sys
-    from polychip.router import supervisor as sup
+    from polychip.router.fleet import launcher as sup
     from polychip.router.deployment import ReplicaEntry
     fake, info, run_dir = sys.argv[1], sys.argv[2], sys.argv[3]
     sup.serve_command = lambda entry, port, *rest: [sys.executable, "-c", fake, str(port), info]
     async def main():
-        try:
-            s = sup.Supervisor(run_dir=run_dir, scope="deploy.yaml")
-        except TypeError:                     # a Supervisor without run records
-            s = sup.Supervisor()
-        s.start(ReplicaEntry(name="r0", model="m", version="v1", device="cpu"), 0, "auto", None)
+        s = sup.Launcher(run_dir=run_dir, scope="deploy.yaml")
+        s.start(ReplicaEntry(name="r0", model="m", version="v1", device="cpu"))
         print("launched", flush=True)
         await asyncio.sleep(3600)
     asyncio.run(main())
@@ -89,14 +86,14 @@ def test_a_launched_replica_dies_when_its_router_is_killed(tmp_path):
 
 
 def test_a_new_router_replaces_what_an_old_one_left_and_ports_are_reported(tmp_path):
-    from polychip.router.supervisor import Supervisor
+    from polychip.router.fleet.launcher import Launcher
     # a replica an old router left: the record names its pid and command (as if pdeathsig were lost)
     leftover = subprocess.Popen([sys.executable, "-c", FAKE_SERVE, "0", str(tmp_path / "old.txt")],
                                 start_new_session=True, stdout=subprocess.DEVNULL)
     router = pid = None
     try:
         wait_for(lambda: (tmp_path / "old.txt").exists(), 30, "the leftover replica")
-        old = Supervisor(run_dir=tmp_path / "run", scope="deploy.yaml")
+        old = Launcher(run_dir=tmp_path / "run", scope="deploy.yaml")
         old.run_dir.mkdir(parents=True)
         (old.run_dir / "r0.json").write_text(json.dumps({"pid": leftover.pid, "cmd": leftover.args}))
         router, pid, port = _launch_router(tmp_path, "b")

@@ -12,7 +12,7 @@ from trust_helpers import trust_store
 
 from polychip.commands import router as router_cmd
 from polychip.router.deployment import ReplicaEntry, load_deployment
-from polychip.router.supervisor import Supervisor, serve_command
+from polychip.router.fleet.launcher import Launcher, serve_command
 from polychip.trust import keys as signing
 from polychip.trust.detached import sign_file
 from polychip.trust.options import TrustOptions
@@ -63,5 +63,5 @@ def test_launched_replicas_get_the_trust_flags(site):
     values = trust.replica_values()
     assert values == {"trust_store": os.path.join(os.path.abspath(store), "trust.yaml"), "allow_downgrade": True}
     entry = ReplicaEntry(name="a", model="m", version="v1", device="cpu")
-    cmd = serve_command(entry, 4000, "auto", None, Supervisor(trust=trust).trust)
+    cmd = serve_command(entry, 4000, "auto", None, Launcher(trust=trust).trust)
     assert cmd[cmd.index("--trust-store") + 1] == values["trust_store"] and "--allow-downgrade" in cmd

@@ -7,12 +7,13 @@ from collections import Counter
 import pytest
 
 from polychip.errors import ConfigError
-from polychip.router.settings import GuardConfig, PrefixConfig
-from polychip.router.policies import LeastLoad, PrefixAware
-from polychip.router.prefix_tree import PrefixTree
-from polychip.router.replica import Replica
-from polychip.router.rollout import ModelRoute, Rollout
-from polychip.router.wfq import FairQueue, QueueFullError
+from polychip.router.settings import GuardConfig, LiveSettings, PrefixConfig, RouterConfig
+from polychip.router.routing.policies import LeastLoad, PrefixAware
+from polychip.router.routing.prefix_tree import PrefixTree
+from polychip.router.fleet.registry import WorkerRegistry
+from polychip.router.fleet.worker import Worker
+from polychip.router.rollout.weights import ModelRoute, Rollout
+from polychip.router.routing.wfq import FairQueue, QueueFullError
 
 pytestmark = pytest.mark.device_independent   # runs no model on the test device (conftest.py)
 
@@ -78,7 +79,7 @@ def test_prefix_tree_match_insert_split_and_evict():
 
 
 def _replica(name, inflight=0):
-    r = Replica(name, f"http://{name}")
+    r = Worker(name, f"http://{name}")
     r.inflight = inflight
     r.up = True
     return r
@@ -116,10 +117,9 @@ def test_least_load_counts_inflight_and_reported_load_and_breaks_ties_in_turn():
 
 
 def test_least_load_does_not_count_our_finished_requests_from_a_stale_report():
-    from polychip.router.settings import HealthConfig
-    from polychip.router.health import HealthChecker
-    from polychip.router.replica import ReplicaInfo
-    hc = HealthChecker(HealthConfig(), None, list, {}, lambda r: None)
+    from polychip.router.fleet.health import HealthChecker
+    from polychip.router.fleet.info import ReplicaInfo
+    hc = HealthChecker(LiveSettings(RouterConfig()), None, WorkerRegistry(), lambda r: None)
     busy = ReplicaInfo.parse({"model": "m", "device_type": "cpu", "num_running": 16, "num_waiting": 0})
     a, b = _replica("a"), _replica("b")
     hc.succeeded(a, busy, 16)       # reported while 16 of ours ran there; they have finished since
@@ -181,11 +181,12 @@ def test_the_guard_rolls_back_a_slow_canary_against_the_baseline():
 
 def test_health_thresholds_down_after_n_failures_up_after_m_successes():
     from polychip.router.settings import HealthConfig
-    from polychip.router.health import HealthChecker
-    from polychip.router.replica import ReplicaInfo
-    hc = HealthChecker(HealthConfig(failure_threshold=3, success_threshold=2), None, list, {}, lambda r: None)
+    from polychip.router.fleet.health import HealthChecker
+    from polychip.router.fleet.info import ReplicaInfo
+    health = HealthConfig(failure_threshold=3, success_threshold=2)
+    hc = HealthChecker(LiveSettings(RouterConfig(health=health)), None, WorkerRegistry(), lambda r: None)
     info = ReplicaInfo.parse({"model": "m", "device_type": "cpu"})
-    r = Replica("a", "http://a")
+    r = Worker("a", "http://a")
     hc.succeeded(r, info)
     assert r.up                                   # never up before: the first success is enough
     hc.failed(r, "HTTP 500", at_once=False)
@@ -203,7 +204,7 @@ def test_health_thresholds_down_after_n_failures_up_after_m_successes():
     hc.failed(r, "connection refused", at_once=True)
     assert not r.up                               # a refused connection: down at once
     # a replica that reports another model than the deployment declares is kept down
-    d = Replica("b", "http://b", declared_model="other")
+    d = Worker("b", "http://b", declared_model="other")
     hc.succeeded(d, info)
     assert not d.up and "declares 'other'" in d.down_reason
 
@@ -218,7 +219,7 @@ def test_learnt_models_take_the_heaviest_version_as_baseline():
 
 
 def test_breaker_opens_on_failures_in_a_row_or_a_failure_rate_and_probes_back():
-    from polychip.router.breaker import Breaker
+    from polychip.router.fleet.breaker import Breaker
     from polychip.router.settings import BreakerConfig
     now = [0.0]
     b = Breaker(BreakerConfig(failure_threshold=3, open_seconds=10, min_requests=10, failure_rate=0.5),
@@ -247,8 +248,8 @@ def test_breaker_opens_on_failures_in_a_row_or_a_failure_rate_and_probes_back():
 
 
 def test_retry_budget_and_wilson_bounds():
-    from polychip.router.breaker import RetryBudget
-    from polychip.router.guard import wilson
+    from polychip.router.routing.retry_budget import RetryBudget
+    from polychip.router.rollout.guard import wilson
     now = [0.0]
     budget = RetryBudget(0.2, 2, 60, clock=lambda: now[0])
     for _ in range(20):

@@ -21,8 +21,8 @@ from polychip.commands import router as router_cmd
 from polychip.errors import ConfigError
 from polychip.http.serve_settings import parse_serve_args, serve_argv
 from polychip.router.deployment import DeploymentError, ReplicaEntry, from_dict, load_deployment
-from polychip.router.inventory import Inventory, parse_devices_json
-from polychip.router.supervisor import serve_command
+from polychip.router.fleet.inventory import Inventory, parse_devices_json
+from polychip.router.fleet.launcher import serve_command
 from polychip.trust import keys as signing
 from polychip.trust.options import RouterTrust
 
@@ -149,7 +149,7 @@ def test_the_api_refuses_abbreviated_and_guarded_serve_args_naming_the_field(tmp
             r = submit(server.url, str(tmp_path), argv)
             assert r.status_code == 422 and f"serve_args: {why}" in r.json()["error"]["message"], r.text
         assert httpx.get(server.url + "/admin/workloads", headers=AUTH).json()["data"] == []
-        assert router.supervisor.managed == {}
+        assert router.launcher.managed == {}
     finally:
         server.stop()
 
@@ -159,7 +159,7 @@ def test_an_allowed_guarded_flag_still_gets_the_routers_store(tmp_path, site):
     try:
         r = submit(server.url, str(tmp_path), ["--trust-store", "/srv/other", "--max-total-tokens", "64"])
         assert r.status_code == 202, r.text
-        cmd = router.supervisor.managed[r.json()["id"]].cmd
+        cmd = router.launcher.managed[r.json()["id"]].cmd
         assert cmd.count("--trust-store") == 1 and cmd[cmd.index("--trust-store") + 1] == os.path.join(site, "trust.yaml")
         assert cmd[cmd.index("--max-total-tokens") + 1] == "64"
     finally:

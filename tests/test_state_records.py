@@ -12,11 +12,14 @@ import pytest
 from router_helpers import start_router
 
 from polychip.router.deployment import from_dict
-from polychip.router.rollout import Rollout
-from polychip.router.settings import GuardConfig, HealthConfig, RouterConfig
+from polychip.router.rollout.weights import Rollout
+from polychip.router.settings import GuardConfig, HealthConfig, LiveSettings, RouterConfig
 from polychip.router.state import MemoryStore, SqliteStore
 from polychip.router.state_sync import RouterState, file_intent
-from polychip.router.workloads import Workload, Workloads
+from polychip.router.fleet.ledger import DeviceLedger
+from polychip.router.fleet.registry import WorkerRegistry
+from polychip.router.fleet.workload import Workload
+from polychip.router.fleet.workloads import Workloads
 from polychip.router.workload_spec import WorkloadSpec
 from polychip.router.batch.store import BatchStore
 
@@ -87,16 +90,11 @@ def test_unreadable_batch_objects_are_skipped_and_unknown_fields_dropped():
         store.close()
 
 
-class _Router:
-    def __init__(self, cfg):
-        self.cfg = cfg
-
-
 def test_a_workload_record_keeps_its_last_events_however_often_its_replica_fails():
     async def run():
         cfg = RouterConfig(state="memory://", node_id="h")
         state = RouterState(cfg, Rollout(GuardConfig()), None)
-        workloads = Workloads(_Router(cfg), state)
+        workloads = Workloads(LiveSettings(cfg), state, None, DeviceLedger(), None, WorkerRegistry(), None, None)
         w = Workload("wl-1", WorkloadSpec(model="/models/tiny", device="cpu"), "h", ["cpu:0"])
         w.event("placed", "on cpu:0")
         for i in range(500):                        # a replica that crashes at once, restarted again and again

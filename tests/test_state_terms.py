@@ -11,7 +11,7 @@ import pytest
 
 from polychip.router.batch.shared import SharedBatches
 from polychip.router.batch.store import BatchStore
-from polychip.router.rollout import ModelRoute, Rollout
+from polychip.router.rollout.weights import ModelRoute, Rollout
 from polychip.router.settings import GuardConfig, RouterConfig
 from polychip.router.state import MemoryStore, Session, open_store
 from polychip.router.state_sync import RouterState

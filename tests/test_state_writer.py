@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from polychip.router.rollout import Rollout
+from polychip.router.rollout.weights import Rollout
 from polychip.router.settings import EtcdAccess, GuardConfig, RouterConfig
 from polychip.router.state import open_store
 from polychip.router.state.loops import ThreadLoop

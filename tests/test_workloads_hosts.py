@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from polychip.router.app import Router, build_app
-from polychip.router.inventory import Inventory, parse_devices_json
+from polychip.router.fleet.inventory import Inventory, parse_devices_json
 from polychip.router.settings import HealthConfig, RouterConfig
 from router_helpers import ThreadServer, wait_for
 from tests.etcd_cluster import EtcdCluster
@@ -97,7 +97,7 @@ def test_a_second_router_of_one_host_relaunches_nothing_and_says_why(tmp_path, c
                 wait_for(lambda: not router.state._pending, 5, "the record written to etcd")
         (_, first), (_, second) = routers
         wid = r.json()["id"]
-        assert list(first.supervisor.managed) == [wid] and not second.supervisor.managed
+        assert list(first.launcher.managed) == [wid] and not second.launcher.managed
         assert second.workloads.items[wid].host == second.state.host      # listed, not launched a second time
         assert first.state.host == second.state.host and first.state.node_id != second.state.node_id
         assert f"routers ['{first.state.node_id}'] also place workloads on host {second.state.host}" in caplog.text

@@ -11,12 +11,12 @@ from pydantic import ValidationError
 
 from polychip.commands.telemetry import parse_filter, samples
 from polychip.router.deployment import DeploymentError, from_dict
-from polychip.router.inventory import parse_devices_json
-from polychip.router.replica_logs import ReplicaLogs
-from polychip.router.workload_placement import HostDevices, Needs, Refused, place
+from polychip.router.fleet.inventory import parse_devices_json
+from polychip.router.fleet.replica_logs import ReplicaLogs
+from polychip.router.fleet.workload_placement import HostDevices, Needs, Refused, place
 from polychip.router.workload_spec import WorkloadSpec
 from polychip.router.state import SqliteStore
-from polychip.router.workloads import Workload
+from polychip.router.fleet.workload import Workload
 
 pytestmark = pytest.mark.device_independent
 
@@ -194,7 +194,7 @@ def test_telemetry_filters_samples_by_label():
 def test_a_package_is_placed_by_its_target_and_planned_weights(tmp_path):
     """Read through `polychip inspect --json` in a child process (the router imports no package code)."""
     from package_helpers import FILES, synthetic_package
-    from polychip.router.workload_placement import needs_of
+    from polychip.router.fleet.workload_placement import needs_of
     plan = b'{"fusions": [], "ops": [], "memory": {"weights_bytes": 123456}}\n'
     pkg = synthetic_package(tmp_path, {**FILES, "plan.json": plan}, device_types=("cuda",))
     needs = asyncio.run(needs_of(spec(model=pkg, device_type="simxpu")))

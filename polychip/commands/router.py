@@ -26,7 +26,7 @@ from polychip.commands.common import fail, setup_logging
 from polychip.errors import PolychipError
 from polychip.flags import Parser, add_config_args, config_from_args
 from polychip.http import server as edge
-from polychip.router.settings import add_settings_args, settings_from_args
+from polychip.router.settings_flags import add_settings_args, settings_from_args
 from polychip.trust.options import RouterTrust
 
 log = logging.getLogger("polychip.router")
@@ -62,8 +62,8 @@ def main(argv: list[str] | None = None) -> int:
         inventory = None
         if args.deployment:
             from polychip.router.deployment import load_deployment
-            from polychip.router.inventory import Inventory
-            from polychip.router.placement import place
+            from polychip.router.fleet.inventory import Inventory
+            from polychip.router.fleet.placement import place
             deployment, inventory = load_deployment(args.deployment, trust), Inventory()
             placed = place(deployment, inventory)   # refuse what no device here can serve, before binding
         cfg = settings_from_args(args, deployment.router if deployment else None)
@@ -102,14 +102,20 @@ def run_router(router, sock, tls: dict | None = None, seccomp_front: bool = Fals
 
     async def reload_on_sighup():
         try:
-            await router.reload()
+            await router.reconciler.reload()
         except PolychipError as e:
             log.error("SIGHUP reload refused, the running set is unchanged: %s", e)
-    ready = lambda: (f"polychip router ready: {url} ({len(router.dispatcher.replicas)} replica(s), "  # noqa: E731
+    ready = lambda: (f"polychip router ready: {url} ({len(router.registry)} replica(s), "  # noqa: E731
                      f"policy {router.cfg.policy})")
-    edge.serve_on(edge.ReadyServer(uv, ready, log, {signal.SIGHUP: reload_on_sighup}), sock)
+    server = edge.ReadyServer(uv, ready, log, {signal.SIGHUP: reload_on_sighup})
+    router.runtime.on_fatal = lambda name, e: setattr(server, "should_exit", True)   # a critical loop cannot go on
+    edge.serve_on(server, sock)
     if router.startup_error is not None:
         raise router.startup_error
+    if router.runtime.fatal is not None:
+        name, e = router.runtime.fatal
+        log.error("polychip router stopped: its background loop %r cannot go on (%s: %s)", name, type(e).__name__, e)
+        return 1
     log.info("polychip router stopped")
     return 0
 

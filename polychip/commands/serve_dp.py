@@ -26,8 +26,8 @@ FRONT_ONLY = ("dp_size", "host", "port", "api_key", "device", "served_model_name
 def serve_dp(argv: list[str]) -> int:
     from polychip.commands.router import run_router
     from polychip.router.app import Router
-    from polychip.router.inventory import Inventory
-    from polychip.router.placement import place
+    from polychip.router.fleet.inventory import Inventory
+    from polychip.router.fleet.placement import place
     from polychip.router.settings import RouterConfig
     args = serve_parser().parse_args(argv)
     setup_logging(args.log_level)
@@ -70,8 +70,8 @@ def dp_deployment(args, extra: list[str], inventory, env: dict[str, str] | None 
     """The Deployment of ``--dp-size`` replicas on the devices of ``--device``, each launched
     with ``env`` added to its environment."""
     from polychip.router.deployment import from_dict
-    from polychip.router.inventory import auto_device_type
-    from polychip.router.placement import split_device
+    from polychip.router.fleet.inventory import auto_device_type
+    from polychip.router.fleet.placement import split_device
     kind, index = split_device(args.device)
     if kind == "auto":
         kind = auto_device_type(inventory.get())

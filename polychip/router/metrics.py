@@ -17,7 +17,7 @@ REQ_LABELS = ["model", "version", "replica", "device_type", "priority"]
 
 
 class RouterMetrics:
-    def __init__(self, dispatcher):
+    def __init__(self, workers, queue_lengths, rollout):
         self.registry = r = CollectorRegistry()
         self.requests = Counter("polychip_router_requests", "Requests answered, by where they went and status",
                                 REQ_LABELS + ["status"], registry=r)
@@ -40,7 +40,9 @@ class RouterMetrics:
                                 "replica", ["prefill", "decode"], registry=r)
         self.pd_unpaired = Counter("polychip_router_pd_unpaired", "Requests a decode replica served plainly: no "
                                    "prefill replica was up", ["decode"], registry=r)
-        r.register(_StateCollector(dispatcher))
+        self.loop_failures = Counter("polychip_router_loop_failures", "Failures of the router's background loops "
+                                     "(each logged with its name; the loop restarts)", ["loop"], registry=r)
+        r.register(_StateCollector(workers, queue_lengths, rollout))
         self.live = LiveSeries()        # the same requests, kept as recent time series (/admin/live)
 
     def render(self) -> bytes:
@@ -48,12 +50,14 @@ class RouterMetrics:
 
 
 class _StateCollector:
-    def __init__(self, dispatcher):
-        self.d = dispatcher
+    """Read at scrape time: each worker (``workers``: the registry), the queues, the weights."""
+
+    def __init__(self, workers, queue_lengths, rollout):
+        self.workers, self.queue_lengths, self.rollout = workers, queue_lengths, rollout
 
     def _handoffs(self):
         """Each prefill/decode replica's role and KV hand-off figures, as it last reported them."""
-        sides = [r for r in sorted(self.d.replicas.values(), key=lambda r: r.name) if r.role]
+        sides = [r for r in self.workers.sorted() if r.role]
         labels = ["replica", "role", "device_type", "model"]
         names = {"transfers_in_flight": "KV hand-offs under way", "transfers_done": "KV hand-offs acknowledged",
                  "transfers_failed": "KV hand-offs that failed", "fallbacks": "Requests a decode replica "
@@ -72,7 +76,7 @@ class _StateCollector:
                                      labels=labels)
         load = GaugeMetricFamily("polychip_router_replica_load", "least_load's figure for the replica",
                                  labels=labels)
-        for r in sorted(self.d.replicas.values(), key=lambda r: r.name):
+        for r in self.workers.sorted():
             key = [r.name, r.device_type, r.serving_model or "", r.serving_version or ""]
             up.add_metric(key, 1.0 if r.up else 0.0)
             inflight.add_metric(key, r.inflight)
@@ -80,21 +84,21 @@ class _StateCollector:
         yield up
         circuit = GaugeMetricFamily("polychip_router_replica_circuit_open",
                                     "1 while the replica's circuit is open or half-open", labels=labels)
-        for r in sorted(self.d.replicas.values(), key=lambda r: r.name):
+        for r in self.workers.sorted():
             circuit.add_metric([r.name, r.device_type, r.serving_model or "", r.serving_version or ""],
-                               0.0 if r.breaker is None or r.breaker.state == "closed" else 1.0)
+                               0.0 if r.breaker.state == "closed" else 1.0)
         yield circuit
         yield inflight
         yield load
         queue = GaugeMetricFamily("polychip_router_queue_length", "Requests waiting in the router",
                                   labels=["priority"])
-        for cls, n in self.d.queue_lengths().items():
+        for cls, n in self.queue_lengths().items():
             queue.add_metric([cls], n)
         yield queue
         yield from self._handoffs()
         weight = GaugeMetricFamily("polychip_router_version_weight", "Traffic weight of each model version",
                                    labels=["model", "version"])
-        for name, route in sorted(self.d.rollout.models.items()):
+        for name, route in sorted(self.rollout.models.items()):
             for v, w in route.weights.items():
                 weight.add_metric([name, v], w)
         yield weight

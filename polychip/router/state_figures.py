@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from polychip.router.guard import JUDGED, Published
+from polychip.router.rollout.guard import JUDGED, Published
 
 log = logging.getLogger("polychip.router.state")
 STATS_EVERY = 1.0          # seconds between a router's publications of its canary figures

@@ -13,41 +13,43 @@ from polychip.http.errors import APIError, error_body
 from polychip.router.batch.files import FileStore
 from polychip.router.batch.jobs import BatchJobs
 from polychip.router.batch.store import BatchStore
-from polychip.router.proxy import Call
-from polychip.router.routes.openai_api import RoutedBody, prompt_text, resolve_model
+from polychip.router.routing.call import Call
+from polychip.router.routing.request import RoutedBody, prompt_text, resolve_model
 from polychip.router.settings import BatchConfig
 
 BATCH_PRIORITY = "low"
 
 
-def router_jobs(router, cfg: BatchConfig) -> BatchJobs:
-    """The router's BatchJobs over --files-dir, checking and sending through ``router``."""
+def router_jobs(cfg: BatchConfig, dispatcher, rollout, handle, client, state, spawn=None) -> BatchJobs:
+    """The router's BatchJobs over --files-dir: lines go through ``handle(call)`` (the proxy) as the
+    dispatcher and the rollout place them; bodies are checked by an up worker of ``dispatcher.registry``
+    through ``client`` (the ReplicaClient); ``state`` (RouterState) keeps the batch objects and elects
+    the runner; ``spawn``: the task supervisor's, for the runs."""
 
     async def send(url: str, body: dict) -> tuple[int, str, bytes]:
         rid = f"req_{uuid.uuid4().hex}"
         try:
             routed = RoutedBody.model_validate(body)
-            known = router.dispatcher.models()
+            known = dispatcher.models()
             if not known:                 # just started: no replica has reported yet (503: retried)
                 raise APIError(503, "no replica has reported its model yet", "service_unavailable")
             model = resolve_model(known, routed.model)
         except APIError as e:
             return e.status, rid, json.dumps(error_body(e.message, e.type, e.param, e.status)).encode()
         user = routed.user if isinstance(routed.user, str) else None
-        call = Call(rid, url, json.dumps(body).encode(), model, router.version_for(model, user), BATCH_PRIORITY,
+        call = Call(rid, url, json.dumps(body).encode(), model, rollout.version_for(model, user), BATCH_PRIORITY,
                     tuple(routed.preferred_device_types or ()), prompt_text(url, routed), stream=False)
-        resp = await router.proxy.handle(call)
+        resp = await handle(call)
         return resp.status_code, rid, bytes(resp.body)
 
     async def check(url: str, bodies: list[dict]) -> list[dict]:
         """The problems a replica finds in ``bodies`` ({index, message, param}); waits for one to be up."""
         deadline = time.monotonic() + cfg.retry_for
-        headers = {"authorization": f"Bearer {router.cfg.replica_api_key}"} if router.cfg.replica_api_key else {}
         while True:
-            up = [r for r in router.dispatcher.replicas.values() if r.up and not r.draining]
+            up = [r for r in dispatcher.registry if r.up and not r.draining]
             if up:
-                resp = await router.client.post(up[0].url + "/batch_check", json={"url": url, "bodies": bodies},
-                                                headers=headers)
+                resp = await client.http.post(up[0].url + "/batch_check", json={"url": url, "bodies": bodies},
+                                              headers=client.headers)
                 if resp.status_code == 200:
                     return resp.json()["problems"]
                 if resp.status_code < 500:
@@ -57,8 +59,7 @@ def router_jobs(router, cfg: BatchConfig) -> BatchJobs:
                 raise RuntimeError(f"no replica was up for {cfg.retry_for:g}s to check the batch's bodies")
             await asyncio.sleep(1.0)
 
-    state = router.state
     jobs = BatchJobs(cfg, FileStore(cfg.files_dir, cfg.max_file_bytes), BatchStore(state.store, state.repos.unreadable),
-                     send, check, is_leader=lambda: state.is_leader, term=lambda: state.session.term)
+                     send, check, is_leader=lambda: state.is_leader, term=lambda: state.session.term, spawn=spawn)
     state.leader_hooks.append(jobs.leadership_changed)
     return jobs

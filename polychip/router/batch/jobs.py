@@ -46,8 +46,8 @@ Check = Callable[[str, list[dict]], Awaitable[list[dict]]]
 class BatchJobs(SharedBatches):
     def __init__(self, cfg: BatchConfig, files: FileStore, store: BatchStore, send: Send, check: Check,
                  clock: Callable[[], float] = time.time, is_leader: Callable[[], bool] = lambda: True,
-                 term: Callable[[], int | None] = lambda: None):
-        super().__init__(store, is_leader, clock, term)    # only the leader runs batches (the state's election)
+                 term: Callable[[], int | None] = lambda: None, spawn=None):
+        super().__init__(store, is_leader, clock, term, spawn)    # only the leader runs batches (the state's election)
         self.cfg, self.files, self._send, self._check = cfg, files, send, check
         self._slots: asyncio.Semaphore | None = None
 
@@ -120,7 +120,7 @@ class BatchJobs(SharedBatches):
 
     # the run
     def _launch(self, b: dict) -> None:
-        self.tasks[b["id"]] = asyncio.ensure_future(self._drive(b))
+        self.tasks[b["id"]] = self.spawn(f"batch {b['id']}", self._drive(b))
         self.tasks[b["id"]].add_done_callback(lambda _t, i=b["id"]: self.tasks.pop(i, None))
 
     def _set(self, b: dict, status: str) -> None:
@@ -194,7 +194,7 @@ class BatchJobs(SharedBatches):
         counts = b["request_counts"]
         counts["completed"], counts["failed"] = done.ok, done.failed
         if b["status"] == "in_progress" and not self._expired(b):
-            saver = asyncio.ensure_future(self._autosave(b))
+            saver = self.spawn(f"batch {b['id']} autosave", self._autosave(b))
             try:
                 with open(out_path, "ab", buffering=0) as out, open(err_path, "ab", buffering=0) as err:
                     writer = OrderedWriter(lambda r: out if is_success(r) else err, encode,

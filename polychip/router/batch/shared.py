@@ -30,8 +30,10 @@ class SharedBatches:
     """The view, the leadership and the writes of BatchJobs; it supplies ``_launch`` and ``_set``."""
 
     def __init__(self, store: BatchStore, is_leader: Callable[[], bool], clock: Callable[[], float] = time.time,
-                 term: Callable[[], int | None] = lambda: None):
+                 term: Callable[[], int | None] = lambda: None, spawn=None):
         self.store, self.is_leader, self.clock = store, is_leader, clock
+        # spawn(name, coroutine) -> Task: the task supervisor's (a run's failure is logged and counted)
+        self.spawn = spawn or (lambda name, coroutine: asyncio.ensure_future(coroutine))
         self.term = term                              # the leader's term: the runs' writes carry it
         self.batches: dict[str, dict] = {}            # every stored batch: the view GET and list read
         self.tasks: dict[str, asyncio.Task] = {}      # the runs on this router (the leader's)
@@ -61,7 +63,7 @@ class SharedBatches:
         """On the event loop, at start and whenever the leader changes: the leader runs (resumes)
         every active batch; any other router runs none (what it wrote stays; the leader resumes it)."""
         if self.is_leader():
-            self._leading = asyncio.ensure_future(self._lead())
+            self._leading = self.spawn("batch leadership", self._lead())
         elif self.tasks:
             log.warning("batch: this router no longer leads; stopping %d batch run(s) for the leader to resume",
                         len(self.tasks))

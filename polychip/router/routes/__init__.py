@@ -1,16 +1,15 @@
-"""The router's routes, one APIRouter per concern: ``openai_api`` (the client API), ``probes``
-(/health, /metrics: no key) and ``admin`` (replicas, rollout, reload). Each handler finds the
-Router on ``request.app.state.router``; ``requires_key`` is the edge's API-key dependency
-reading the key the router holds now (a reload may change it)."""
+"""The router's routes, one APIRouter per concern, each made by a function given only the parts it
+uses (app.py, the composition root, hands them over): ``openai_api`` (the client API), ``probes``
+(/health, /metrics: no key), ``admin`` (replicas, rollout, state, reload), ``workloads`` (workloads
+and devices) and ``batches`` (files and batch jobs). ``requires_key`` is the edge's API-key
+dependency reading the key in force now (a reload may change it)."""
 from __future__ import annotations
 
-from fastapi import Depends, Request
+from fastapi import Depends
 
 from polychip.http.auth import require_api_key
 
 
-def router_of(request: Request):
-    return request.app.state.router
-
-
-requires_key = Depends(require_api_key(lambda request: router_of(request).cfg.api_key))
+def requires_key(settings):
+    """The API-key dependency over the settings in force (a LiveSettings)."""
+    return Depends(require_api_key(lambda request: settings.now.api_key))

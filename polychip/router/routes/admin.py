@@ -11,10 +11,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from polychip.errors import ConfigError
 from polychip.http.errors import APIError, parse_body
-from polychip.router.routes import requires_key, router_of
+from polychip.router.routes import requires_key
+from polychip.router.routing.dispatch import capable
 from polychip.router.settings import PRIORITY_CLASSES
-
-admin_routes = APIRouter(prefix="/admin", dependencies=[requires_key])
 
 
 class WeightsBody(BaseModel):
@@ -25,43 +24,49 @@ class WeightsBody(BaseModel):
     weights: dict[str, Annotated[float, Field(strict=True)]]
 
 
-@admin_routes.get("/replicas")
-async def replicas(request: Request):
-    router = router_of(request)
-    return {"replicas": router.replicas_view(), "queue": router.dispatcher.queue_lengths(),
-            "policy": router.cfg.policy}
+def admin_routes(settings, registry, dispatcher, rollout, launcher, live, describe_state, reload,
+                 excluded) -> APIRouter:
+    """``describe_state()``: /admin/state's body; ``reload()``: the reconciler's; ``excluded()``: the
+    deployment's replicas left out, with why."""
+    routes = APIRouter(prefix="/admin", dependencies=[requires_key(settings)])
 
+    @routes.get("/replicas")
+    async def replicas():
+        out = []
+        for r in registry.sorted():
+            d = r.describe()
+            d["incapable"] = capable(r, rollout.models.get(r.serving_model or ""))
+            d["pid"], d["restarts"] = launcher.pid(r.name), launcher.restarts(r.name)
+            out.append(d)
+        out += [{"name": n, "excluded": why} for n, why in sorted(excluded().items())]
+        return {"replicas": out, "queue": dispatcher.queue_lengths(), "policy": settings.now.policy}
 
-@admin_routes.get("/live")
-async def live(request: Request):
-    return router_of(request).metrics.live.view(PRIORITY_CLASSES)
+    @routes.get("/live")
+    async def live_series():
+        return live.view(PRIORITY_CLASSES)
 
+    @routes.get("/rollout")
+    async def rollout_status():
+        return {"models": rollout.status()}
 
-@admin_routes.get("/rollout")
-async def rollout_status(request: Request):
-    return {"models": router_of(request).rollout.status()}
+    @routes.post("/rollout")
+    async def rollout_set(request: Request):
+        body = parse_body(await request.body(), WeightsBody)
+        try:
+            rollout.set_weights(body.model, body.weights)
+        except ConfigError as e:
+            raise APIError(400, e.args[0], "invalid_request_error") from None
+        dispatcher.pump()
+        return {"models": rollout.status()}
 
+    @routes.get("/state")
+    async def state():
+        return await describe_state()
 
-@admin_routes.post("/rollout")
-async def rollout_set(request: Request):
-    body = parse_body(await request.body(), WeightsBody)
-    router = router_of(request)
-    try:
-        router.rollout.set_weights(body.model, body.weights)
-    except ConfigError as e:
-        raise APIError(400, e.args[0], "invalid_request_error") from None
-    router.dispatcher.pump()
-    return {"models": router.rollout.status()}
-
-
-@admin_routes.get("/state")
-async def state(request: Request):
-    return await router_of(request).state.describe()
-
-
-@admin_routes.post("/reload")
-async def reload(request: Request):
-    try:
-        return await router_of(request).reload()
-    except ConfigError as e:          # DeploymentError too: the file, the field and the cause
-        raise APIError(400, e.args[0], "invalid_request_error") from None
+    @routes.post("/reload")
+    async def reload_file():
+        try:
+            return await reload()
+        except ConfigError as e:          # DeploymentError too: the file, the field and the cause
+            raise APIError(400, e.args[0], "invalid_request_error") from None
+    return routes

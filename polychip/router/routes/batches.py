@@ -11,17 +11,15 @@ from fastapi.responses import FileResponse
 
 from polychip.router.batch.files import FileError
 from polychip.router.batch.jobs import public
-from polychip.router.routes import requires_key, router_of
+from polychip.router.routes import requires_key
 
 FORM_OVERHEAD = 64 * 1024        # multipart headers and the purpose field around the file's bytes
 
-batch_routes = APIRouter(dependencies=[requires_key])
-
-
-def with_jobs(handler):
-    """Run ``handler(jobs, request, **path params)`` once --files-dir is known to be set."""
+def with_jobs(current, handler):
+    """Run ``handler(jobs, request, **path params)`` once --files-dir is known to be set (``current()``:
+    the BatchJobs, None without it)."""
     async def endpoint(request: Request):     # FastAPI sees only ``request`` (no functools.wraps)
-        jobs = router_of(request).batches
+        jobs = current()
         if jobs is None:
             raise FileError(404, "the files and batches API is off: start the router with --files-dir DIR",
                             "not_found_error")
@@ -42,83 +40,83 @@ def _limit(request: Request, default: int) -> int:
     return int(raw)
 
 
-@batch_routes.post("/v1/files")
-@with_jobs
-async def upload(jobs, request: Request):
-    files = jobs.files          # the edge has checked the type and Content-Length (upload_paths)
-    form = await request.form(max_files=1, max_fields=8)
-    try:
-        part, purpose = form.get("file"), form.get("purpose")
-        if part is None or isinstance(part, str):
-            raise FileError(400, "the form has no file part named 'file'", param="file")
-        if not isinstance(purpose, str):
-            raise FileError(400, "the form has no purpose field (purpose must be 'batch')", param="purpose")
-        return await asyncio.to_thread(files.upload, part.file, part.filename or "upload.jsonl", purpose)
-    finally:
-        await form.close()
+def batch_routes(settings, current) -> APIRouter:
+    """``current()``: the router's BatchJobs (made at start; None without --files-dir)."""
+    routes = APIRouter(dependencies=[requires_key(settings)])
 
+    def jobs_of(handler):
+        return with_jobs(current, handler)
 
-@batch_routes.get("/v1/files")
-@with_jobs
-async def list_files(jobs, request: Request):
-    items = jobs.files.list(request.query_params.get("purpose"))
-    after, limit = request.query_params.get("after"), _limit(request, 10000)
-    if after is not None:
-        ids = [m["id"] for m in items]
-        items = items[ids.index(after) + 1:] if after in ids else []
-    return _page(items[:limit], len(items) > limit)
+    @routes.post("/v1/files")
+    @jobs_of
+    async def upload(jobs, request: Request):
+        files = jobs.files          # the edge has checked the type and Content-Length (upload_paths)
+        form = await request.form(max_files=1, max_fields=8)
+        try:
+            part, purpose = form.get("file"), form.get("purpose")
+            if part is None or isinstance(part, str):
+                raise FileError(400, "the form has no file part named 'file'", param="file")
+            if not isinstance(purpose, str):
+                raise FileError(400, "the form has no purpose field (purpose must be 'batch')", param="purpose")
+            return await asyncio.to_thread(files.upload, part.file, part.filename or "upload.jsonl", purpose)
+        finally:
+            await form.close()
 
+    @routes.get("/v1/files")
+    @jobs_of
+    async def list_files(jobs, request: Request):
+        items = jobs.files.list(request.query_params.get("purpose"))
+        after, limit = request.query_params.get("after"), _limit(request, 10000)
+        if after is not None:
+            ids = [m["id"] for m in items]
+            items = items[ids.index(after) + 1:] if after in ids else []
+        return _page(items[:limit], len(items) > limit)
 
-@batch_routes.get("/v1/files/{file_id}")
-@with_jobs
-async def get_file(jobs, request: Request, file_id: str):
-    return jobs.files.get(file_id)
+    @routes.get("/v1/files/{file_id}")
+    @jobs_of
+    async def get_file(jobs, request: Request, file_id: str):
+        return jobs.files.get(file_id)
 
+    @routes.get("/v1/files/{file_id}/content")
+    @jobs_of
+    async def file_content(jobs, request: Request, file_id: str):
+        meta = jobs.files.get(file_id)
+        return FileResponse(jobs.files.path(file_id), media_type="application/jsonl", filename=meta["filename"])
 
-@batch_routes.get("/v1/files/{file_id}/content")
-@with_jobs
-async def file_content(jobs, request: Request, file_id: str):
-    meta = jobs.files.get(file_id)
-    return FileResponse(jobs.files.path(file_id), media_type="application/jsonl", filename=meta["filename"])
+    @routes.delete("/v1/files/{file_id}")
+    @jobs_of
+    async def delete_file(jobs, request: Request, file_id: str):
+        user = jobs.uses(file_id)
+        if user is not None:
+            raise FileError(409, f"file {file_id} is in use by batch {user}, which is still running; cancel it first",
+                            param="file_id")
+        return jobs.files.delete(file_id)
 
+    @routes.post("/v1/batches")
+    @jobs_of
+    async def create_batch(jobs, request: Request):
+        try:
+            data = json.loads(await request.body())
+        except ValueError as e:
+            raise FileError(400, f"invalid JSON body: {e}") from None
+        if not isinstance(data, dict):
+            raise FileError(400, "the body must be a JSON object")
+        return await jobs.create(data.get("input_file_id"), data.get("endpoint"), data.get("completion_window"),
+                                 data.get("metadata"))
 
-@batch_routes.delete("/v1/files/{file_id}")
-@with_jobs
-async def delete_file(jobs, request: Request, file_id: str):
-    user = jobs.uses(file_id)
-    if user is not None:
-        raise FileError(409, f"file {file_id} is in use by batch {user}, which is still running; cancel it first",
-                        param="file_id")
-    return jobs.files.delete(file_id)
+    @routes.get("/v1/batches")
+    @jobs_of
+    async def list_batches(jobs, request: Request):
+        items, more = jobs.list(request.query_params.get("after"), _limit(request, 20))
+        return _page(items, more)
 
+    @routes.get("/v1/batches/{batch_id}")
+    @jobs_of
+    async def get_batch(jobs, request: Request, batch_id: str):
+        return public(jobs.get(batch_id))
 
-@batch_routes.post("/v1/batches")
-@with_jobs
-async def create_batch(jobs, request: Request):
-    try:
-        data = json.loads(await request.body())
-    except ValueError as e:
-        raise FileError(400, f"invalid JSON body: {e}") from None
-    if not isinstance(data, dict):
-        raise FileError(400, "the body must be a JSON object")
-    return await jobs.create(data.get("input_file_id"), data.get("endpoint"), data.get("completion_window"),
-                             data.get("metadata"))
-
-
-@batch_routes.get("/v1/batches")
-@with_jobs
-async def list_batches(jobs, request: Request):
-    items, more = jobs.list(request.query_params.get("after"), _limit(request, 20))
-    return _page(items, more)
-
-
-@batch_routes.get("/v1/batches/{batch_id}")
-@with_jobs
-async def get_batch(jobs, request: Request, batch_id: str):
-    return public(jobs.get(batch_id))
-
-
-@batch_routes.post("/v1/batches/{batch_id}/cancel")
-@with_jobs
-async def cancel_batch(jobs, request: Request, batch_id: str):
-    return await jobs.cancel(batch_id)
+    @routes.post("/v1/batches/{batch_id}/cancel")
+    @jobs_of
+    async def cancel_batch(jobs, request: Request, batch_id: str):
+        return await jobs.cancel(batch_id)
+    return routes

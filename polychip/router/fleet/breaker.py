@@ -1,5 +1,4 @@
-"""Circuit breaking per replica from request outcomes, outlier ejection by failure rate, and
-the retry budget.
+"""Circuit breaking per replica from request outcomes, and outlier ejection by failure rate.
 
 A replica's circuit opens after ``failure_threshold`` failures in a row, or when its failure
 rate over the last ``window`` seconds reaches ``failure_rate`` with at least ``min_requests``
@@ -114,30 +113,3 @@ class Breaker:
         return {"state": self.state, "reason": self.reason or None, "consecutive_failures": self.consecutive_failures,
                 "window_outcomes": len(self.outcomes),
                 "window_failures": sum(1 for _, ok in self.outcomes if not ok)}
-
-
-class RetryBudget:
-    """Retries may add at most ``ratio`` of the requests seen in the last ``window`` seconds, or
-    ``minimum`` retries in that window, whichever is more (as Envoy's and linkerd's budgets), so
-    a failing fleet is not hit with (1 + max_retries) x its load."""
-
-    def __init__(self, ratio: float, minimum: int, window: float, clock=time.monotonic):
-        self.ratio, self.minimum, self.window, self.clock = ratio, minimum, window, clock
-        self.requests: deque[float] = deque()
-        self.retries: deque[float] = deque()
-
-    def _trim(self, now: float) -> None:
-        for q in (self.requests, self.retries):
-            while q and now - q[0] > self.window:
-                q.popleft()
-
-    def request(self) -> None:
-        self.requests.append(self.clock())
-
-    def try_spend(self) -> bool:
-        now = self.clock()
-        self._trim(now)
-        if len(self.retries) >= max(self.minimum, self.ratio * len(self.requests)):
-            return False
-        self.retries.append(now)
-        return True

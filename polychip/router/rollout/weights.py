@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from polychip.errors import ConfigError
 from polychip.router.settings import GuardConfig
-from polychip.router.guard import Published, VersionWindow, verdict
+from polychip.router.rollout.guard import Published, VersionWindow, verdict
 
 log = logging.getLogger("polychip.router")
 
@@ -70,6 +70,11 @@ class Rollout:
         self.may_decide = lambda: True          # False on a router that is not the leader of N
         # (model, version) -> what the other routers saw in their windows; set on the leader (state_sync.py)
         self.others: dict[tuple[str, str], Published] = {}
+
+    def version_for(self, model: str, user: str | None) -> str | None:
+        """The version a request goes to (None: any; no replica has reported its version yet)."""
+        route = self.models.get(model)
+        return route.pick(user) if route is not None else None
 
     # the set of models and versions
     def declare(self, route: ModelRoute) -> None:

@@ -14,11 +14,10 @@ from dataclasses import dataclass, field
 
 from polychip.errors import PolychipError
 from polychip.router.deployment import Deployment, ReplicaEntry, raise_problems
-from polychip.router.inventory import Device, Inventory
+from polychip.router.fleet.inventory import Device, Inventory
+from polychip.router.fleet.ledger import SHAREABLE
 
 log = logging.getLogger("polychip.router")
-
-SHAREABLE = ("cpu",)          # device types several replicas may share
 
 
 @dataclass
@@ -27,6 +26,7 @@ class Placement:
     remote: list[ReplicaEntry] = field(default_factory=list)
     excluded: dict[str, str] = field(default_factory=dict)      # replica name -> why
     devices: dict[str, Device] = field(default_factory=dict)    # launched replica name -> its (first) device
+    held: dict[str, list[str]] = field(default_factory=dict)    # launched replica name -> the devices it holds
 
     @property
     def dtypes(self) -> dict[str, tuple[str, ...]]:
@@ -36,6 +36,13 @@ class Placement:
 def effective_dtype(replica: ReplicaEntry, dep: Deployment) -> str:
     model = next(m for m in dep.models if m.name == replica.model)
     return replica.dtype if replica.dtype != "auto" else (model.dtype or "auto")
+
+
+def launch_entry(replica: ReplicaEntry, dep: Deployment) -> ReplicaEntry:
+    """The entry as it is launched: its dtype and quantization resolved from its model's."""
+    model = next(m for m in dep.models if m.name == replica.model)
+    return replica.model_copy(update={"dtype": effective_dtype(replica, dep),
+                                      "quantization": replica.quantization or model.quantization})
 
 
 def needs(replica: ReplicaEntry, dep: Deployment) -> list[str]:
@@ -88,6 +95,7 @@ class _Placer:
         if broken:
             return self.problems.append(f"{where}.device: {r.device} cannot be used: {'; '.join(broken)}")
         self._claim(where, r, kind, wanted)
+        self.out.held[r.name] = [f"{kind}:{d}" for d in wanted]
         self._check_dtypes(where, r, rec.devices[start])
 
     def _claim(self, where: str, r: ReplicaEntry, kind: str, wanted: list[int]) -> None:

@@ -13,12 +13,12 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from polychip.router.breaker import Breaker
-from polychip.router.settings import RouterConfig
-from polychip.router.policies import Policy
-from polychip.router.replica import Replica
-from polychip.router.rollout import ModelRoute, Rollout
-from polychip.router.wfq import FairQueue, QueueFullError
+from polychip.router.fleet.registry import WorkerRegistry
+from polychip.router.fleet.worker import Worker
+from polychip.router.rollout.weights import ModelRoute, Rollout
+from polychip.router.routing.policies import Policy, make_policy
+from polychip.router.routing.wfq import FairQueue, QueueFullError
+from polychip.router.settings import LiveSettings, RouterConfig
 
 log = logging.getLogger("polychip.router")
 
@@ -48,19 +48,7 @@ class Ticket:
         return (self.model, self.version, self.preferred, frozenset(self.exclude))
 
 
-CHARS_PER_TOKEN = 4          # the router has no tokenizer: prompt tokens are estimated from its length
-DEFAULT_MAX_TOKENS = 256     # charged when a request names no max_tokens
-
-
-def token_cost(prompt: str, data: dict) -> float:
-    """WFQ charge: an estimate of the prompt's tokens plus the tokens asked for."""
-    asked = data.get("max_completion_tokens", data.get("max_tokens"))
-    asked = asked if isinstance(asked, int) and not isinstance(asked, bool) and asked > 0 else DEFAULT_MAX_TOKENS
-    n = data.get("n") if isinstance(data.get("n"), int) and data.get("n", 1) > 0 else 1
-    return len(prompt) / CHARS_PER_TOKEN + asked * n
-
-
-def capable(replica: Replica, route: ModelRoute | None) -> str | None:
+def capable(replica: Worker, route: ModelRoute | None) -> str | None:
     """Why ``replica``'s device cannot serve the model (None when it can)."""
     if route is None or replica.info is None:
         return None
@@ -74,37 +62,39 @@ def capable(replica: Replica, route: ModelRoute | None) -> str | None:
 
 
 class Dispatcher:
-    def __init__(self, cfg: RouterConfig, rollout: Rollout, policy: Policy):
-        self.cfg, self.rollout, self.policy = cfg, rollout, policy
-        self.replicas: dict[str, Replica] = {}
+    def __init__(self, settings: LiveSettings, rollout: Rollout, registry: WorkerRegistry):
+        self.settings, self.rollout, self.registry = settings, rollout, registry
+        cfg = settings.now
+        self.policy: Policy = make_policy(cfg.policy, cfg.prefix)
         self.queue = FairQueue(cfg.priority_weights, cfg.max_queue)
+        registry.on_removed.append(lambda w: self.policy.forget(w))
+        settings.on_change(self._reconfigure)
 
-    # the replica set
-    def add(self, replica: Replica) -> None:
-        replica.breaker = Breaker(self.cfg.breaker, replica.name)
-        self.replicas[replica.name] = replica
+    @property
+    def cfg(self) -> RouterConfig:
+        return self.settings.now
 
-    def remove(self, name: str) -> Replica | None:
-        replica = self.replicas.pop(name, None)
-        if replica is not None:
-            self.policy.forget(replica)
-        return replica
+    def _reconfigure(self, old: RouterConfig, new: RouterConfig) -> None:
+        """A reload: the queue's weights and limit, and the policy when its settings changed."""
+        self.queue.set_weights(new.priority_weights)
+        self.queue.max_size = new.max_queue
+        if (old.policy, old.prefix) != (new.policy, new.prefix):
+            self.policy = make_policy(new.policy, new.prefix)
 
     def models(self) -> list[str]:
-        served = {r.serving_model for r in self.replicas.values() if r.serving_model}
-        return sorted(served | set(self.rollout.models))
+        return sorted(self.registry.models() | set(self.rollout.models))
 
     # placement
-    def serving(self, model: str, version: str | None, ticket_exclude=()) -> list[Replica]:
-        """Healthy replicas of (model, version) whose device can serve the model, not excluded."""
+    def serving(self, model: str, version: str | None, ticket_exclude=()) -> list[Worker]:
+        """Available workers of (model, version) whose device can serve the model, not excluded."""
         route = self.rollout.models.get(model)
-        return [r for r in self.replicas.values()
-                if r.up and not r.draining and r.name not in ticket_exclude and r.serving_model == model
+        return [r for r in self.registry
+                if r.name not in ticket_exclude and r.serving_model == model
                 and r.role != "prefill"             # a prefill side takes requests only through a decode side
                 and (version is None or r.serving_version == version) and capable(r, route) is None
-                and r.breaker.allows()]
+                and r.is_available()]
 
-    def eligible(self, ticket: Ticket) -> list[Replica]:
+    def eligible(self, ticket: Ticket) -> list[Worker]:
         """Replicas the request may use, room or not: its version's, else (none healthy) another
         live version's, baseline first; then only the first preferred device type present."""
         found = self.serving(ticket.model, ticket.version, ticket.exclude)
@@ -123,22 +113,21 @@ class Dispatcher:
                 return tier
         return found
 
-    def has_room(self, replica: Replica) -> bool:
+    def has_room(self, replica: Worker) -> bool:
         return replica.inflight < replica.capacity(self.cfg.max_inflight_per_replica)
 
-    def _place(self, ticket: Ticket) -> Replica | None:
+    def _place(self, ticket: Ticket) -> Worker | None:
         roomy = [r for r in self.eligible(ticket) if self.has_room(r)]
         return self.policy.choose(roomy, ticket.prompt) if roomy else None
 
-    def _commit(self, ticket: Ticket, replica: Replica) -> Replica:
-        replica.inflight += 1
-        replica.breaker.started()
+    def _commit(self, ticket: Ticket, replica: Worker) -> Worker:
+        replica.started()
         self.policy.placed(replica, ticket.prompt)
         return replica
 
     def why_none(self, ticket: Ticket) -> tuple[str, float]:
         """Why no replica is eligible for ``ticket``, and when to retry (seconds)."""
-        mine = [r for r in self.replicas.values() if r.serving_model == ticket.model]
+        mine = [r for r in self.registry if r.serving_model == ticket.model]
         if not mine:
             return f"no replica serves model {ticket.model!r}", 1.0
         route = self.rollout.models.get(ticket.model)
@@ -166,7 +155,7 @@ class Dispatcher:
         why, retry = self.why_none(ticket)
         return NoReplicaError(why, retry)
 
-    async def acquire(self, ticket: Ticket, wait: float | None = None) -> Replica:
+    async def acquire(self, ticket: Ticket, wait: float | None = None) -> Worker:
         """A replica for the request, counted in flight; waits in the priority queue (at most
         ``wait`` seconds, else queue_timeout) while every eligible replica is full. Raises
         QueueFullError, or NoReplicaError at once when no eligible replica is left."""
@@ -198,17 +187,17 @@ class Dispatcher:
         else:
             fut.cancel()
 
-    def release(self, replica: Replica) -> None:
-        replica.inflight -= 1
+    def release(self, replica: Worker) -> None:
+        replica.released()
         self.pump()
 
-    def outcome(self, replica: Replica, ok: bool, what: str = "") -> None:
+    def outcome(self, replica: Worker, ok: bool, what: str = "") -> None:
         """What a request did on ``replica``, for its circuit breaker."""
-        replica.breaker.record(ok, what)
+        replica.record_outcome(ok, what)
         if not ok:
             self.pump()         # queued requests that just lost their last replica fail now
 
-    def _try_place(self, entry) -> Replica | None:
+    def _try_place(self, entry) -> Worker | None:
         ticket, fut = entry.item
         if fut.done():
             self.queue.remove(entry)

@@ -14,10 +14,12 @@ import logging
 import logging.handlers
 import os
 import re
+import tempfile
 from collections import deque
 
 from polychip.errors import ConfigError
 
+log = logging.getLogger("polychip.router")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 FOLLOW_POLL = 0.25            # seconds between looks at a followed file
 
@@ -29,6 +31,14 @@ class ReplicaLogs:
         self.dir, self.max_bytes, self.backups = directory, max_bytes, backups
         os.makedirs(directory, exist_ok=True)
         self._writers: dict[str, logging.Logger] = {}
+
+    @classmethod
+    def for_router(cls, cfg) -> "ReplicaLogs":
+        """Launched replicas' own log files: under the state dir, else a fresh folder for this router."""
+        where = (os.path.join(cfg.state_dir, "replica-logs") if cfg.state_dir
+                 else tempfile.mkdtemp(prefix="polychip-replica-logs-"))
+        log.info("launched replicas log to %s/NAME.log (rotated at %d bytes)", where, cfg.replica_log_max_bytes)
+        return cls(where, cfg.replica_log_max_bytes, cfg.replica_log_backups)
 
     def path(self, name: str) -> str:
         if not _NAME.match(name):

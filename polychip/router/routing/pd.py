@@ -1,6 +1,6 @@
 """Prefill/decode pairs behind the router (docs/disaggregation.md).
 
-Replicas say their role in ``/server_info`` (``disaggregation.mode``; a deployment's ``role:`` launches
+Workers say their role in ``/server_info`` (``disaggregation.mode``; a deployment's ``role:`` launches
 them so). A prefill replica takes no request itself; a request placed on a decode replica (by the
 policy: load, KV usage, so its free pages) is paired with the least-loaded prefill replica of the same
 model and backend: the body sent to the decode side names it (SGLang's ``bootstrap_host`` /
@@ -17,7 +17,7 @@ import json
 import logging
 from urllib.parse import urlsplit
 
-from polychip.router.replica import Replica
+from polychip.router.fleet.worker import Worker
 
 log = logging.getLogger("polychip.router")
 
@@ -26,15 +26,15 @@ class Pairing:
     def __init__(self, dispatcher, metrics):
         self.d, self.metrics = dispatcher, metrics
 
-    def prefill_for(self, decode: Replica) -> Replica | None:
+    def prefill_for(self, decode: Worker) -> Worker | None:
         """The least-loaded healthy prefill replica that can hand KV to ``decode``."""
         info = decode.info
-        found = [r for r in self.d.replicas.values()
-                 if r.role == "prefill" and r.up and not r.draining and r.breaker.allows()
+        found = [r for r in self.d.registry
+                 if r.role == "prefill" and r.is_available()
                  and r.serving_model == decode.serving_model and r.info.transfer_backend == info.transfer_backend]
         return min(found, key=lambda r: (r.load(), r.name), default=None)
 
-    def body_for(self, body: bytes, decode: Replica) -> tuple[bytes, Replica | None]:
+    def body_for(self, body: bytes, decode: Worker) -> tuple[bytes, Worker | None]:
         """The body to send to ``decode`` and the prefill replica it names (None: served plainly)."""
         if decode.role != "decode":
             return body, None
@@ -50,7 +50,7 @@ class Pairing:
         self.metrics.pd_pairs.labels(prefill.name, decode.name).inc()
         return json.dumps(data).encode(), prefill
 
-    def done(self, prefill: Replica | None) -> None:
+    def done(self, prefill: Worker | None) -> None:
         """The paired request's first token came (or the attempt ended): the prefill side is done."""
         if prefill is not None:
             prefill.inflight -= 1

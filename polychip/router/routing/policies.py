@@ -7,21 +7,21 @@ from __future__ import annotations
 
 import abc
 
+from polychip.router.fleet.worker import Worker
+from polychip.router.routing.prefix_tree import PrefixTree
 from polychip.router.settings import PrefixConfig
-from polychip.router.prefix_tree import PrefixTree
-from polychip.router.replica import Replica
 
 
 class Policy(abc.ABC):
     name = ""
 
     @abc.abstractmethod
-    def choose(self, candidates: list[Replica], prompt: str) -> Replica: ...
+    def choose(self, candidates: list[Worker], prompt: str) -> Worker: ...
 
-    def placed(self, replica: Replica, prompt: str) -> None:
+    def placed(self, replica: Worker, prompt: str) -> None:
         """The request went to ``replica``."""
 
-    def forget(self, replica: Replica) -> None:
+    def forget(self, replica: Worker) -> None:
         """``replica`` left the set."""
 
 

@@ -14,10 +14,10 @@ import os
 import sys
 from dataclasses import dataclass
 
-from polychip.router.inventory import Device, PluginDevices
+from polychip.router.fleet.inventory import Device, PluginDevices
+from polychip.router.fleet.ledger import SHAREABLE
 from polychip.router.workload_spec import WorkloadSpec
 
-SHAREABLE = ("cpu",)          # device types several workloads may share
 INSPECT_TIMEOUT = 120.0       # seconds `polychip inspect` may take to read a package's manifest and plan
 
 
