@@ -22,6 +22,7 @@ COMMANDS = {
     "verify": "check a package's signature, hashes and target without loading it",
     "inspect": "show a package's devices, plan, versions and files",
     "keygen": "make an Ed25519 key pair for signing packages",
+    "trust": "write a site trust store: init, add-key, revoke",
     "sign": "write a detached signature beside a YAML file (device spec, deployment file)",
     "doctor": "check this host: versions, trust store, signatures, plugins, devices, ports",
 }

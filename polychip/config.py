@@ -1,6 +1,6 @@
 """The validated settings objects: ``EngineConfig`` (model, device, KV pool, scheduler) and
 ``ServerConfig`` (HTTP). Each field carries its CLI help in its metadata, so the flags, defaults,
-help and choices come from here alone (``polychip/commands/options.py`` builds them).
+help and choices come from here alone (``polychip/flags.py`` builds them).
 """
 from __future__ import annotations
 
@@ -324,7 +324,8 @@ class EngineConfig(_FromKwargs):
 class ServerConfig(_FromKwargs):
     host: str = option("127.0.0.1", "address to listen on", group="server")
     port: int = option(30000, "port to listen on (0: a free one, named in the ready line)", group="server")
-    api_key: str | None = option(None, "require 'Authorization: Bearer <key>' on the API", group="server")
+    api_key: str | None = option(None, "require 'Authorization: Bearer <key>' on the API (default: "
+                                       "$POLYCHIP_SERVE_API_KEY, which keeps the key out of ps)", group="server")
     enable_metrics: bool = option(False, "serve Prometheus metrics at /metrics", group="server")
     reasoning_parser: str | None = option(None, "return <think>...</think> text as reasoning_content",
                                           group="server", choices=REASONING_PARSERS)

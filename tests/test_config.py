@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from polychip.commands.options import add_config_args, config_from_args
+from polychip.flags import add_config_args, config_from_args
 from polychip.commands.serve import build_parser
 from polychip.config import REASONING_PARSERS, EngineConfig, ServerConfig
 from polychip.errors import ConfigError

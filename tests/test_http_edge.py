@@ -1,5 +1,6 @@
 """The server and the router stand on one HTTP edge (polychip/http): the same malformed or hostile
-request gets the same answer from both. A 100,000-deep JSON body, a 50 MB body, a wrong content
+request gets the same answer from both. A 100,000-deep JSON body, a 50 MB body (sent in part, or
+whole by httpx), a wrong content
 type, a body or a header that does not arrive in time, a browser's cross-origin POST; and what
 must still pass (an empty POST with no Origin, as sglang-router sends /flush_cache)."""
 from __future__ import annotations
@@ -84,6 +85,14 @@ def test_a_50_mb_body_is_the_same_413(server, router):
         assert reply.startswith(b"HTTP/1.1 413"), reply[:300]
         assert b"larger than the limit of 8388608 bytes" in reply and b"connection: close" in reply.lower()
     assert [r.split(b"\r\n\r\n", 1)[1] for r in replies][0] == [r.split(b"\r\n\r\n", 1)[1] for r in replies][1]
+
+
+def test_a_50_mb_body_sent_whole_gets_a_413_the_client_reads(edge):
+    """httpx sends the whole body before it reads the answer: the edge reads and drops the rest of a
+    refused body (bounded in bytes and time) before it answers, so the client gets the 413 JSON, not a
+    connection reset (httpx ReadError)."""
+    r = post(edge, "/v1/completions", b"{" + b" " * (FIFTY_MB - 1), {"content-type": "application/json"})
+    assert r.status_code == 413 and "larger than the limit of 8388608 bytes" in r.json()["error"]["message"]
 
 
 def test_a_wrong_content_type_is_the_same_415(server, router):

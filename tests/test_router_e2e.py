@@ -216,23 +216,49 @@ def _zombie(pid: int) -> bool:
         return True
 
 
-def test_serve_dp_size_is_a_router_over_local_replicas(model_factory):
+def test_serve_dp_size_is_a_router_over_local_replicas(model_factory, tmp_path):
+    """The front of ``serve --dp-size`` serves https with the certificate and API key it was given,
+    runs under the front's syscall filter, and its replicas answer only to the key made for them."""
+    import ssl
     from polychip.http.launcher import ServerProcess
+    from tls_helpers import make_pki
+    pki = make_pki(str(tmp_path / "pki"))
     args = ["--dp-size", "2", "--model-path", model_factory("qwen3", True), "--served-model-name", "tiny",
-            "--api-key", "k", *REPLICA_ARGS]
-    with ServerProcess(args) as s:
-        auth = {"Authorization": "Bearer k"}
-        wait_for(lambda: httpx.get(s.url + "/health").json()["replicas_up"] == 2, 120, "2 replicas")
-        assert httpx.post(s.url + "/v1/completions", json={"prompt": "x"}).status_code == 401
-        seen = Counter()
-        for i in range(6):
-            r = httpx.post(s.url + "/v1/completions", headers=auth, timeout=60,
-                           json={"model": "tiny", "prompt": f"hi {i}", "max_tokens": 2})
-            assert r.status_code == 200 and r.headers["x-polychip-device"] == "cpu:0"
-            seen[r.headers["x-polychip-replica"]] += 1
-        # both serve; the exact split follows least_load's reported KV usage, which a health check may refresh
-        # between two of these requests
-        assert set(seen) == {"dp0", "dp1"}, seen
+            "--api-key", "k", "--ssl-certfile", pki["server"][0], "--ssl-keyfile", pki["server"][1], "--seccomp",
+            *REPLICA_ARGS]
+    s = ServerProcess(args)
+    url = s.url.replace("http://", "https://")
+    try:
+        with httpx.Client(verify=ssl.create_default_context(cafile=pki["ca"][0]), timeout=60) as client:
+            auth = {"Authorization": "Bearer k"}
+            def up() -> bool:
+                assert s.proc.poll() is None, s.log
+                try:
+                    return client.get(url + "/health").json()["replicas_up"] == 2
+                except httpx.TransportError:
+                    return False                                        # not listening yet
+            wait_for(up, 120, "2 replicas")
+            assert f"polychip router ready: {url}" in s.log
+            with open(f"/proc/{s.proc.pid}/status") as f:
+                assert "Seccomp:\t2" in f.read()                    # the front is filtered
+            assert client.post(url + "/v1/completions", json={"prompt": "x"}).status_code == 401
+            seen = Counter()
+            for i in range(6):
+                r = client.post(url + "/v1/completions", headers=auth,
+                                json={"model": "tiny", "prompt": f"hi {i}", "max_tokens": 2})
+                assert r.status_code == 200 and r.headers["x-polychip-device"] == "cpu:0"
+                seen[r.headers["x-polychip-replica"]] += 1
+            # both serve; the exact split follows least_load's reported KV usage, which a health check may
+            # refresh between two of these requests
+            assert set(seen) == {"dp0", "dp1"}, seen
+            for rep in client.get(url + "/admin/replicas", headers=auth).json()["replicas"]:
+                # a replica answers only to the front's own key, never to the client's or none
+                for headers in ({}, auth):
+                    r = httpx.post(rep["url"] + "/v1/completions", headers=headers, timeout=30,
+                                   json={"model": "tiny", "prompt": "x", "max_tokens": 1})
+                    assert r.status_code == 401, (rep, r.text)
+    finally:
+        s.stop()
 
 
 def test_replicas_describe_themselves_on_server_info(fleet):

@@ -59,8 +59,9 @@ def test_an_unsigned_deployment_is_refused_then_allowed(site, caplog):
 
 def test_launched_replicas_get_the_trust_flags(site):
     _, store, _ = site
-    flags = TrustOptions(store, allow_downgrade=True).replica_flags()
-    assert flags == ["--trust-store", os.path.join(os.path.abspath(store), "trust.yaml"), "--allow-downgrade"]
+    trust = TrustOptions(store, allow_downgrade=True)
+    values = trust.replica_values()
+    assert values == {"trust_store": os.path.join(os.path.abspath(store), "trust.yaml"), "allow_downgrade": True}
     entry = ReplicaEntry(name="a", model="m", version="v1", device="cpu")
-    cmd = serve_command(entry, 4000, "auto", None, Launcher(trust_flags=flags).trust_flags)
-    assert cmd[cmd.index("--trust-store") + 1] == flags[1] and "--allow-downgrade" in cmd
+    cmd = serve_command(entry, 4000, "auto", None, Launcher(trust=trust).trust)
+    assert cmd[cmd.index("--trust-store") + 1] == values["trust_store"] and "--allow-downgrade" in cmd

@@ -53,6 +53,68 @@ def test_forbidden_syscalls_are_denied():
     assert out["thread"] == "ran" and out["socketpair"] == "x" and out["allowed"] > 100
 
 
+ARGUMENT_LIMITS = r'''
+import array, ctypes, fcntl, json, os, pty, signal, subprocess, sys, termios
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+from polychip.trust import seccomp
+seccomp.apply()
+libc = ctypes.CDLL(None, use_errno=True)
+out = {}
+def attempt(name, fn):
+    try:
+        fn()
+        out[name] = "allowed"
+    except OSError as e:
+        out[name] = e.errno
+def prctl(option, arg):
+    if libc.prctl(option, ctypes.c_ulong(arg % 2**64), 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl")
+attempt("kill_parent", lambda: os.kill(os.getppid(), 0))
+attempt("kill_init", lambda: os.kill(1, 0))
+attempt("kill_self", lambda: os.kill(os.getpid(), 0))
+attempt("kill_own_group", lambda: os.kill(0, 0))
+attempt("kill_child", lambda: os.kill(child.pid, signal.SIGKILL))
+attempt("prctl_set_dumpable", lambda: prctl(4, 1))           # PR_SET_DUMPABLE: would open it to ptrace
+attempt("prctl_set_ptracer", lambda: prctl(0x59616D61, -1))  # PR_SET_PTRACER_ANY
+attempt("prctl_set_name", lambda: prctl(15, ctypes.addressof(ctypes.create_string_buffer(b"worker"))))
+master, tty = pty.openpty()
+attempt("ioctl_tiocsti", lambda: fcntl.ioctl(tty, termios.TIOCSTI, b"x"))   # types into a terminal
+attempt("ioctl_tcgets", lambda: termios.tcgetattr(tty))
+r, w = os.pipe()
+attempt("ioctl_fionread", lambda: fcntl.ioctl(r, termios.FIONREAD, array.array("i", [0])))
+print(json.dumps(out))
+'''
+
+
+def test_kill_prctl_and_ioctl_are_allowed_only_with_their_arguments():
+    res = subprocess.run([sys.executable, "-c", ARGUMENT_LIMITS], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out == {"kill_parent": 1, "kill_init": 1, "kill_self": "allowed", "kill_own_group": "allowed",
+                   "kill_child": "allowed", "prctl_set_dumpable": 1, "prctl_set_ptracer": 1,
+                   "prctl_set_name": "allowed", "ioctl_tiocsti": 1, "ioctl_tcgets": "allowed",
+                   "ioctl_fionread": "allowed"}
+
+
+FRONT = r'''
+import ctypes, json, os, subprocess
+from polychip.trust import seccomp
+seccomp.apply_front()
+libc = ctypes.CDLL(None, use_errno=True)
+out = {"child": subprocess.run(["grep", "-c", "Seccomp:.2", "/proc/self/status"], capture_output=True,
+                               text=True).stdout.strip()}
+out["ptrace"] = 0 if libc.ptrace(16, os.getppid(), 0, 0) == 0 else ctypes.get_errno()
+out["unshare"] = 0 if libc.unshare(0x20000000) == 0 else ctypes.get_errno()      # CLONE_NEWUTS
+print(json.dumps(out))
+'''
+
+
+def test_the_dp_front_filter_lets_it_launch_replicas_that_inherit_it_and_denies_the_rest():
+    res = subprocess.run([sys.executable, "-c", FRONT], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout.strip().splitlines()[-1]) == {"child": "1", "ptrace": 1, "unshare": 1}
+
+
 def test_a_server_under_seccomp_serves_streams_reports_and_stops(model_factory):
     path = model_factory("llama", False)
     srv = ServerProcess(["--model-path", path, "--device", "cpu", "--served-model-name", "m", "--seccomp",

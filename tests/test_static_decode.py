@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from polychip import SamplingParams
-from polychip.commands.options import add_config_args, config_from_args
+from polychip.flags import add_config_args, config_from_args
 from polychip.config import EngineConfig
 from polychip.devices.cpu.plugin import CpuPlugin
 from polychip.devices.plugin import DevicePlugin

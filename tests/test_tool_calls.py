@@ -129,7 +129,7 @@ def test_tools_without_a_known_format_are_refused(qwen_tok):
 def test_server_wide_thinking_defaults():
     import argparse
 
-    from polychip.commands.options import add_config_args, config_from_args
+    from polychip.flags import add_config_args, config_from_args
     p = argparse.ArgumentParser()
     add_config_args(p, ServerConfig)
     cfg = config_from_args(p.parse_args(["--default-chat-template-kwargs", '{"enable_thinking": false}']), ServerConfig)

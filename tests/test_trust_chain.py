@@ -233,3 +233,28 @@ def test_a_model_folder_is_unsigned_once_a_store_is_set(tmp_path, store, caplog)
     with caplog.at_level(logging.WARNING, logger="polychip.trust"):
         assert engine_config_for(config, PackageOptions(), TrustOptions(store, allow_unsigned=True)) is config
     assert any("TRUST OVERRIDE" in r.message and folder in r.message for r in caplog.records)
+
+
+def test_llm_and_batch_refuse_an_unsigned_model_once_a_store_is_set(tmp_path, store, monkeypatch, capsys,
+                                                                     model_factory, caplog):
+    """``polychip.LLM`` and ``polychip batch`` apply the store as serve does: from the environment,
+    before the model loads; --allow-unsigned loads it, said as a TRUST OVERRIDE."""
+    from polychip import LLM
+    from polychip.commands import batch as batch_cmd
+    folder = model_factory("llama", True)
+    monkeypatch.setenv("POLYCHIP_TRUST_STORE", store)
+    with pytest.raises(PolychipError, match=f"{folder}: not a signed .pcpkg package, and the trust store"):
+        LLM(folder, device="cpu", max_total_tokens=256)
+    lines = tmp_path / "in.jsonl"
+    lines.write_text('{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "hi"}}\n')
+    args = ["-i", str(lines), "-o", str(tmp_path / "out.jsonl"), "--model-path", folder, "--device", "cpu"]
+    assert batch_cmd.main(args) == 1
+    assert f"{folder}: not a signed .pcpkg package, and the trust store" in capsys.readouterr().err
+    assert not (tmp_path / "out.jsonl").exists()
+    with caplog.at_level(logging.WARNING, logger="polychip.trust"):
+        llm = LLM(folder, allow_unsigned=True, device="cpu", max_total_tokens=256)
+    try:
+        assert len(llm.generate("hi")[0].outputs[0].token_ids) > 0
+    finally:
+        llm.shutdown()
+    assert any("TRUST OVERRIDE" in r.message and folder in r.message for r in caplog.records)

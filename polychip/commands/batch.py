@@ -16,12 +16,14 @@ import time
 
 from polychip.commands.common import add_engine_args, engine_config_from_args, fail, setup_logging
 from polychip.errors import ConfigError, PolychipError
+from polychip.flags import Parser, add_config_args, config_from_args
+from polychip.trust.options import PackageOptions, TrustOptions
 
 log = logging.getLogger("polychip.batch")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="polychip batch", description=__doc__,
+    p = Parser(prog="polychip batch", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-i", "--input-file", required=True, help="the batch file (JSONL)")
     p.add_argument("-o", "--output-file", required=True, help="where the records go (JSONL)")
@@ -35,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="max_tokens of a body that sets none (default: the rest of the context)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     add_engine_args(p)
+    add_config_args(p, PackageOptions)
+    add_config_args(p, TrustOptions)
     return p
 
 
@@ -59,7 +63,11 @@ def main(argv: list[str]) -> int:
             return 1 if found.error_count else 0
         if os.path.exists(args.output_file) and not args.resume and os.path.getsize(args.output_file):
             raise ConfigError(f"--output-file {args.output_file} exists; pass --resume to continue it, or remove it")
-        config = engine_config_from_args(args)
+        # the trust chain serve applies: a .pcpkg verified and extracted, an unsigned model refused
+        # once a trust store is set, before anything of it loads
+        from polychip.package.opening import engine_config_for
+        config = engine_config_for(engine_config_from_args(args), config_from_args(args, PackageOptions),
+                                   config_from_args(args, TrustOptions))
         return asyncio.run(_run(args, config, found.total))
     except PolychipError as e:
         return fail(e)

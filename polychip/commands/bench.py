@@ -17,6 +17,7 @@ import time
 
 from polychip.commands import bench_ops
 from polychip.dtypes import KV_CACHE_DTYPES
+from polychip.flags import Parser
 
 
 def _ints(text: str) -> list[int]:
@@ -191,7 +192,7 @@ def _peers_parser(sub) -> None:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="polychip bench", description=__doc__,
+    p = Parser(prog="polychip bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     _serving_parser(sub)

@@ -5,9 +5,9 @@ import argparse
 import logging
 import sys
 
-from polychip.commands.options import add_config_args, config_from_args
 from polychip.config import LOG_LEVELS, EngineConfig
 from polychip.errors import PolychipError
+from polychip.flags import add_config_args, config_from_args
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:

@@ -5,14 +5,15 @@ Exit status 0 when no check fails (skipped checks do not apply to the device and
 """
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
+
+from polychip.flags import Parser
 
 
 def main(argv: list[str]) -> int:
     from polychip.pluginkit import conformance
-    p = argparse.ArgumentParser(prog="polychip conformance", description=__doc__)
+    p = Parser(prog="polychip conformance", description=__doc__)
     p.add_argument("--device", required=True, help="the plugin's device: <plugin>[:index]")
     p.add_argument("--plugin", action="append", default=[], dest="plugins",
                    help="plugin to load: module.path, package or path/to/plugin.py (repeatable)")

@@ -5,7 +5,6 @@ forward calls, the dtype it was resolved for, and plugin or native fallback with
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
@@ -14,6 +13,7 @@ from polychip.config import QUANTIZATIONS
 from polychip.devices.ops import QUANT_OPS
 from polychip.engine.coverage import coverage_rows, unavailable_text
 from polychip.errors import PolychipError
+from polychip.flags import Parser
 
 def format_table(rows: list[dict]) -> str:
     cols = ("op", "version", "dtype", "calls", "implementation", "reason")
@@ -33,7 +33,7 @@ def scheme_line(scheme: str, rows: list[dict], plugin) -> str:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="polychip coverage", description=__doc__)
+    p = Parser(prog="polychip coverage", description=__doc__)
     p.add_argument("--model-path", default=None, help="HF folder or .gguf file (default: embedded SmolLM2)")
     p.add_argument("--device", required=True, help="auto | cpu | cuda | <plugin>[:index]")
     p.add_argument("--plugin", action="append", default=[], dest="plugins")

@@ -8,7 +8,6 @@ POLYCHIP_PLUGINS; a built-in or installed plugin that is merely unavailable here
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
@@ -17,6 +16,7 @@ from polychip.devices.discovery import PluginRecord, discover_plugins, init_plug
 from polychip.devices.plugin import VERSION_KEYS
 from polychip.devices.spec import DeviceSpec, check_against_devices, fmt_bytes, load_spec
 from polychip.errors import DeviceSpecError, PolychipError
+from polychip.flags import Parser
 
 
 def _device_row(cls, spec: DeviceSpec | None, index: int) -> dict:
@@ -118,7 +118,7 @@ def rank_rows(args) -> list[dict]:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="polychip devices", description=__doc__)
+    p = Parser(prog="polychip devices", description=__doc__)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--device-config", default=None, help="device spec YAML applied to the plugin it names")
     p.add_argument("--plugin", action="append", default=[], dest="plugins",

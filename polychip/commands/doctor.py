@@ -6,14 +6,13 @@ whether each device's version matrix now has one: `polychip bench ops`), seccomp
 when any finding is a FAIL."""
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
 import socket
 from dataclasses import dataclass
 
-from polychip.commands.options import add_config_args, config_from_args
 from polychip.errors import PolychipError
+from polychip.flags import Parser, add_config_args, config_from_args
 
 EXPIRY_WARNING_DAYS = 30
 
@@ -198,7 +197,7 @@ def port_findings(host: str, ports: list[int]) -> list[Finding]:
 
 def main(argv: list[str]) -> int:
     from polychip.trust.options import TrustOptions
-    p = argparse.ArgumentParser(prog="polychip doctor", description=__doc__)
+    p = Parser(prog="polychip doctor", description=__doc__)
     p.add_argument("--package", default=None, help="a .pcpkg to check against this host")
     p.add_argument("--device-config", action="append", default=[], dest="specs", help="device spec (repeatable)")
     p.add_argument("--plugin", action="append", default=[], dest="plugins")

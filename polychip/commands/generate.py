@@ -1,16 +1,16 @@
 """polychip generate --prompt ... [--chat] [--max-tokens N] [--temperature T]"""
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
 from polychip.commands.common import add_engine_args, add_log_level_arg, engine_config_from_args, fail, setup_logging
 from polychip.errors import PolychipError
+from polychip.flags import Parser
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="polychip generate", description=__doc__)
+    p = Parser(prog="polychip generate", description=__doc__)
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--system", default=None, help="system message (with --chat)")
@@ -21,7 +21,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--enable-thinking", choices=["true", "false"], default=None,
                    help="Qwen3 thinking switch, passed to the chat template")
     add_engine_args(p)
-    from polychip.commands.options import add_config_args, config_from_args
+    from polychip.flags import add_config_args, config_from_args
     from polychip.package.opening import PackageOptions, engine_config_for
     add_config_args(p, PackageOptions)
     from polychip.trust.options import TrustOptions

@@ -2,15 +2,15 @@
 matrix and files of a package (from its hash-checked manifest and plan; weights not read)."""
 from __future__ import annotations
 
-import argparse
 import json
 
 from polychip.commands.common import fail
 from polychip.errors import PolychipError
+from polychip.flags import Parser
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="polychip inspect", description=__doc__)
+    p = Parser(prog="polychip inspect", description=__doc__)
     p.add_argument("package")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     args = p.parse_args(argv)

@@ -1,14 +1,14 @@
 """polychip keygen -o NAME: a new Ed25519 signing key (NAME, mode 0600) and its public key (NAME.pub)."""
 from __future__ import annotations
 
-import argparse
 
 from polychip.commands.common import fail
 from polychip.errors import PolychipError
+from polychip.flags import Parser
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="polychip keygen", description=__doc__)
+    p = Parser(prog="polychip keygen", description=__doc__)
     p.add_argument("-o", "--output", required=True, help="private key file; the public key goes to OUTPUT.pub")
     args = p.parse_args(argv)
     from polychip.trust import keys as signing

@@ -3,7 +3,6 @@
 engine chooses on the target device, and the manifest of hashes and versions."""
 from __future__ import annotations
 
-import argparse
 import resource
 import sys
 
@@ -11,17 +10,19 @@ from polychip.commands.common import fail, setup_logging
 from polychip.config import QUANTIZATIONS
 from polychip.dtypes import MODEL_DTYPES
 from polychip.errors import PolychipError
+from polychip.flags import Parser
 
 
-def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="polychip pack", description=__doc__)
+def build_parser() -> Parser:
+    p = Parser(prog="polychip pack", description=__doc__)
     p.add_argument("--model-path", default=None, help="HF folder or .gguf file (default: embedded SmolLM2)")
     p.add_argument("-o", "--output", required=True, help="the package file to write (.pcpkg)")
     p.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
                    help="a float model: int8 (weight-only) or w8a8 (compressed-tensors W8A8, round to nearest, "
                         "dynamic per-token activations); a checkpoint quantised elsewhere is packed as stored "
                         "and this may only name its scheme")
-    p.add_argument("--target-device", default="cpu", help="the device type (plugin) the plan is made for")
+    p.add_argument("--target-device", "--device", dest="target_device", default="cpu",
+                   help="the device type (plugin) the plan is made for, e.g. simxpu (--device: as serve spells it)")
     p.add_argument("--device-config", default=None, help="device spec YAML of the target")
     p.add_argument("--plugin", action="append", default=[], dest="plugins",
                    help="extra device plugin: module.path or path/to/plugin.py (repeatable)")
@@ -33,7 +34,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--dtype", default="auto", choices=MODEL_DTYPES)
     p.add_argument("--cache-dir", default=None)
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
     from polychip.package.pack import PackOptions, pack
     try:

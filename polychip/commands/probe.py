@@ -4,12 +4,13 @@ Exit status 0 only when every step passes; otherwise the failing step and its re
 """
 from __future__ import annotations
 
-import argparse
 import sys
+
+from polychip.flags import Parser
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="polychip probe", description=__doc__)
+    p = Parser(prog="polychip probe", description=__doc__)
     p.add_argument("--config", "--device-config", dest="config", required=True, help="device spec YAML file")
     p.add_argument("--plugin", action="append", default=[], dest="plugins",
                    help="extra device plugin: module.path or path/to/plugin.py (repeatable)")

@@ -23,17 +23,17 @@ import sys
 import httpx
 
 from polychip.commands.common import fail, setup_logging
-from polychip.commands.options import add_config_args, config_from_args
 from polychip.errors import PolychipError
+from polychip.flags import Parser, add_config_args, config_from_args
 from polychip.http import server as edge
 from polychip.router.settings_flags import add_settings_args, settings_from_args
-from polychip.trust.options import TrustOptions
+from polychip.trust.options import RouterTrust
 
 log = logging.getLogger("polychip.router")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="polychip router", description=__doc__,
+    p = Parser(prog="polychip router", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("replicas")
     g.add_argument("--replica", action="append", default=[], metavar="URL",
@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--deployment", default=None, metavar="FILE.yaml",
                    help="replicas to launch and supervise, models with version weights, router settings")
     add_settings_args(p)
-    add_config_args(p, TrustOptions)    # flags only, never the file's: the store is what checks the file
+    add_config_args(p, RouterTrust)     # flags only, never the file's: the store is what checks the file
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(args.log_level)
     logging.getLogger("httpx").setLevel(logging.WARNING)     # one line per health check otherwise
     try:
-        trust = config_from_args(args, TrustOptions)
+        trust = config_from_args(args, RouterTrust)
         if not args.replica and not args.deployment:
             log.info("no --replica or --deployment: the router starts empty; `polychip workload submit` "
                      "launches replicas on it")
@@ -86,14 +86,19 @@ def main(argv: list[str] | None = None) -> int:
         sock.close()
 
 
-def run_router(router, sock) -> int:
-    """Serve ``router`` on ``sock`` through the edge until SIGINT/SIGTERM; SIGHUP reloads."""
+def run_router(router, sock, tls: dict | None = None, seccomp_front: bool = False) -> int:
+    """Serve ``router`` on ``sock`` through the edge until SIGINT/SIGTERM; SIGHUP reloads. ``tls``:
+    uvicorn's ssl arguments (``edge.uvicorn_tls``); ``seccomp_front``: the front's syscall filter
+    first (``serve --dp-size --seccomp``)."""
     from polychip.http.timeouts import uvicorn_options
     from polychip.router.app import build_app
     cfg = router.cfg
     uv = edge.uvicorn_config(build_app(router), log_level=cfg_log_level(), graceful_timeout=cfg.drain_timeout,
-                             **uvicorn_options(cfg.timeout_request_header, cfg.timeout_keep_alive))
-    url = router.url = edge.socket_url(sock)
+                             **uvicorn_options(cfg.timeout_request_header, cfg.timeout_keep_alive), **(tls or {}))
+    url = router.url = edge.socket_url(sock, "https" if tls else "http")
+    if seccomp_front:
+        from polychip.trust.seccomp import apply_front
+        apply_front()
 
     async def reload_on_sighup():
         try:
@@ -121,7 +126,7 @@ def cfg_log_level() -> str:
 
 # admin commands
 def admin_main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog=f"polychip router {argv[0]}")
+    p = Parser(prog=f"polychip router {argv[0]}")
     p.add_argument("--url", default=os.environ.get("POLYCHIP_ROUTER_URL", "http://127.0.0.1:30000"))
     p.add_argument("--api-key", default=os.environ.get("POLYCHIP_API_KEY"))
     if argv[0] == "rollout":

@@ -4,7 +4,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
+import os
 import socket
 import sys
 import threading
@@ -14,11 +16,12 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from polychip.commands.common import engine_config_from_args, fail, setup_logging
-from polychip.commands.options import config_from_args
 from polychip.commands.serve_flags import build_parser
 from polychip.config import EngineConfig, ServerConfig
 from polychip.errors import ConfigError, PolychipError
+from polychip.flags import config_from_args
 from polychip.http import server as edge
+from polychip.http.launcher import API_KEY_ENV
 
 log = logging.getLogger("polychip.serve")
 
@@ -52,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         engine_config = engine_config_from_args(args)
         server_config = config_from_args(args, ServerConfig)
+        if server_config.api_key is None and os.environ.get(API_KEY_ENV):   # a launcher's key, kept out of ps
+            server_config = dataclasses.replace(server_config, api_key=os.environ[API_KEY_ENV])
         if engine_config.node_rank > 0:     # only node 0 serves HTTP; the others run their worker ranks
             if server_config.seccomp:
                 raise ConfigError("--seccomp filters node 0's serving process; a --node-rank > 0 node serves none")

@@ -1,17 +1,26 @@
 """``polychip serve --dp-size N ...``: N replicas of the same serve flags on the chosen plugin's
 devices (cpu: all share the one device, with the cores split between them), behind a
-least-load router on --host/--port that checks the API key."""
+least-load router on --host/--port: the front. The front is what clients reach, so it takes the
+API key and the TLS certificate (the replicas listen on this host with a key of their own, made
+for this run and passed in their environment), and with --seccomp it runs under the front's
+syscall filter (``polychip.trust.seccomp.apply_front``) while each replica applies serve's."""
 from __future__ import annotations
 
 import logging
 import os
+import secrets
 
 from polychip.commands.common import fail, setup_logging
 from polychip.commands.serve_flags import build_parser as serve_parser
 from polychip.errors import ConfigError, PolychipError
 from polychip.http import server as edge
+from polychip.http.launcher import API_KEY_ENV
+from polychip.http.serve_settings import parse_serve_args, serve_argv
 
-ROUTER_LEVEL = ("--dp-size", "--host", "--port", "--api-key", "--device", "--served-model-name")
+# settings of the front only: where it listens, the key and certificate clients use, the
+# device choice it spreads over the replicas
+FRONT_ONLY = ("dp_size", "host", "port", "api_key", "device", "served_model_name", "ssl_certfile", "ssl_keyfile",
+              "ssl_ca_certs")
 
 
 def serve_dp(argv: list[str]) -> int:
@@ -26,16 +35,22 @@ def serve_dp(argv: list[str]) -> int:
     try:
         if args.dp_size is None or args.dp_size < 1:
             raise ConfigError(f"--dp-size must be >= 1, got {args.dp_size}")
+        if args.seccomp:
+            from polychip.trust.seccomp import check_available
+            check_available()
         inventory = Inventory(tuple(args.plugins))
-        deployment = dp_deployment(args, replica_args(argv), inventory)
+        replica_key = secrets.token_urlsafe(32)
+        deployment = dp_deployment(args, replica_args(argv), inventory, {API_KEY_ENV: replica_key})
         placed = place(deployment, inventory)
         cfg = RouterConfig().replace(host=args.host, port=args.port, api_key=args.api_key,
-                                     drain_timeout=args.graceful_shutdown_timeout + 5)
+                                     replica_api_key=replica_key, drain_timeout=args.graceful_shutdown_timeout + 5)
+        tls = edge.uvicorn_tls(args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs)
         sock = edge.bind(args.host, args.port)
     except PolychipError as e:
         return fail(e)
     try:
-        return run_router(Router(cfg, [], deployment, None, placed, inventory), sock)
+        return run_router(Router(cfg, [], deployment, None, placed, inventory), sock, tls,
+                          seccomp_front=args.seccomp)
     except PolychipError as e:
         return fail(e)
     finally:
@@ -43,22 +58,17 @@ def serve_dp(argv: list[str]) -> int:
 
 
 def replica_args(argv: list[str]) -> list[str]:
-    """The serve flags every replica gets: all but the router-level ones."""
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-            continue
-        flag = a.split("=", 1)[0]
-        if flag in ROUTER_LEVEL:
-            skip = "=" not in a
-            continue
-        out.append(a)
-    return out
+    """The serve flags every replica gets: the serve settings of ``argv`` but the front's."""
+    try:
+        values = parse_serve_args(argv)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return serve_argv({k: v for k, v in values.items() if k not in FRONT_ONLY})
 
 
-def dp_deployment(args, extra: list[str], inventory):
-    """The Deployment of ``--dp-size`` replicas on the devices of ``--device``."""
+def dp_deployment(args, extra: list[str], inventory, env: dict[str, str] | None = None):
+    """The Deployment of ``--dp-size`` replicas on the devices of ``--device``, each launched
+    with ``env`` added to its environment."""
     from polychip.router.deployment import from_dict
     from polychip.router.fleet.inventory import auto_device_type
     from polychip.router.fleet.placement import split_device
@@ -70,7 +80,8 @@ def dp_deployment(args, extra: list[str], inventory):
     if kind == "cpu" and args.num_threads is None:
         extra = [*extra, "--num-threads", str(max(1, (os.cpu_count() or 1) // n))]
     name = args.served_model_name or args.model_path or _default_model_name()
-    replicas = [{"name": f"dp{i}", "model": name, "device": d, "args": extra} for i, d in enumerate(devices)]
+    replicas = [{"name": f"dp{i}", "model": name, "device": d, "args": extra, "env": dict(env or {})}
+                for i, d in enumerate(devices)]
     return from_dict({"replicas": replicas, "models": [{"name": name, "versions": {"default": 1}}]},
                      source=f"--dp-size {n}")
 

@@ -3,14 +3,14 @@ reads (device specs, deployment files); serve --device-config and the router che
 the site's trust store (--trust-store)."""
 from __future__ import annotations
 
-import argparse
 
 from polychip.commands.common import fail
 from polychip.errors import PolychipError
+from polychip.flags import Parser
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="polychip sign", description=__doc__)
+    p = Parser(prog="polychip sign", description=__doc__)
     p.add_argument("files", nargs="+", metavar="FILE")
     p.add_argument("--key", required=True, help="Ed25519 private key (polychip keygen)")
     args = p.parse_args(argv)

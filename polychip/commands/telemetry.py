@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from polychip.commands.router_client import Admin, AdminError, add_router_flags
 from polychip.commands.workload import table
+from polychip.flags import Parser
 
 _FILTER = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)(==|!=|=)(.*)$")
 
@@ -46,7 +47,7 @@ def samples(text: str, filters, name: str | None) -> list[tuple[str, dict, float
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="polychip telemetry", description=__doc__,
+    p = Parser(prog="polychip telemetry", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="view", required=True)
     m = sub.add_parser("metrics", help="the router's metrics, filtered by label")

@@ -5,14 +5,13 @@ Exits 0 only when every check passes (version differences warn unless --strict-v
 unchecked signature is 'skip' unless --require-signature)."""
 from __future__ import annotations
 
-import argparse
 import resource
 import sys
 import time
 
 from polychip.commands.common import fail
-from polychip.commands.options import add_config_args, config_from_args
 from polychip.errors import PolychipError
+from polychip.flags import Parser, add_config_args, config_from_args
 from polychip.package.opening import PackageOptions
 from polychip.trust.options import TrustOptions
 
@@ -60,7 +59,7 @@ def release_check(store, manifest: dict, path: str, allow_downgrade: bool):
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="polychip verify", description=__doc__)
+    p = Parser(prog="polychip verify", description=__doc__)
     p.add_argument("package")
     add_config_args(p, PackageOptions)          # --trusted-key, --require-signature, --strict-versions
     add_config_args(p, TrustOptions)            # --trust-store, --allow-*

@@ -18,12 +18,13 @@ import sys
 import time
 
 from polychip.commands.router_client import Admin, AdminError, add_router_flags
+from polychip.flags import Parser
 
 WAIT_POLL = 0.5
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="polychip workload", description=__doc__,
+    p = Parser(prog="polychip workload", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="verb", required=True)
     s = sub.add_parser("submit", help="place a model on a device and start it (returns its id)")

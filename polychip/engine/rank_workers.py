@@ -7,7 +7,6 @@ rendezvous secret reaches it in its environment, never on its command line.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import faulthandler
 import json
@@ -24,6 +23,7 @@ from polychip.distributed import secret as dist_secret
 from polychip.distributed.rendezvous import DuplicateRankError, connect_store, report_failure
 from polychip.distributed.world import World, local_devices, rendezvous_address
 from polychip.errors import ConfigError, PolychipError
+from polychip.flags import Parser
 
 log = logging.getLogger("polychip.ranks")
 
@@ -104,7 +104,7 @@ def worker_main(argv: list[str] | None, module: str, doc: str, role: str, serve)
     """A worker process's entry point (``python -m module``): parse its flags, reach node 0's store,
     ``serve(config, rank, device, host, port, store)``; a failure is written into the store (rank 0
     names it) and the process exits non-zero."""
-    p = argparse.ArgumentParser(prog=f"python -m {module}", description=doc)
+    p = Parser(prog=f"python -m {module}", description=doc)
     p.add_argument("--rank", type=int, required=True, help=f"this {role}'s number (1 .. size - 1)")
     p.add_argument("--device", required=True, help=f"this {role}'s device, e.g. simxpu:1")
     p.add_argument("--store", required=True, help="HOST:PORT of node 0's rendezvous store")

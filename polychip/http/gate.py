@@ -71,6 +71,11 @@ class EdgeLimits:
     # Content-Length of at most max_upload_bytes; every other body is JSON, read here
     upload_paths: tuple[str, ...] = ()
     max_upload_bytes: int = 0
+    # a refused request's body is read and dropped before the answer: up to this much, for
+    # body_timeout (at least min_discard_seconds), while bytes keep coming (discard_idle)
+    discard_bytes: int = 128 * 1024 * 1024
+    min_discard_seconds: float = 5.0
+    discard_idle: float = 1.0
 
 
 class Gate:
@@ -102,15 +107,20 @@ class Gate:
             self._log(scope, rid, label, status["code"], t0)
 
     async def _admit(self, scope, receive, send, headers) -> None:
-        refusal = self._refuse(scope, headers)
+        refusal, raw_receive = self._refuse(scope, headers), receive
+        body_read = scope["method"] not in BODY_METHODS
         if refusal is None and scope["method"] == "POST" and scope["path"] in self.limits.upload_paths:
             refusal = self._upload_refusal(headers)
             receive = _capped(receive, self.limits.max_upload_bytes)
-        elif refusal is None and scope["method"] in BODY_METHODS:
-            body, refusal = await self._read_body_in_time(receive, headers)
+        elif refusal is None and not body_read:
+            body, refusal, body_read = await self._read_body_in_time(receive, headers)
             if refusal is None:
                 receive = _replay(body, receive)
         if refusal is not None:
+            if not body_read:       # what the client still sends, read and dropped, so it reads the answer
+                await _discard(raw_receive, self.limits.discard_bytes,
+                               max(self.limits.body_timeout, self.limits.min_discard_seconds),
+                               self.limits.discard_idle)
             await _send_json(send, *refusal)
         else:
             await self.app(scope, receive, send)
@@ -151,13 +161,14 @@ class Gate:
                                    None, 413), {}
         return None
 
-    async def _read_body_in_time(self, receive, headers) -> tuple[bytes, tuple | None]:
+    async def _read_body_in_time(self, receive, headers) -> tuple[bytes, tuple | None, bool]:
+        """(body, refusal, whether the body was read to its end)."""
         limit = self.limits.body_timeout
         try:
-            body, refusal = await asyncio.wait_for(self._read_body(receive, headers), limit)
+            body, refusal, done = await asyncio.wait_for(self._read_body(receive, headers), limit)
         except asyncio.TimeoutError:
             return b"", (408, error_body(f"the request body did not arrive within {limit:g} s "
-                                         "(--timeout-request-body)", "invalid_request_error", None, 408), {})
+                                         "(--timeout-request-body)", "invalid_request_error", None, 408), {}), True
         # a body is JSON or nothing: a form or text/plain POST is what a web page can send cross-site.
         # An empty POST needs no type (sglang-router fans POST /flush_cache out without one); a
         # browser's cross-origin POST was refused above whatever its body.
@@ -166,27 +177,45 @@ class Gate:
             given = headers.get(b"content-type", b"").decode("latin-1") or "none"
             refusal = (415, error_body(f"the body must be sent as 'Content-Type: application/json' "
                                        f"(got {printable(given)!r})", "invalid_request_error", None, 415), {})
-        return body, refusal
+        return body, refusal, done
 
-    async def _read_body(self, receive, headers) -> tuple[bytes, tuple | None]:
+    async def _read_body(self, receive, headers) -> tuple[bytes, tuple | None, bool]:
         limit = self.limits.max_body_bytes
         too_big = (413, error_body(f"request body is larger than the limit of {limit} bytes "
                                    "(--max-request-body-bytes)", "invalid_request_error", None, 413), {})
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > limit:
-            return b"", too_big
+            return b"", too_big, False
         chunks, size = [], 0
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                return b"", (499, error_body("client disconnected", "invalid_request_error"), {})
+                return b"", (499, error_body("client disconnected", "invalid_request_error"), {}), True
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
-                return b"", too_big
+                return b"", too_big, not message.get("more_body", False)
             chunks.append(chunk)
             if not message.get("more_body", False):
-                return b"".join(chunks), None
+                return b"".join(chunks), None, True
+
+
+async def _discard(receive, most: int, seconds: float, idle: float) -> None:
+    """Read and drop the rest of a refused request's body: at most ``most`` bytes, for at most
+    ``seconds``, and no longer than ``idle`` seconds without a byte. A server that answers and
+    closes while the client still sends makes the kernel reset the connection, and the client
+    never reads the answer. Past a bound the answer goes out anyway (and the connection closes)."""
+    async def drain():
+        seen = 0
+        while seen <= most:
+            message = await asyncio.wait_for(receive(), idle)
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                return
+            seen += len(message.get("body", b""))
+    try:
+        await asyncio.wait_for(drain(), seconds)
+    except asyncio.TimeoutError:
+        pass
 
 
 def _capped(receive, limit: int):

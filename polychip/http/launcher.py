@@ -3,7 +3,8 @@
 the tests; handy for benchmarks and scripts too).
 
 ``VERSION_ENV`` is how a launcher tells a replica its version label; the server reports it in
-``/server_info``."""
+``/server_info``. ``API_KEY_ENV`` is how it gives the replica its API key without a command-line
+flag (``/proc/PID/cmdline`` is readable by every user of the host; the environment is not)."""
 from __future__ import annotations
 
 import os
@@ -18,6 +19,7 @@ import httpx
 from polychip.http.server import free_port
 
 VERSION_ENV = "POLYCHIP_VERSION_LABEL"
+API_KEY_ENV = "POLYCHIP_SERVE_API_KEY"     # serve's --api-key from the environment: a launcher's key stays out of ps
 DEFAULT_VERSION = "default"
 
 

@@ -4,7 +4,7 @@ the version matrix (polychip, torch, plugin, and what the plugin's ``versions()`
 compared entry by entry: each mismatch a warning, or a refusal with ``--strict-versions``."""
 from __future__ import annotations
 
-import polychip
+from polychip.version import __version__ as polychip_version
 from polychip.package.manifest import PackageError
 
 
@@ -22,7 +22,7 @@ def current_versions(plugin) -> dict:
     import torch        # here, so that verifying a file (`polychip verify --skip-device`) never loads torch
 
     from polychip.devices import boundary
-    return {"polychip": polychip.__version__, "torch": torch.__version__, "plugin_api": plugin.api_version,
+    return {"polychip": polychip_version, "torch": torch.__version__, "plugin_api": plugin.api_version,
             "plugin": f"{plugin.name} {plugin.plugin_version}", "device": boundary.versions(plugin)}
 
 

@@ -93,9 +93,12 @@ def _check_trust_fields(data: dict, where: str) -> None:
     pin = data.get("plugin_pin")
     if pin is not None and not (isinstance(pin, dict) and isinstance(pin.get("plugin"), str)
                                 and isinstance(pin.get("files"), dict)
-                                and all(isinstance(k, str) and isinstance(v, str) for k, v in pin["files"].items())):
+                                and all(isinstance(k, str) and isinstance(v, str) for k, v in pin["files"].items())
+                                and isinstance(pin.get("compiled", {}), dict)
+                                and all(isinstance(k, str) and isinstance(v, str)
+                                        for k, v in pin.get("compiled", {}).items())):
         raise PackageError(f"{where}: 'plugin_pin' must be {{plugin, distribution, version, installed, "
-                           "files: {path: sha256}}")
+                           "files: {path: sha256}, compiled: {build name: sha256}}")
 
 
 def dump_manifest(data: dict) -> bytes:

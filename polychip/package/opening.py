@@ -2,8 +2,8 @@
 the version matrix, then extract into a cache keyed by the manifest's sha256 (verifying every
 file while streaming). A second start finds the folder and re-hashes it instead of extracting.
 
-``serve`` and ``generate`` call :func:`engine_config_for` before the engine exists; Python code
-uses :func:`open_llm`.
+``serve``, ``generate`` and ``batch`` call :func:`engine_config_for` before the engine exists; Python
+code uses ``polychip.LLM`` (polychip/package/trusted_llm.py), which does the same.
 """
 from __future__ import annotations
 
@@ -16,40 +16,19 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-from polychip.config import EngineConfig, option
+from polychip.config import EngineConfig
 from polychip.errors import ConfigError
 from polychip.trust import keys as signing
 from polychip.package.compat import check_target
 from polychip.package.hashing import copy_hashing
 from polychip.package.manifest import SUFFIX, PackageError
 from polychip.package.reader import scan
-from polychip.trust.options import TrustOptions
+from polychip.trust.options import PackageOptions, TrustOptions
 from polychip.trust.pins import check_pin
 from polychip.trust.detached import verify_file
 from polychip.trust.store import TrustError, override
 
 log = logging.getLogger("polychip.package")
-GROUP = "packages (--model-path x.pcpkg)"
-
-
-@dataclass(frozen=True)
-class PackageOptions:
-    """How a package (``--model-path x.pcpkg``) is trusted; the flags come from these fields.
-    Trusted keys (or ``require_signature``) make a valid signature by one of them a condition of
-    loading; hashes are always checked."""
-
-    trusted_keys: tuple[str, ...] = option(
-        (), "Ed25519 public key (polychip keygen) a package must be signed by (repeatable); the recommended "
-            "way to load packages", group=GROUP, flag="--trusted-key")
-    require_signature: bool = option(False, "refuse a package that is not signed by a --trusted-key", group=GROUP)
-    strict_versions: bool = option(False, "refuse a package built for other plugin/driver/runtime/collective/"
-                                          "firmware versions (default: warn naming each)", group=GROUP)
-
-    def __post_init__(self):
-        if not isinstance(self.trusted_keys, tuple):
-            raise ConfigError("trusted_keys must be a tuple of public key files")
-        if self.require_signature and not self.trusted_keys:
-            raise ConfigError("--require-signature needs at least one --trusted-key to check the signature with")
 
 
 def is_package(model_path: str | None) -> bool:
@@ -227,7 +206,7 @@ def engine_config_for(config: EngineConfig, options: PackageOptions,
 
 def open_llm(path: str, trusted_keys: tuple[str, ...] = (), require_signature: bool = False,
              strict_versions: bool = False, **engine_args):
-    """``LLM`` on a package: verified and extracted first."""
+    """``LLM`` on a package: verified and extracted first (``polychip.LLM`` does the same)."""
     from polychip.engine.llm import LLM
     options = PackageOptions(tuple(trusted_keys), require_signature, strict_versions)
     return LLM.from_config(engine_config_for(EngineConfig.from_kwargs(model_path=path, **engine_args), options))

@@ -14,7 +14,9 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 
 from polychip.config import QUANTIZATIONS, TRANSFER_BACKENDS
 from polychip.errors import ConfigError
+from polychip.http.serve_settings import parse_serve_args
 from polychip.router.settings import RouterConfig
+from polychip.trust.options import RouterTrust
 from polychip.router.workload_spec import WorkloadSpec
 from polychip.yaml_file import read_yaml_file
 
@@ -55,7 +57,7 @@ class ReplicaEntry(_Strict):
     host: str = "127.0.0.1"
     port: int | None = Field(default=None, ge=1, le=65535)   # None: a free port
     device_config: str | None = None             # device spec YAML for the replica
-    args: list[str] = Field(default_factory=list)            # more `polychip serve` flags
+    args: list[str] = Field(default_factory=list)            # more `polychip serve` flags (checked as its settings)
     env: dict[str, str] = Field(default_factory=dict)
     # a side of a prefill/decode pair (docs/disaggregation.md): launched with --disaggregation-mode ROLE
     role: Literal["prefill", "decode"] | None = None
@@ -67,6 +69,12 @@ class ReplicaEntry(_Strict):
     def _backend(cls, v):
         if v not in TRANSFER_BACKENDS:
             raise ValueError(f"expected one of {list(TRANSFER_BACKENDS)}, got {v!r}")
+        return v
+
+    @field_validator("args")
+    @classmethod
+    def _serve_args(cls, v):
+        parse_serve_args(v)
         return v
 
     @field_validator("device")
@@ -230,9 +238,24 @@ def from_dict(data: Any, source: str = "<inline>") -> Deployment:
 
 def load_deployment(path: str, trust=None) -> Deployment:
     """The deployment file at ``path``; with ``trust`` (TrustOptions), its detached signature is
-    checked against the site trust store first (polychip sign)."""
+    checked against the site trust store first (polychip sign); with the router's (RouterTrust),
+    a guarded serve setting its replicas or workloads give and the router does not allow is refused."""
     if trust is not None:
         from polychip.trust.detached import verify_file
         verify_file(path, trust.store(), trust.allow_unsigned, "deployment file")
     data = read_yaml_file(path, "deployment", "replicas, models and router", DeploymentError)
-    return from_dict(data, path)
+    dep = from_dict(data, path)
+    if isinstance(trust, RouterTrust):
+        raise_problems(path, [f"{path}: {line}" for line in guarded_refusals(dep, trust)])
+    return dep
+
+
+def guarded_refusals(dep: Deployment, trust) -> list[str]:
+    """The guarded serve settings (``polychip.trust.options.GUARDED``) that the deployment's
+    launched replicas and workloads give and the router's trust settings do not allow."""
+    out = []
+    for i, r in enumerate(dep.replicas):
+        out += trust.refusals(parse_serve_args(r.args), f"replicas.{i}.args")
+    for i, w in enumerate(dep.workloads):
+        out += trust.refusals(w.serve_options(), f"workloads.{i}.serve_args")
+    return out

@@ -3,7 +3,10 @@ or a deployment file's ``workloads:`` section): a model (a path or a ``.pcpkg`` 
 device or a device type, with the serve options the platform passes through.
 
 Pydantic, strict: an unknown key, a bad device name or a serve flag the platform sets itself is
-refused with the field named (the route answers 422).
+refused with the field named. ``serve_args`` are read as serve's own settings
+(``polychip/http/serve_settings.py``: every flag spelled in full, each value checked), and the
+replica's command is built from those values, never from the strings; whether a guarded one
+(``--plugin``, ``--trust-store``, ...) may be given is the router's trust settings' call.
 """
 from __future__ import annotations
 
@@ -11,17 +14,19 @@ import os
 import re
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from polychip.config import QUANTIZATIONS
 from polychip.dtypes import KV_CACHE_DTYPES, MODEL_DTYPES, quantization_dtype
+from polychip.http.serve_settings import flag_name, parse_serve_args, serve_argv
 
 DEVICE_RE = re.compile(r"^[a-z][a-z0-9_]*(:[0-9]+)?$")
 TYPE_RE = re.compile(r"^[a-z][a-z0-9_]*$")
 PACKAGE_SUFFIX = ".pcpkg"
-# serve flags the platform sets from the spec and the placement; serve_args may not set them again
-PLATFORM_FLAGS = ("--host", "--port", "--device", "--model-path", "--served-model-name", "--tp-size",
-                  "--quantization", "--kv-cache-dtype", "--dtype", "--dp-size")
+# serve settings the platform sets from the spec and the placement; serve_args may not set them again
+PLATFORM_FIELDS = ("host", "port", "device", "model_path", "served_model_name", "tp_size", "quantization",
+                   "kv_cache_dtype", "dtype", "dp_size")
+SPEC_FIELDS = ("tp_size", "dtype", "quantization", "kv_cache_dtype")     # the spec's own serve settings
 
 Label = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
 
@@ -78,8 +83,9 @@ class WorkloadSpec(BaseModel):
 
     @field_validator("serve_args")
     @classmethod
-    def _serve_args(cls, v):
-        taken = [a for a in v if a.split("=", 1)[0] in PLATFORM_FLAGS]
+    def _serve_args(cls, v, info: ValidationInfo):
+        given = parse_serve_args(v, {k: info.data[k] for k in SPEC_FIELDS if k in info.data})
+        taken = [flag_name(k) for k in given if k in PLATFORM_FIELDS]
         if taken:
             raise ValueError(f"{taken} are set by the platform from the workload's fields "
                              f"(model, name, device, tp_size, dtype, quantization, kv_cache_dtype)")
@@ -119,9 +125,12 @@ class WorkloadSpec(BaseModel):
         """The dtypes the device must declare: the compute dtype (when given) and the quantization."""
         return [d for d in (None if self.dtype == "auto" else self.dtype, quantization_dtype(self.quantization)) if d]
 
+    def serve_options(self) -> dict:
+        """The serve settings of ``serve_args`` (field -> value), validated."""
+        return parse_serve_args(self.serve_args)
+
     def serve_flags(self) -> list[str]:
-        """The serve flags from the spec's options (besides device, model, port and name)."""
-        out = []
-        if self.kv_cache_dtype != "auto":
-            out += ["--kv-cache-dtype", self.kv_cache_dtype]
-        return out + list(self.serve_args)
+        """The serve flags from the spec's options (besides device, model, port and name), written
+        from the validated settings."""
+        kv = serve_argv({"kv_cache_dtype": self.kv_cache_dtype}) if self.kv_cache_dtype != "auto" else []
+        return kv + serve_argv(self.serve_options())

@@ -7,6 +7,12 @@ plugin's package folder that RECORD does not list (an added module). A plugin wi
 distribution (a ``--plugin path.py``), or an editable install whose RECORD lists no sources, is
 pinned by the files of its package folder, and the manifest says which (``installed``).
 Byte-code caches (``__pycache__``) are not pinned: they are made on this host.
+
+A plugin that loads compiled code from outside its installed files (the CPU plugin's kernel
+library, built per machine into the torch extensions cache) lists it with ``compiled_libraries()``
+({build name: path}); the pin records each one's sha256 under ``compiled``, and when the package is
+opened a library with a pinned name and other bytes is refused like a modified file, and the
+plugin is told (``pin_libraries``) to load only the pinned bytes.
 """
 from __future__ import annotations
 
@@ -90,9 +96,22 @@ def installed_files(plugin) -> dict:
     return {"distribution": dist.metadata["Name"], "version": dist.version, "installed": "wheel", "files": files}
 
 
+def compiled_of(plugin) -> dict[str, str]:
+    """{build name: sha256} of the compiled libraries the plugin loads from outside its files."""
+    listed = getattr(plugin, "compiled_libraries", None)
+    return {name: _sha256(path) for name, path in (listed() if listed else {}).items()}
+
+
 def pin_of(plugin) -> dict:
     """The pin a package records for the plugin it was planned on."""
-    return {"plugin": plugin.name, **installed_files(plugin)}
+    return {"plugin": plugin.name, **installed_files(plugin), "compiled": compiled_of(plugin)}
+
+
+def compiled_problems(pin: dict, plugin) -> list[str]:
+    """A pinned compiled library (same build name) whose bytes differ now."""
+    want = pin.get("compiled") or {}
+    return [f"compiled library {name}: modified (sha256 {sha[:16]}..., the package pins {want[name][:16]}...)"
+            for name, sha in compiled_of(plugin).items() if name in want and want[name] != sha]
 
 
 def pin_problems(pin: dict, now: dict) -> list[str]:
@@ -121,7 +140,7 @@ def check_pin(pin: dict | None, plugin, source: str, allow_modified: bool) -> fl
     if pin.get("plugin") != plugin.name:
         raise TrustError(f"{source}: pins plugin {pin.get('plugin')!r}, the device here is {plugin.name!r}")
     now = installed_files(plugin)
-    problems = pin_problems(pin, now)
+    problems = pin_problems(pin, now) + compiled_problems(pin, plugin)
     where = f"plugin {plugin.name!r} ({now['distribution'] or 'no distribution'} {now['version'] or ''}, " \
             f"{_package_dir(plugin)[1]})"
     if problems:
@@ -130,4 +149,6 @@ def check_pin(pin: dict | None, plugin, source: str, allow_modified: bool) -> fl
         if not allow_modified:
             raise TrustError(msg + " (--allow-modified-plugin to load it anyway)", layer="plugin")
         override(msg + ": loaded by --allow-modified-plugin")
+    if hasattr(plugin, "pin_libraries"):     # only the pinned bytes load (any, once overridden)
+        plugin.pin_libraries(None if problems else dict(pin.get("compiled") or {}))
     return time.perf_counter() - t0

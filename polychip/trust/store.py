@@ -11,8 +11,9 @@ A folder (or its ``trust.yaml`` named directly) given by ``--trust-store`` or ``
       - key_id: 9a1b...               # sha256 of the raw public key (polychip keygen prints it)
         reason: laptop lost 2026-11-02
 
-``releases.json`` beside ``trust.yaml`` is written by this module: {model name: {release,
-manifest_sha256, package, seen}}.
+``releases.json`` beside ``trust.yaml`` (polychip/trust/releases.py) is the one file of the store the
+serving user writes: the folder, ``trust.yaml`` and the keys can stay read-only to it. A store
+that anyone may write (``trust.yaml``, its folder or a key file writable by others) is refused.
 """
 from __future__ import annotations
 
@@ -21,25 +22,36 @@ import json
 import logging
 import os
 import re
-import tempfile
-import time
+import stat
 from dataclasses import dataclass, field
 
 from polychip.errors import ConfigError, PolychipError
 from polychip.trust import keys as signing
 from polychip.trust.keys import TrustError
+from polychip.trust.releases import RELEASES_FILE, Releases
 from polychip.yaml_file import read_yaml_file
 
 log = logging.getLogger("polychip.trust")
 
 ENV_VAR = "POLYCHIP_TRUST_STORE"
-STORE_FILE, RELEASES_FILE = "trust.yaml", "releases.json"
+STORE_FILE = "trust.yaml"
 _KEY_ID = re.compile(r"[0-9a-f]{64}")
 
 
 def override(message: str) -> None:
     """An --allow-* flag let something through that the trust store would refuse: said loudly."""
     log.warning("TRUST OVERRIDE: %s", message)
+
+
+def check_not_writable_by_others(path: str, what: str) -> None:
+    """Refuse a file or folder of the store that any user may write (mode o+w)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the {what} ({e})") from None
+    if mode & stat.S_IWOTH:
+        raise ConfigError(f"{path}: the {what} is writable by every user (mode {stat.filemode(mode)}); a trust "
+                          f"store must be writable only by its owner (chmod o-w)")
 
 
 def _date(value, where: str) -> datetime.date:
@@ -72,6 +84,9 @@ class TrustStore:
     @classmethod
     def load(cls, where: str) -> "TrustStore":
         path = os.path.join(where, STORE_FILE) if os.path.isdir(where) else where
+        for where, what in ((path, "trust store"), (os.path.dirname(os.path.abspath(path)), "trust store's folder")):
+            if os.path.exists(where):
+                check_not_writable_by_others(where, what)
         doc = read_yaml_file(path, "trust store", "a mapping with a non-empty 'keys' list", ConfigError)
         if not isinstance(doc, dict) or not isinstance(doc.get("keys"), list) or not doc["keys"]:
             raise ConfigError(f"{path}: expected a mapping with a non-empty 'keys' list (see docs/packages.md)")
@@ -88,6 +103,8 @@ class TrustStore:
         if not isinstance(entry, dict) or not isinstance(entry.get("file"), str) or "not_after" not in entry:
             raise ConfigError(f"{where}: needs file (a public key) and not_after (a date)")
         file = os.path.join(self.folder, entry["file"])
+        if os.path.exists(file):
+            check_not_writable_by_others(file, "trusted key")
         try:
             key = signing.load_trusted_key(file)
         except PolychipError as e:
@@ -120,14 +137,7 @@ class TrustStore:
 
     # releases: no downgrade
     def releases(self) -> dict:
-        path = os.path.join(self.folder, RELEASES_FILE)
-        try:
-            with open(path, encoding="utf-8") as f:
-                return json.load(f)
-        except FileNotFoundError:
-            return {}
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"{path}: cannot read the releases seen ({e})") from None
+        return Releases(self.folder).read()
 
     def check_release(self, name: str, number: int, source: str, allow_downgrade: bool) -> None:
         seen = self.releases().get(name)
@@ -140,17 +150,9 @@ class TrustStore:
         override(f"{msg}: loaded by --allow-downgrade")
 
     def record_release(self, name: str, number: int, manifest_sha256: str, package: str) -> None:
-        """Remember ``number`` if it is the highest of ``name`` (written atomically)."""
-        seen = self.releases()
-        if name in seen and seen[name]["release"] >= number:
-            return
-        seen[name] = {"release": number, "manifest_sha256": manifest_sha256, "package": os.path.abspath(package),
-                      "seen": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-        fd, tmp = tempfile.mkstemp(prefix=".releases.", dir=self.folder)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(seen, f, indent=2, sort_keys=True)
-        os.replace(tmp, os.path.join(self.folder, RELEASES_FILE))
-        log.info("trust: release %d of %r recorded in %s", number, name, self.folder)
+        """Remember ``number`` if it is the highest of ``name`` (under a lock, in place)."""
+        if Releases(self.folder).record(name, number, manifest_sha256, package):
+            log.info("trust: release %d of %r recorded in %s", number, name, self.folder)
 
 
 def store_path(explicit: str | None) -> str | None:

@@ -4,10 +4,18 @@ machine with torch's extension builder and cached under the torch extensions fol
 
 ``load()`` returns the module, or None with the reason logged once: no compiler, no ninja,
 ``POLYCHIP_CPU_KERNELS=0``, or a build error. Callers then keep the native PyTorch ops.
+
+The cached library is code loaded into the serving process from a user-writable cache, so it is
+pinned like the plugin's files: a package records its sha256 (``library()``, polychip/trust/pins.py)
+and, once ``allow_only`` is given the pinned hashes, ``load()`` reads the file, hashes the bytes and
+loads those same bytes (from a memfd: nothing can swap the file between the check and the load).
+A library the pin does not name (another machine's build) is not loaded, and neither is one built
+now: the native ops run instead, said in a warning.
 """
 from __future__ import annotations
 
 import hashlib
+import importlib.machinery
 import importlib.util
 import logging
 import os
@@ -50,19 +58,59 @@ def _build_dir(name: str) -> str:
     return path
 
 
+def library() -> tuple[str, str]:
+    """(build name, path) of this machine's kernel library; the file may not exist yet."""
+    name = _name()
+    return name, os.path.join(_build_dir(name), name + ".so")
+
+
+def allow_only(sha256s: dict[str, str] | None) -> None:
+    """Load only a library whose bytes hash to the one pinned for its build name (None: any)."""
+    if sha256s is None:
+        _state.pop("allowed", None)
+    else:
+        _state["allowed"] = dict(sha256s)
+    if _state.get("module") is not None and sha256s is not None and \
+            sha256s.get(_state.get("name")) != _state.get("sha256"):
+        log.warning("CPU kernels already loaded in this process (sha256 %s) are not the pinned library",
+                    str(_state.get("sha256"))[:16])
+
+
+def loaded_sha256() -> str | None:
+    """The sha256 of the library bytes this process loaded, or None."""
+    return _state.get("sha256") if _state.get("module") is not None else None
+
+
 def _import_built(name: str, path: str):
     """The module from an earlier build (the name carries the sources' hash), without the ~2 s that
-    cpp_extension.load spends asking ninja whether it is up to date; None if it is not there."""
-    if not os.path.exists(path):
-        return None
+    cpp_extension.load spends asking ninja whether it is up to date; None if it is not there (or,
+    under a pin, not the pinned bytes)."""
     try:
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return None
+    digest = hashlib.sha256(data).hexdigest()
+    allowed = _state.get("allowed")
+    if allowed is not None and allowed.get(name) != digest:
+        why = "modified since the package pinned it" if name in allowed else "not pinned by the package"
+        _state["refused"] = f"the CPU kernel library {path} is {why} (sha256 {digest[:16]}...)"
+        return None
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    try:
+        os.write(fd, data)
+        memfd = f"/proc/self/fd/{fd}"       # dlopen reads the origin: the checked bytes, not the file
+        loader = importlib.machinery.ExtensionFileLoader(name, memfd)
+        module = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, loader, origin=memfd))
+        loader.exec_module(module)
+        module.__file__ = module.__spec__.origin = path
+        _state["sha256"], _state["name"] = digest, name
         return module
     except ImportError as e:        # a half-written build: build again
         log.warning("CPU kernels at %s did not import (%s); building again", path, e)
         return None
+    finally:
+        os.close(fd)
 
 
 def load():
@@ -79,6 +127,11 @@ def load():
         name = _name()
         folder = _build_dir(name)
         _state["module"] = _import_built(name, os.path.join(folder, name + ".so"))
+        if "refused" in _state:
+            return _unavailable(_state["refused"], logging.WARNING)
+        if _state["module"] is None and "allowed" in _state:
+            return _unavailable("the package pins no CPU kernel library built here (none is built under a pin)",
+                                logging.WARNING)
         if _state["module"] is None:
             log.info("building CPU kernels (once per machine; about a minute)")
             _state["module"] = cpp_extension.load(name, _SOURCES, extra_cflags=_FLAGS, build_directory=folder,

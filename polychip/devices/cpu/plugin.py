@@ -141,6 +141,20 @@ class CpuPlugin(DevicePlugin):
         from polychip.devices.cpu import ops
         self.kernels = ops.register(registry)
 
+    def compiled_libraries(self) -> dict[str, str]:
+        """{build name: path} of the compiled code this plugin loads from outside its installed
+        files (the kernel library in the torch extensions cache), for a package's pin."""
+        from polychip.devices.cpu import kernels
+        if not kernels.enabled():
+            return {}
+        name, path = kernels.library()
+        return {name: path} if os.path.isfile(path) else {}
+
+    def pin_libraries(self, sha256s: dict[str, str] | None) -> None:
+        """Load only the compiled libraries whose sha256 the package pinned (None: any)."""
+        from polychip.devices.cpu import kernels
+        kernels.allow_only(sha256s)
+
     def compiled_decode_batch_sizes(self, max_bs: int) -> list[int]:
         """Every size: a padded row costs the CPU a real row's arithmetic, more than the compiled step
         saves from ~5 rows on (SmolLM2 float32, 1 thread: batch 5 48 ms, 8 63 ms, 9 71 ms, 16 109 ms),

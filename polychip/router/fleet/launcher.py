@@ -26,11 +26,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from polychip.http.launcher import VERSION_ENV, serve_command as serve_argv
+from polychip.errors import ConfigError
+from polychip.http.launcher import VERSION_ENV
+from polychip.http.serve_settings import parse_serve_args, replica_command
 from polychip.http.server import PORT_FD_ENV, free_port
 from polychip.router.deployment import ReplicaEntry
 from polychip.router.fleet.processes import (bounded_lines, die_with_parent, exit_reason, read_port,
                                              running_cmd, stop_pid)
+from polychip.trust.options import RouterTrust, TrustOptions
 
 __all__ = ["Launcher", "Managed", "serve_command", "exit_reason", "default_run_dir"]
 
@@ -46,28 +49,27 @@ def default_run_dir() -> Path:
 
 
 def serve_command(entry: ReplicaEntry, port: int, dtype: str, quantization: str | None,
-                  trust_flags: list[str] = ()) -> list[str]:
-    """The replica's ``polychip serve`` command; ``trust_flags``: the router's own trust options,
-    so every replica checks its package and spec against the same store."""
-    cmd = serve_argv(entry.host, port, ["--served-model-name", entry.model, "--device", entry.device, *trust_flags])
-    if entry.model_path:
-        cmd += ["--model-path", entry.model_path]
-    if dtype != "auto":
-        cmd += ["--dtype", dtype]
-    if quantization:
-        cmd += ["--quantization", quantization]
-    if entry.tp_size > 1:
-        cmd += ["--tp-size", str(entry.tp_size)]
+                  trust: TrustOptions | None = None) -> list[str]:
+    """The replica's ``polychip serve`` command, built from validated serve settings: the entry's
+    fields, then its ``args`` (read as serve settings), then ``trust``, the router's own trust
+    options (applied last, so every replica checks against the same store); a guarded setting the
+    router's trust does not allow is refused (ConfigError)."""
+    trust = RouterTrust.of(trust)
+    values = {"host": entry.host, "port": port, "served_model_name": entry.model, "device": entry.device,
+              "model_path": entry.model_path, "dtype": dtype, "quantization": quantization,
+              "tp_size": entry.tp_size, "device_config": entry.device_config}
     if entry.pp_devices:                        # a pipeline group, one process per stage behind one port
-        cmd += ["--pp-size", str(len(entry.pp_devices)), "--pp-devices", ",".join(entry.pp_devices)]
-    if entry.device_config:
-        cmd += ["--device-config", entry.device_config]
+        values |= {"pp_size": len(entry.pp_devices), "pp_devices": ",".join(entry.pp_devices)}
     if entry.role is not None:                  # a side of a prefill/decode pair
-        cmd += ["--disaggregation-mode", entry.role, "--disaggregation-transfer-backend", entry.transfer_backend,
-                "--disaggregation-host", entry.host]
+        values |= {"disaggregation_mode": entry.role, "disaggregation_transfer_backend": entry.transfer_backend,
+                   "disaggregation_host": entry.host}
         if entry.role == "prefill":
-            cmd += ["--disaggregation-bootstrap-port", str(entry.bootstrap_port or free_port(entry.host))]
-    return cmd + list(entry.args)
+            values["disaggregation_bootstrap_port"] = entry.bootstrap_port or free_port(entry.host)
+    values |= parse_serve_args(entry.args)
+    refused = trust.refusals(values, f"replica {entry.name}: serve settings")
+    if refused:
+        raise ConfigError("; ".join(refused))
+    return replica_command(values, trust)
 
 
 @dataclass
@@ -87,13 +89,13 @@ class Managed:
 
 class Launcher:
     def __init__(self, run_dir: Path | str | None = None, scope: str = "", logs=None, on_event=None,
-                 trust_flags: list[str] = (), leftover_grace: float = LEFTOVER_GRACE):
+                 trust: TrustOptions | None = None, leftover_grace: float = LEFTOVER_GRACE):
         self.managed: dict[str, Managed] = {}
         key = hashlib.sha256(scope.encode()).hexdigest()[:16]      # one deployment's replicas
         self.run_dir = Path(run_dir or default_run_dir()) / key
         self.logs = logs              # ReplicaLogs, or None: output into the router's log
         self.on_event = on_event or (lambda name, kind, detail: None)
-        self.trust_flags = list(trust_flags)     # the router's trust options, for every replica it launches
+        self.trust = RouterTrust.of(trust)      # the router's trust options, for every replica it launches
         self.leftover_grace = leftover_grace
 
     def start(self, entry: ReplicaEntry, on_port: Callable[[int], None] | None = None) -> Managed:
@@ -101,7 +103,7 @@ class Launcher:
         the replica binds a free port and ``on_port`` hears which."""
         port = entry.port or 0
         env = {**os.environ, **entry.env, VERSION_ENV: entry.version}
-        m = Managed(entry, port, serve_command(entry, port, entry.dtype, entry.quantization, self.trust_flags), env,
+        m = Managed(entry, port, serve_command(entry, port, entry.dtype, entry.quantization, self.trust), env,
                     on_port=on_port)
         self.managed[entry.name] = m
         m.task = asyncio.ensure_future(self._keep_running(m))

@@ -19,6 +19,7 @@ import asyncio
 import logging
 import uuid
 
+from polychip.errors import ConfigError
 from polychip.http.server import url_host
 from polychip.router.fleet.host import HOSTS, HostInventory
 from polychip.router.fleet.launcher import Launcher, exit_reason
@@ -100,7 +101,11 @@ class Workloads:
     # the operator's verbs
     async def submit(self, spec: WorkloadSpec, wid: str | None = None, source: str = "api",
                      devices: list[str] | None = None) -> Workload:
-        """Place and launch; returns at once (status pending). Refused when it cannot be placed."""
+        """Place and launch; returns at once (status pending). Refused when it cannot be placed, or
+        when it gives a guarded serve setting the router's trust settings do not allow (422)."""
+        refused = self.launcher.trust.refusals(spec.serve_options(), "serve_args")
+        if refused:
+            raise Refused(422, "; ".join(refused))
         await self.host.ready()
         async with self._lock:
             devices = devices or await self.placement(spec)
@@ -180,7 +185,11 @@ class Workloads:
             worker.url = w.url = f"{base}{port}"
             self._save(w)
         self._set(w, "pending")
-        self.launcher.start(entry, on_port=bound)
+        try:
+            self.launcher.start(entry, on_port=bound)
+        except ConfigError as e:           # e.g. a stored record with a guarded setting: not launched
+            self._set(w, "failed", "refused", str(e))
+            return
         self.registry.add(worker)
 
     def process_event(self, name: str, kind: str, detail) -> None:
