@@ -9,13 +9,13 @@ and bandwidth, or, with ``--calibrate``, from a short measured run of one layer 
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 
 from polychip.commands.common import add_engine_args, engine_config_from_args, fail, setup_logging
 from polychip.devices.spec import fmt_bytes
 from polychip.errors import ConfigError, PolychipError
+from polychip.flags import Parser
 
 
 def _ms(seconds: float, known: bool) -> str:
@@ -63,7 +63,7 @@ def plan_json(plan) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="polychip plan", description=__doc__)
+    p = Parser(prog="polychip plan", description=__doc__)
     add_engine_args(p)
     p.add_argument("--model", dest="model_path", default=None, help="the same as --model-path")
     p.add_argument("--calibrate", action="store_true", help="measure one layer on each device instead of "
