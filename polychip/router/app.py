@@ -43,7 +43,7 @@ class Router:
                  inventory: Inventory | None = None, settings_from_file=None, trust=None):
         self.settings = s = LiveSettings(cfg)
         self.registry = WorkerRegistry(cfg.breaker)
-        self.rollout = Rollout(cfg.guard, serving=self.registry.serving)
+        self.rollout = Rollout(cfg.guard, serving=self.registry.serving, circuits_open=self.registry.circuits_open)
         s.on_change(lambda old, new: (self.registry.configure(new.breaker), setattr(self.rollout, "guard", new.guard)))
         self.dispatcher = Dispatcher(s, self.rollout, self.registry)
         self.metrics = m = RouterMetrics(self.registry, self.dispatcher.queue_lengths, self.rollout)

@@ -62,9 +62,10 @@ class HealthConfig(_Settings):
 
 
 class GuardConfig(_Settings):
-    """When a canary version is rolled back (its weight set to 0). Only what clients saw counts (one
-    outcome per request, not per attempt; overload refusals and client disconnects are left out);
-    the error test is a Wilson bound, so one unlucky error in a small sample does not fire."""
+    """When a canary version is rolled back (its weight set to 0). Every attempt counts against the
+    version that served it, retried or not (overload refusals and client disconnects are left out),
+    and a version whose replicas all have open circuits is failing; the error test is a Wilson
+    bound, so one unlucky error in a small sample does not fire."""
 
     max_error_rate: float = setting(0.01, "the Wilson lower bound of a canary's error rate must stay under it",
                                     ge=0, lt=1)

@@ -12,8 +12,8 @@ an immediate 503 saying why. Stream events are held back until the first one car
 so a retry is invisible to the client; after that, a failure ends the stream with an
 OpenAI-shaped error event and ``[DONE]``; no client is left hanging.
 
-Every outcome feeds the replica's circuit breaker; the canary guard sees one outcome per client
-request (what the client saw), not one per attempt.
+Every attempt's outcome feeds the replica's circuit breaker and the canary guard (against the
+version that served it).
 """
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ class Proxy:
         ticket = Ticket(call.model, call.version, call.priority, call.preferred, call.prompt, cost=call.cost)
         self.budget.request()
         tried: list[str] = []
-        retries, last = 0, None
+        retries = 0
         while True:
             wait = min(call.left(self.cfg.first_token_timeout if call.stream else None), call.left(self.cfg.total_timeout))
             if wait <= 0:
@@ -88,7 +88,6 @@ class Proxy:
                 return self.outcomes.refuse(call, 503, str(e), "queue_full")
             except NoReplicaError as e:
                 why = str(e) + (f"; attempts: {' | '.join(tried)}" if tried else "")
-                self.outcomes.client_saw_failure(call, last)
                 return self.outcomes.refuse(call, 503, why, "no_replica", retry_after=e.retry_after)
             ticket.exclude.add(replica.name)
             call.attempts += 1
@@ -105,10 +104,8 @@ class Proxy:
                 tried.append(r.reason)
                 if not r.failure:
                     continue                # a full replica: try another, no retry spent
-                last = replica
                 if retries >= self.cfg.max_retries or not self.budget.try_spend():
                     what = "max_retries reached" if retries >= self.cfg.max_retries else "retry budget spent"
-                    self.outcomes.client_saw_failure(call, last)
                     return self.outcomes.refuse(call, 502, f"no replica answered after {call.attempts} attempt(s) "
                                                 f"({what}); last error: {r.reason}", "all_attempts_failed",
                                                 retry_after=None)
