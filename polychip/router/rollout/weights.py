@@ -151,13 +151,12 @@ class Rollout:
         """The guard's verdict on one canary: this router's figures plus the other routers'."""
         if version == route.baseline or route.weights.get(version, 0) <= 0:
             return
-        if self.circuits_open(route.name, version):
-            self._roll_back(route, version, f"every replica of version {version} has an open circuit")
-            return
         extra = (self.others.get((route.name, version), Published()),
                  self.others.get((route.name, route.baseline), Published()))
         reason = verdict(self.guard, self.stats.get((route.name, version)),
                          self.stats.get((route.name, route.baseline)), route.baseline, extra)
+        if not reason and self.circuits_open(route.name, version):      # too few samples to judge, yet failing
+            reason = f"every replica of version {version} has an open circuit"
         if reason:
             self._roll_back(route, version, reason)
 
