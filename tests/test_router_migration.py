@@ -15,7 +15,7 @@ import pytest
 
 from polychip.http.server import free_port
 from polychip.router.settings import HealthConfig, RouterConfig
-from router_helpers import start_router, wait_for
+from router_helpers import router_stack, start_router, wait_for  # noqa: F401 (router_stack: a fixture)
 
 pytestmark = pytest.mark.device_independent
 
@@ -116,3 +116,21 @@ def test_a_stream_survives_its_replica_and_matches_an_uninterrupted_run(pair, pa
         assert router.metrics.migrations._metrics, "no migration was counted"
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize("limit", [0, 1, 2])
+def test_migration_limit_is_honoured(router_stack, limit):
+    """Every replica dies after its first token: a stream is resent ``migration_limit`` times, each
+    time with the delivered tokens, then ends with an error event (and [DONE])."""
+    from router_helpers import FakeReplica
+    fakes = [FakeReplica(tokens=4, mode="die_mid_stream") for _ in range(3)]
+    url, router = router_stack(fakes, migration_limit=limit, max_retries=0)
+    with httpx.stream("POST", url + "/v1/completions", timeout=30,
+                      json={"model": "tiny", "prompt": "hi", "max_tokens": 4, "stream": True}) as resp:
+        lines = [x for x in resp.iter_lines() if x.startswith("data: ")]
+    bodies = [b for f in fakes for b in f.bodies]
+    assert len(bodies) == 1 + limit
+    assert sorted(len(b.get("continue_token_ids") or []) for b in bodies) == list(range(limit + 1))
+    assert sorted(b["max_tokens"] for b in bodies) == sorted(4 - k for k in range(limit + 1))
+    assert lines[-1] == "data: [DONE]" and '"error"' in lines[-2]
+    assert "".join(json.loads(x[6:])["choices"][0]["text"] for x in lines[:-2]) == "x" * (1 + limit)
