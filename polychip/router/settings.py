@@ -110,8 +110,8 @@ class BatchConfig(_Settings):
     """OpenAI files and batch jobs (/v1/files, /v1/batches); fixed while the router runs."""
 
     files_dir: str | None = setting(None, "uploads and batch output files live here (batch progress: the "
-                                    "state store; one shared directory for N routers); the files and "
-                                    "batches API is off without it", flag="--files-dir", live=False)
+                                    "state store; one shared directory for N routers); default: files/ "
+                                    "beside the sqlite state (with etcd, the API is off without it)", flag="--files-dir", live=False)
     max_file_bytes: int = setting(200 * 1024 * 1024, "an upload's size limit in bytes (OpenAI's: 200 MB)",
                                   flag="--max-file-bytes", live=False, ge=1)
     concurrency: int = setting(4, "batch requests in flight at once, all batches together, in the low "
