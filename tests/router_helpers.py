@@ -128,6 +128,8 @@ class FakeReplica:
                     for i in range(n):
                         await asyncio.sleep(self.delay)
                         piece = {"delta": {"content": "x"}} if chat else {"text": "x"}
+                        if body.get("return_token_ids"):      # as polychip serve: each chunk's new token ids
+                            piece["token_ids"] = [7]
                         yield _sse({"choices": [{"index": 0, **piece, "finish_reason": None}]})
                         if self.mode == "die_mid_stream":
                             raise ConnectionError("replica died")

@@ -45,6 +45,7 @@ class SubRequest:
     params: SamplingParams
     priority: int = 0
     remote: Any = None          # a decode side's RemotePrefill: the prompt runs there (engine/disagg)
+    continuation: tuple[int, ...] = ()   # tokens an earlier attempt generated: the output goes on after them
 
 
 # the engine thread's inbox
@@ -360,7 +361,8 @@ class AsyncEngine:
                     eng.check_request(s.prompt_ids, s.params)
                     checked.add(id(s.prompt_ids))
             for s in subs:
-                added.append(eng.add_request(s.prompt_ids, s.params, s.request_id, s.priority, arrival, s.remote))
+                added.append(eng.add_request(s.prompt_ids, s.params, s.request_id, s.priority, arrival, s.remote,
+                                                   s.continuation))
         except Exception as e:  # InvalidRequestError or a bug: admit none of the group
             for rid in added:
                 eng.abort(rid)

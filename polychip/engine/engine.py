@@ -150,20 +150,26 @@ class Engine:
     # requests
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0, arrival: float | None = None,
-                    remote=None) -> str:
+                    remote=None, continuation: list[int] | tuple[int, ...] = ()) -> str:
         """Queue one sequence. ``params.n`` is handled by the caller (LLM / server) as n requests.
         ``remote`` (a decode side's ``RemotePrefill``): its KV comes from that prefill side into pages
-        reserved now; KVTransferError at once when they cannot be."""
+        reserved now; KVTransferError at once when they cannot be. ``continuation``: tokens an earlier
+        attempt generated (a migrated request): the model reads them after the prompt, and the text goes
+        on from them as if this engine had generated them (the detokenizer replays them)."""
         params = params or SamplingParams()
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        ids = prompt_ids + list(continuation)
         self.check_request(ids, params)
         rid = request_id or f"req-{next(self._ids)}"
         if self.scheduler.find(rid) is not None:
             raise InvalidRequestError(f"request id {rid!r} is already in use")
         matcher = self.grammar.matcher(params.grammar) if params.grammar is not None else None
         gen = self.plugin.generator(params.seed) if params.seed is not None else None
-        detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens,
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens,
                                        params.spaces_between_special_tokens)
+        for token in continuation:
+            detok.add(token)
+        detok.text = ""
         req = Request(rid, ids, params, detok, priority, gen, arrival)
         req.matcher = matcher
         if self.proposer is not None and speculable(req):

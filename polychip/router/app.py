@@ -9,6 +9,7 @@ request to that version. ``/console`` is the web console, ``/admin/live`` its ti
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 
 from fastapi import FastAPI
@@ -35,7 +36,10 @@ from polychip.router.routing.dispatch import Dispatcher
 from polychip.router.routing.proxy import Proxy
 from polychip.router.runtime import TaskSupervisor
 from polychip.router.settings import LiveSettings
+from polychip.router.state import default_state_dir
 from polychip.router.state_sync import RouterState
+
+log = logging.getLogger("polychip.router")
 
 
 class Router:
@@ -43,7 +47,7 @@ class Router:
                  inventory: Inventory | None = None, settings_from_file=None, trust=None):
         self.settings = s = LiveSettings(cfg)
         self.registry = WorkerRegistry(cfg.breaker)
-        self.rollout = Rollout(cfg.guard, serving=self.registry.serving)
+        self.rollout = Rollout(cfg.guard, serving=self.registry.serving, circuits_open=self.registry.circuits_open)
         s.on_change(lambda old, new: (self.registry.configure(new.breaker), setattr(self.rollout, "guard", new.guard)))
         self.dispatcher = Dispatcher(s, self.rollout, self.registry)
         self.metrics = m = RouterMetrics(self.registry, self.dispatcher.queue_lengths, self.rollout)
@@ -67,7 +71,7 @@ class Router:
                                      deployment_path, placed, trust, settings_from_file)
         for i, url in enumerate(replica_urls):
             self.registry.add(Worker(f"r{i}", url.rstrip("/")))
-        self.batches = None          # BatchJobs when --files-dir is given (router/batch/)
+        self.batches = None          # BatchJobs (router/batch/): on unless no files directory can be had
         self.url: str | None = None          # set once the server listens
         self.startup_error: Exception | None = None
 
@@ -87,10 +91,22 @@ class Router:
         self.runtime.loop("live sampling", lambda: self.metrics.live.sample_forever(
             lambda: (self.dispatcher.queue_lengths(), self.registry.inflight())))
         self.runtime.loop("adopted loops", self.runtime.watch_adopted, critical=True)
-        if self.cfg.batch.files_dir is not None:
+        files = self.files_dir()
+        if files is not None:
             self.batches = router_jobs(self.cfg.batch, self.dispatcher, self.rollout, self.proxy.handle,
-                                       self.client, self.state, self.runtime.spawn)
+                                       self.client, self.state, self.runtime.spawn, files)
             await self.batches.start()
+
+    def files_dir(self) -> str | None:
+        """Where /v1/files keeps uploads: --files-dir, else beside the embedded (sqlite) state; N routers
+        over etcd need one shared directory, so there the API stays off unless --files-dir names it."""
+        if self.cfg.batch.files_dir is not None:
+            return self.cfg.batch.files_dir
+        if self.cfg.state != "sqlite":
+            log.warning("/v1/files and /v1/batches are off: the state store is shared (%s) and the files "
+                        "need a directory every router sees (--files-dir)", self.cfg.state.split("@")[-1])
+            return None
+        return os.path.join(self.cfg.state_dir or default_state_dir(self.cfg.port), "files")
 
     async def stop(self) -> None:
         if self.batches is not None:

@@ -31,6 +31,8 @@ class RouterMetrics:
                               ["model", "version", "replica", "device_type"], registry=r)
         self.retries = Counter("polychip_router_retries", "Requests retried on another replica",
                                ["model", "replica", "device_type"], registry=r)
+        self.migrations = Counter("polychip_router_migrations", "Streams moved to another replica mid-answer",
+                                  ["model", "replica", "device_type"], registry=r)
         self.rollbacks = Counter("polychip_router_canary_rollbacks", "Canary versions rolled back by the guard",
                                  ["model", "version"], registry=r)
         self.rollbacks_refused = Counter("polychip_router_canary_rollbacks_refused",

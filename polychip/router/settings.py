@@ -62,9 +62,10 @@ class HealthConfig(_Settings):
 
 
 class GuardConfig(_Settings):
-    """When a canary version is rolled back (its weight set to 0). Only what clients saw counts (one
-    outcome per request, not per attempt; overload refusals and client disconnects are left out);
-    the error test is a Wilson bound, so one unlucky error in a small sample does not fire."""
+    """When a canary version is rolled back (its weight set to 0). Every attempt counts against the
+    version that served it, retried or not (overload refusals and client disconnects are left out),
+    and a version whose replicas all have open circuits is failing; the error test is a Wilson
+    bound, so one unlucky error in a small sample does not fire."""
 
     max_error_rate: float = setting(0.01, "the Wilson lower bound of a canary's error rate must stay under it",
                                     ge=0, lt=1)
@@ -109,8 +110,8 @@ class BatchConfig(_Settings):
     """OpenAI files and batch jobs (/v1/files, /v1/batches); fixed while the router runs."""
 
     files_dir: str | None = setting(None, "uploads and batch output files live here (batch progress: the "
-                                    "state store; one shared directory for N routers); the files and "
-                                    "batches API is off without it", flag="--files-dir", live=False)
+                                    "state store; one shared directory for N routers); default: files/ "
+                                    "beside the sqlite state (with etcd, the API is off without it)", flag="--files-dir", live=False)
     max_file_bytes: int = setting(200 * 1024 * 1024, "an upload's size limit in bytes (OpenAI's: 200 MB)",
                                   flag="--max-file-bytes", live=False, ge=1)
     concurrency: int = setting(4, "batch requests in flight at once, all batches together, in the low "
@@ -167,6 +168,8 @@ class RouterConfig(_Settings):
     breaker: BreakerConfig = setting(default_factory=BreakerConfig, alias="circuit_breaker")
     batch: BatchConfig = setting(default_factory=BatchConfig)
     max_retries: int = setting(2, "other replicas tried when one fails before the first token", ge=0)
+    migration_limit: int = setting(1, "times a stream whose replica fails after the first token goes on, "
+                                   "spliced, on another replica (0: the stream ends with an error)", ge=0)
     max_inflight_per_replica: int | None = setting(
         None, "requests in flight per replica before the router queues (default: its max running)", ge=1)
     max_queue: int = setting(1024, "requests waiting in the router, all classes together, before 503", ge=0)

@@ -44,13 +44,14 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     log_identity(req, rid)
     params = request_params(state, req, req.requested_max_tokens, req.num_logprobs())
     prompt_text, ids = await render_prompt(state, req)
-    params = with_max_tokens(state, params, [ids], req.requested_max_tokens)
+    cont = req.continue_token_ids or []
+    params = with_max_tokens(state, params, [ids + cont], req.requested_max_tokens)
     plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, state.config.tool_call_parser,
                       state.tokenizer.chat_template, prompt_text)
     grammar = await request_grammar(state.grammar, req.grammar_spec(), plan)
     if grammar is not None or (plan is not None and plan.stop):
         params = dataclasses.replace(params, grammar=grammar, stop=params.stop + (plan.stop if plan else []))
-    stream = await submit(state, engine_requests(rid, [ids], params, req.priority, req.remote_prefill()))
+    stream = await submit(state, engine_requests(rid, [ids], params, req.priority, req.remote_prefill(), cont))
     reasoning_cls = PARSERS.get(state.config.reasoning_parser) if req.separate_reasoning else None
 
     def reply_parser() -> ReplyParser:
@@ -58,7 +59,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
 
     meta = {"id": f"chatcmpl-{rid}", "created": int(time.time()), "model": state.model_name}
     if req.stream:
-        events = _stream_events(state, req, stream, meta, len(ids), reply_parser)
+        events = _stream_events(state, req, stream, meta, len(ids), reply_parser, len(cont))
         return StreamingResponse(sse_guard(events, stream, rid), media_type="text/event-stream",
                                  headers={"cache-control": "no-cache"})
     finals = await collect(request, stream, params.n)
@@ -70,16 +71,17 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         parser = reply_parser()
         msg = parser.message(o.text)
         choice = {"index": i, "message": msg, "finish_reason": parser.finish_reason(finish_reason(out)),
-                  "stop_reason": o.stop_reason, "logprobs": None}
+                  "stop_reason": o.stop_reason, "logprobs": None,
+                  **({"token_ids": list(o.token_ids)} if req.return_token_ids else {})}
         if params.logprobs is not None:
             choice["logprobs"] = {"content": chat_logprobs(state.tokenizer, o.logprobs or [])}
         choices.append(choice)
-    completion = sum(len(out.token_ids) for out in finals)
+    completion = sum(len(out.token_ids) for out in finals) + len(cont)     # a continuation's tokens count
     return JSONResponse({**meta, "object": "chat.completion", "choices": choices,
                          "usage": usage(len(ids), completion, finals[0].num_cached_tokens)})
 
 
-async def _stream_events(state, req, stream, meta, prompt_len, reply_parser):
+async def _stream_events(state, req, stream, meta, prompt_len, reply_parser, continued=0):
     n = req.n
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     chunks = ChunkBuilder(meta, "chat.completion.chunk", "delta", include_usage)
@@ -94,11 +96,12 @@ async def _stream_events(state, req, stream, meta, prompt_len, reply_parser):
         lp = None
         if req.logprobs and len(o.token_ids) > seen[i]:
             lp = {"content": chat_logprobs(state.tokenizer, (o.logprobs or [])[seen[i]:])}
+        ids = list(o.token_ids[seen[i]:]) if req.return_token_ids else None
         seen[i] = len(o.token_ids)
-        if delta or lp:
-            yield chunks.choice(i, delta, logprobs=lp)
+        if delta or lp or ids:
+            yield chunks.choice(i, delta, logprobs=lp, token_ids=ids)
         if out.finished:
-            completion_tokens += len(o.token_ids)
+            completion_tokens += len(o.token_ids) + continued
             cached = out.num_cached_tokens if i == 0 else cached
             yield chunks.choice(i, {}, parsers[i].finish_reason(o.finish_reason), stop_reason=o.stop_reason)
     if include_usage:

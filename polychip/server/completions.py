@@ -52,27 +52,29 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
     params = request_params(state, req, req.max_tokens, logprobs, len(req.prompts()))
     grammar = await compile_off_loop(state.grammar, req.grammar_spec())
     prompts = await tokenize_prompts(state, req.prompts())
-    params = with_max_tokens(state, params, prompts, req.max_tokens)
+    cont = req.continue_token_ids or []
+    params = with_max_tokens(state, params, [ids + cont for ids in prompts], req.max_tokens)
     if grammar is not None:
         params = dataclasses.replace(params, grammar=grammar)
     best_of = req.best_of if req.best_of is not None and req.best_of > params.n else None
     if best_of is not None:   # candidates carry their chosen-token logprobs to be ranked
         state.engine.check_group_size(len(prompts) * best_of)
         params = dataclasses.replace(params, n=best_of, logprobs=logprobs or 0)
-    stream = await submit(state, engine_requests(rid, prompts, params, req.priority, req.remote_prefill()))
+    stream = await submit(state, engine_requests(rid, prompts, params, req.priority, req.remote_prefill(), cont))
     echoes = [(p if isinstance(p, str) else tok.decode(ids)) if req.echo else ""
               for p, ids in zip(req.prompts(), prompts)]
     count = len(prompts) * params.n
     meta = {"id": f"cmpl-{rid}", "created": int(time.time()), "model": state.model_name}
     prompt_tokens = sum(len(ids) for ids in prompts)
     if req.stream:
-        events = _stream_events(state, req, stream, meta, echoes, prompt_tokens)
+        events = _stream_events(state, req, stream, meta, echoes, prompt_tokens, len(cont))
         return StreamingResponse(sse_guard(events, stream, rid), media_type="text/event-stream",
                                  headers={"cache-control": "no-cache"})
     finals = await collect(request, stream, count)
     if finals is None:
         return Response(status_code=499)
-    completion = sum(len(out.token_ids) for out in finals)      # every candidate was generated
+    # every candidate was generated; a continuation's earlier tokens are part of the answer
+    completion = sum(len(out.token_ids) for out in finals) + len(cont)
     if best_of is not None:
         finals = best_of_n(finals, best_of, req.n)
         params = dataclasses.replace(params, n=req.n)
@@ -81,6 +83,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
         o = out.outputs[0]
         choices.append({"index": i, "text": echoes[i // params.n] + o.text, "finish_reason": finish_reason(out),
                         "stop_reason": o.stop_reason,
+                        **({"token_ids": list(o.token_ids)} if req.return_token_ids else {}),
                         "logprobs": None if logprobs is None else completion_logprobs(tok, o.logprobs or [], 0)})
     cached = sum(out.num_cached_tokens for out in finals[::params.n])
     return JSONResponse({**meta, "object": "text_completion", "choices": choices,
@@ -97,7 +100,7 @@ def best_of_n(finals: list, best_of: int, n: int) -> list:
     return out
 
 
-async def _stream_events(state, req, stream, meta, echoes, prompt_tokens):
+async def _stream_events(state, req, stream, meta, echoes, prompt_tokens, continued=0):
     n = req.n
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     chunks = ChunkBuilder(meta, "text_completion", "text", include_usage)
@@ -113,11 +116,12 @@ async def _stream_events(state, req, stream, meta, echoes, prompt_tokens):
         if req.logprobs is not None and len(o.token_ids) > seen[i]:
             lp = completion_logprobs(state.tokenizer, (o.logprobs or [])[seen[i]:], offsets[i])
             offsets[i] += sum(len(t) for t in lp["tokens"])
+        ids = list(o.token_ids[seen[i]:]) if req.return_token_ids else None
         seen[i] = len(o.token_ids)
-        if o.delta_text or lp:
-            yield chunks.choice(i, o.delta_text, logprobs=lp)
+        if o.delta_text or lp or ids:
+            yield chunks.choice(i, o.delta_text, logprobs=lp, token_ids=ids)
         if out.finished:
-            completion_tokens += len(o.token_ids)
+            completion_tokens += len(o.token_ids) + continued
             yield chunks.choice(i, "", o.finish_reason, stop_reason=o.stop_reason)
     if include_usage:
         yield chunks.usage(usage(prompt_tokens, completion_tokens))

@@ -59,6 +59,10 @@ class _Sampling(_Strict, RefusedFields, StructuredFields):
     spaces_between_special_tokens: bool = False
     logit_bias: dict[str, float] | None = None
     priority: Int64 = 0
+    # polychip's request migration (the router resends a request whose replica failed mid-answer):
+    # tokens already generated, which the answer continues; and the token ids of each chunk
+    continue_token_ids: list[Int64] | None = None
+    return_token_ids: bool = False
     # SGLang's prefill/decode fields: on a decode side, the prefill side that runs this prompt
     bootstrap_host: StrictStr | None = None
     bootstrap_port: Annotated[int, Field(ge=1, le=65535)] | None = None

@@ -113,11 +113,14 @@ def with_max_tokens(state: ServerState, params: SamplingParams, prompts: list[li
 
 
 def engine_requests(request_id: str, prompts: list[list[int]], params: SamplingParams, priority: int,
-                    remote=None) -> list[SubRequest]:
+                    remote=None, continuation: list[int] | None = None) -> list[SubRequest]:
     """One engine request per (prompt, choice), ids ``<request_id>-<k>`` in choice order; ``remote``: the
     prefill side each one's prompt runs on (a decode side's RemotePrefill)."""
     choices = params.choices()
-    return [SubRequest(f"{request_id}-{i * len(choices) + j}", ids, child, priority, remote)
+    if continuation and (len(prompts) > 1 or len(choices) > 1):
+        raise InvalidRequestError("continue_token_ids continues one answer: one prompt and n=1 only")
+    more = tuple(continuation or ())
+    return [SubRequest(f"{request_id}-{i * len(choices) + j}", ids, child, priority, remote, more)
             for i, ids in enumerate(prompts) for j, child in enumerate(choices)]
 
 

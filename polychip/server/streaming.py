@@ -29,8 +29,10 @@ class ChunkBuilder:
         self.payload_key, self.include_usage = payload_key, include_usage
 
     def choice(self, index: int, payload, finish_reason: str | None = None, logprobs=None,
-               stop_reason: str | int | None = None) -> str:
+               stop_reason: str | int | None = None, token_ids: list[int] | None = None) -> str:
         c = {"index": index, self.payload_key: payload, "logprobs": logprobs, "finish_reason": finish_reason}
+        if token_ids is not None:       # return_token_ids: this chunk's new tokens
+            c["token_ids"] = token_ids
         if finish_reason is not None:
             c["stop_reason"] = stop_reason
         body = {**self.base, "choices": [c]}

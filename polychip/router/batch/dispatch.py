@@ -20,8 +20,9 @@ from polychip.router.settings import BatchConfig
 BATCH_PRIORITY = "low"
 
 
-def router_jobs(cfg: BatchConfig, dispatcher, rollout, handle, client, state, spawn=None) -> BatchJobs:
-    """The router's BatchJobs over --files-dir: lines go through ``handle(call)`` (the proxy) as the
+def router_jobs(cfg: BatchConfig, dispatcher, rollout, handle, client, state, spawn=None,
+                files_dir: str | None = None) -> BatchJobs:
+    """The router's BatchJobs over ``files_dir`` (--files-dir, or the one beside the embedded state): lines go through ``handle(call)`` (the proxy) as the
     dispatcher and the rollout place them; bodies are checked by an up worker of ``dispatcher.registry``
     through ``client`` (the ReplicaClient); ``state`` (RouterState) keeps the batch objects and elects
     the runner; ``spawn``: the task supervisor's, for the runs."""
@@ -59,7 +60,7 @@ def router_jobs(cfg: BatchConfig, dispatcher, rollout, handle, client, state, sp
                 raise RuntimeError(f"no replica was up for {cfg.retry_for:g}s to check the batch's bodies")
             await asyncio.sleep(1.0)
 
-    jobs = BatchJobs(cfg, FileStore(cfg.files_dir, cfg.max_file_bytes), BatchStore(state.store, state.repos.unreadable),
+    jobs = BatchJobs(cfg, FileStore(files_dir or cfg.files_dir, cfg.max_file_bytes), BatchStore(state.store, state.repos.unreadable),
                      send, check, is_leader=lambda: state.is_leader, term=lambda: state.session.term, spawn=spawn)
     state.leader_hooks.append(jobs.leadership_changed)
     return jobs

@@ -91,3 +91,9 @@ class WorkerRegistry:
         """Has (model, version) a worker that is up and not draining?"""
         return any(w.up and not w.draining and w.serving_model == model and w.serving_version == version
                    for w in self.workers.values())
+
+    def circuits_open(self, model: str, version: str) -> bool:
+        """Has (model, version) workers, and every one of them an open circuit (the guard judges
+        such a version failing: its failures are hidden from clients by retries elsewhere)?"""
+        mine = [w for w in self.workers.values() if w.serving_model == model and w.serving_version == version]
+        return bool(mine) and all(w.breaker.state == "open" for w in mine)

@@ -58,13 +58,15 @@ class ModelRoute:
 
 
 class Rollout:
-    def __init__(self, guard: GuardConfig, on_rollback=None, serving=None, on_kept=None):
+    def __init__(self, guard: GuardConfig, on_rollback=None, serving=None, on_kept=None, circuits_open=None):
         self.guard = guard
         self.models: dict[str, ModelRoute] = {}
         self.stats: dict[tuple[str, str], VersionWindow] = {}
         self.on_rollback = on_rollback          # (model, version, reason) -> None
         self.on_kept = on_kept                  # (model, version, reason) -> None: a rollback refused
         self.serving = serving or (lambda model, version: True)   # has (model, version) a serving replica?
+        # has (model, version) replicas, all with open circuits? (judged failing)
+        self.circuits_open = circuits_open or (lambda model, version: False)
         self.decisions: dict[str, dict] = {}    # model -> the guard's last decision
         self.on_change = None                   # (route, source) -> None: the state store records it
         self.may_decide = lambda: True          # False on a router that is not the leader of N
@@ -134,7 +136,7 @@ class Rollout:
             self.on_change(route, "runtime")
         return route
 
-    # per request: what the client saw, once per request
+    # per attempt: every attempt's outcome counts against the version that served it
     def record(self, model: str, version: str, ok: bool, ttft: float | None, tpot: float | None,
                e2e: float) -> None:
         stats = self.stats.get((model, version))
@@ -153,6 +155,8 @@ class Rollout:
                  self.others.get((route.name, route.baseline), Published()))
         reason = verdict(self.guard, self.stats.get((route.name, version)),
                          self.stats.get((route.name, route.baseline)), route.baseline, extra)
+        if not reason and self.circuits_open(route.name, version):      # too few samples to judge, yet failing
+            reason = f"every replica of version {version} has an open circuit"
         if reason:
             self._roll_back(route, version, reason)
 

@@ -25,6 +25,8 @@ class Call:
     cost: float = 1.0                        # WFQ charge in tokens (estimate)
     t0: float = field(default_factory=time.perf_counter)
     attempts: int = 0
+    ticket: object = None                    # the dispatch ticket (replicas tried), for a migration
+    migration: object = None                 # routing/migration.py's Migration of a stream, or None
 
     def left(self, limit: float | None) -> float:
         """Seconds left of ``limit`` since arrival (inf: no limit)."""

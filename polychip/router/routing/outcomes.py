@@ -1,5 +1,6 @@
-"""What each request's end tells the router: its metrics and live series, the worker's breaker (every
-attempt), the canary guard (once per request: what the client saw) and the access log."""
+"""What each request's end tells the router: its metrics and live series, the worker's breaker and the
+canary guard (both every attempt, against the replica and version that served it: a failure a retry
+hides from the client still counts against its version) and the access log."""
 from __future__ import annotations
 
 import logging
@@ -32,13 +33,6 @@ class Outcomes:
     def __init__(self, dispatcher: Dispatcher, rollout: Rollout, metrics: RouterMetrics):
         self.d, self.rollout, self.metrics = dispatcher, rollout, metrics
 
-    def client_saw_failure(self, call: Call, last: Worker | None) -> None:
-        """The router's own 5xx after failed attempts: the guard counts it against the version of the
-        last replica that failed it (none tried, nothing counted: the fleet was full, not faulty)."""
-        if last is not None:
-            self.rollout.record(call.model, last.serving_version or "", False, None, None,
-                                time.perf_counter() - call.t0)
-
     @staticmethod
     def where(replica: Worker, call: Call) -> dict:
         """The response headers that say where the request went."""
@@ -55,7 +49,7 @@ class Outcomes:
     def finish(self, call: Call, replica: Worker, status: int, ttft: float | None, ok: bool,
                tokens: int | None = None, kind: str | None = None) -> float:
         """The request's final outcome on ``replica``: metrics, its breaker, the canary guard
-        (once per request: what the client saw), the access log. Returns the end-to-end seconds."""
+        (this attempt's outcome), the access log. Returns the end-to-end seconds."""
         e2e = time.perf_counter() - call.t0
         labels = self.labels(call, replica)
         replica.served += 1
@@ -86,12 +80,15 @@ class Outcomes:
         return e2e
 
     def attempt_failed(self, call: Call, replica: Worker, r: Retry) -> None:
-        """An attempt the client does not see: the breaker counts it, the guard does not."""
+        """An attempt the client does not see: the breaker counts it, and so does the guard against the
+        version that served it (an admission 503 is neither's failure)."""
         labels = self.labels(call, replica)
         self.metrics.errors.labels(*labels, r.kind).inc()
         self.metrics.live.error(call.model, replica.device_type, r.kind)
         if r.failure:
             self.d.outcome(replica, False, r.reason)
+            self.rollout.record(call.model, replica.serving_version or "", False, None, None,
+                                time.perf_counter() - call.t0)
         else:
             replica.record_neutral()
         log.warning("%s: attempt %d on %s failed before the first token (%s)", call.request_id, call.attempts,

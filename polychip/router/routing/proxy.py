@@ -10,10 +10,11 @@ token must come within ``first_token_timeout`` of arrival, all attempts and queu
 and the whole answer within ``total_timeout``. When no eligible replica is left the answer is
 an immediate 503 saying why. Stream events are held back until the first one carrying a token,
 so a retry is invisible to the client; after that, a failure ends the stream with an
-OpenAI-shaped error event and ``[DONE]``; no client is left hanging.
+OpenAI-shaped error event and ``[DONE]`` unless the stream can migrate (routing/migration.py: it
+goes on, spliced, on another replica, up to ``migration_limit`` times); no client is left hanging.
 
-Every outcome feeds the replica's circuit breaker; the canary guard sees one outcome per client
-request (what the client saw), not one per attempt.
+Every attempt's outcome feeds the replica's circuit breaker and the canary guard (against the
+version that served it).
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ import anyio
 import httpx
 from fastapi.responses import Response, StreamingResponse
 
-from polychip.http.errors import error_body, error_response
+from polychip.http.errors import error_response
 from polychip.router.fleet.worker import Worker
 from polychip.router.metrics import RouterMetrics
 from polychip.router.rollout.weights import Rollout
@@ -36,9 +37,11 @@ from polychip.router.routing.call import Call, Final, Retry
 from polychip.router.fleet.client import ReplicaClient
 from polychip.router.routing.dispatch import Dispatcher, NoReplicaError, QueueFullError, Ticket
 from polychip.router.routing.outcomes import Outcomes
+from polychip.router.routing.migration import Migration
+from polychip.router.routing.relay import StreamRelay
 from polychip.router.routing.pd import Pairing
 from polychip.router.routing.retry_budget import RetryBudget
-from polychip.router.routing.sse import SSEEvents, close_quietly, has_token, parse_event, read_and_close, sse_text
+from polychip.router.routing.sse import SSEEvents, close_quietly, has_token, parse_event, read_and_close
 from polychip.router.settings import LiveSettings, RouterConfig
 
 log = logging.getLogger("polychip.router")
@@ -53,7 +56,7 @@ def is_admission(status: int, content: bytes, headers) -> bool:
     return status == 503 and (b"server_overloaded" in content[:2000] or "retry-after" in headers)
 
 
-class Proxy:
+class Proxy(StreamRelay):
     def __init__(self, settings: LiveSettings, dispatcher: Dispatcher, rollout: Rollout, metrics: RouterMetrics,
                  client: ReplicaClient):
         self.settings, self.d, self.rollout, self.metrics = settings, dispatcher, rollout, metrics
@@ -74,10 +77,13 @@ class Proxy:
         return self.replicas.http
 
     async def handle(self, call: Call) -> Response:
-        ticket = Ticket(call.model, call.version, call.priority, call.preferred, call.prompt, cost=call.cost)
+        ticket = call.ticket = Ticket(call.model, call.version, call.priority, call.preferred, call.prompt,
+                                      cost=call.cost)
+        call.migration = Migration.for_call(call.body, self.cfg.migration_limit) if call.stream else None
+        sent = call.migration.first_body() if call.migration is not None else call.body
         self.budget.request()
         tried: list[str] = []
-        retries, last = 0, None
+        retries = 0
         while True:
             wait = min(call.left(self.cfg.first_token_timeout if call.stream else None), call.left(self.cfg.total_timeout))
             if wait <= 0:
@@ -88,13 +94,12 @@ class Proxy:
                 return self.outcomes.refuse(call, 503, str(e), "queue_full")
             except NoReplicaError as e:
                 why = str(e) + (f"; attempts: {' | '.join(tried)}" if tried else "")
-                self.outcomes.client_saw_failure(call, last)
                 return self.outcomes.refuse(call, 503, why, "no_replica", retry_after=e.retry_after)
             ticket.exclude.add(replica.name)
             call.attempts += 1
             if retries:
                 self.metrics.retries.labels(call.model, replica.name, replica.device_type).inc()
-            body, prefill = self.pairing.body_for(call.body, replica)
+            body, prefill = self.pairing.body_for(sent, replica)
             try:
                 return await (self._stream(call, replica, body) if call.stream else self._json(call, replica, body))
             except Final as f:
@@ -105,10 +110,8 @@ class Proxy:
                 tried.append(r.reason)
                 if not r.failure:
                     continue                # a full replica: try another, no retry spent
-                last = replica
                 if retries >= self.cfg.max_retries or not self.budget.try_spend():
                     what = "max_retries reached" if retries >= self.cfg.max_retries else "retry budget spent"
-                    self.outcomes.client_saw_failure(call, last)
                     return self.outcomes.refuse(call, 502, f"no replica answered after {call.attempts} attempt(s) "
                                                 f"({what}); last error: {r.reason}", "all_attempts_failed",
                                                 retry_after=None)
@@ -232,59 +235,6 @@ class Proxy:
                 await close_quietly(resp)
             raise
         return resp, events, held
-
-    async def _relay(self, call, replica, resp, events: SSEEvents, held: list[bytes], ttft, released: list):
-        """Pass the stream on as the network delivers it, one write per batch of events; only the
-        events that may carry usage, an error or [DONE] are parsed."""
-        ok, status, tokens, done, kind = True, 200, None, False, None
-        try:
-            batch = held
-            while True:
-                for i, event in enumerate(batch):
-                    if b"[DONE]" in event and parse_event(event) == "[DONE]":
-                        done, batch = True, batch[:i + 1]
-                        break
-                    if b'"usage"' in event or b'"error"' in event:
-                        msg = parse_event(event)
-                        if isinstance(msg, dict):
-                            if "error" in msg:
-                                ok, kind = False, "stream_error"
-                            tokens = (msg.get("usage") or {}).get("completion_tokens", tokens)
-                if done:
-                    # the replica has finished this request: free its slot now, not after the body's
-                    # end arrives (which may wait for the replica's next step), or the client's next
-                    # request would queue here behind a request that is already over
-                    self._release_once(replica, released)
-                yield b"".join(batch)
-                if done:
-                    await events.drain()        # read the body's end, so the connection is reused
-                    break
-                left = call.left(self.cfg.total_timeout)
-                try:
-                    async with asyncio.timeout(None if math.isinf(left) else max(left, 0)):
-                        batch = await events.batch()
-                except TimeoutError:
-                    ok, status, kind = False, 504, "deadline"
-                    yield sse_text(error_body(f"the answer passed the router's total_timeout "
-                                              f"({self.cfg.total_timeout:g}s) and is incomplete", "timeout", None, 504))
-                    yield sse_text("[DONE]")
-                    break
-                if batch is None:
-                    raise httpx.RemoteProtocolError("the replica closed the stream without [DONE]")
-        except (httpx.TransportError, httpx.TimeoutException) as e:
-            ok, status, kind = False, 599, "stream_broken"
-            log.warning("%s: stream from %s broke after the first token: %s", call.request_id, replica.name, e)
-            yield sse_text(error_body(f"the replica {replica.name} failed mid-stream ({type(e).__name__}: {e}); "
-                                      "the answer is incomplete", "upstream_error", None, 502))
-            yield sse_text("[DONE]")
-        except asyncio.CancelledError:
-            status, kind = 499, "client_gone"
-            raise
-        finally:
-            with anyio.CancelScope(shield=True):
-                await close_quietly(resp)
-                self._release_once(replica, released)
-                self.outcomes.finish(call, replica, status, ttft, ok=ok, tokens=tokens, kind=kind)
 
     def _release_once(self, replica: Worker, released: list) -> None:
         """Give the replica's slot back, once per request (``released`` records that it was)."""

@@ -1,0 +1,136 @@
+"""Request migration over two real ``polychip serve`` replicas (a tiny random-weight model, greedy):
+the replica serving a stream is killed after its first tokens; the router resends the request to
+the other with the delivered token ids, and the client's stream goes on with no error event and the
+same tokens as an uninterrupted run; usage counts the answer once."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from polychip.http.server import free_port
+from polychip.router.settings import HealthConfig, RouterConfig
+from router_helpers import router_stack, start_router, wait_for  # noqa: F401 (router_stack: a fixture)
+
+pytestmark = pytest.mark.device_independent
+
+ARGS = ["--num-threads", "1", "--max-total-tokens", "4096", "--served-model-name", "tiny"]
+
+
+def _serve(model: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "polychip.cli", "serve", "--model-path", model,
+                             "--port", str(port), *ARGS], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+class Pair:
+    """Two serve processes; ``live()`` starts again the one a test killed."""
+
+    def __init__(self, model: str):
+        self.model, self.procs = model, [_serve(model), _serve(model)]
+
+    def live(self) -> list[tuple[subprocess.Popen, str]]:
+        self.procs = [(p, u) if p.poll() is None else _serve(self.model) for p, u in self.procs]
+        for _, url in self.procs:
+            wait_for(lambda: _ok(url), 120, f"serve at {url}")
+        return self.procs
+
+    def stop(self) -> None:
+        for proc, _ in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def pair(model_factory):
+    p = Pair(model_factory("qwen3", True))
+    try:
+        yield p
+    finally:
+        p.stop()
+
+
+def _ok(url) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _events(resp) -> list:
+    out = []
+    for line in resp.iter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            out.append(json.loads(line[6:]))
+    return out
+
+
+def _text(events, chat) -> str:
+    key = (lambda c: (c.get("delta") or {}).get("content") or "") if chat else (lambda c: c.get("text") or "")
+    return "".join(key(c) for e in events for c in e.get("choices") or ())
+
+
+BODIES = {"/v1/completions": {"prompt": "The room of unequal chips"},
+          "/v1/chat/completions": {"messages": [{"role": "user", "content": "Say something long"}]}}
+
+
+@pytest.mark.parametrize("path", list(BODIES))
+def test_a_stream_survives_its_replica_and_matches_an_uninterrupted_run(pair, path):
+    chat = path.startswith("/v1/chat")
+    body = {"model": "tiny", **BODIES[path], "max_tokens": 48, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    live = pair.live()
+    whole = httpx.post(live[0][1] + path, json={**body, "return_token_ids": True}, timeout=60)
+    expected = _events(whole)
+    want_ids = [i for e in expected for c in e.get("choices") or () for i in c.get("token_ids", [])]
+    assert len(want_ids) == 48
+    fast = HealthConfig(interval=0.3, timeout=2, failure_threshold=2, success_threshold=1)
+    srv, router = start_router(RouterConfig(health=fast, max_retries=1), [u for _, u in live])
+    try:
+        wait_for(lambda: len(router.registry.up()) == 2, 30, "replicas up")
+        with httpx.stream("POST", srv.url + path, json=body, timeout=60) as resp:
+            victim = resp.headers["x-polychip-replica"]
+            seen, lines = 0, []
+            for line in resp.iter_lines():
+                lines.append(line)
+                if line.startswith("data: ") and ('"text":"' in line or '"content":"' in line):
+                    seen += 1
+                    if seen == 5:                 # after the first tokens: kill the replica serving it
+                        proc = next(p for p, u in live if router.registry.get(victim).url == u)
+                        os.kill(proc.pid, signal.SIGKILL)
+        events = [json.loads(x[6:]) for x in lines if x.startswith("data: ") and x != "data: [DONE]"]
+        assert lines[-1] == "data: [DONE]" or "data: [DONE]" in lines
+        assert not [e for e in events if "error" in e], events
+        assert _text(events, chat) == _text(expected, chat)
+        assert not any("token_ids" in c for e in events for c in e.get("choices") or ())   # the router's own
+        usage = [e["usage"] for e in events if e.get("usage")]
+        assert len(usage) == 1 and usage[0]["completion_tokens"] == 48
+        assert usage[0]["prompt_tokens"] == [e["usage"] for e in expected if e.get("usage")][0]["prompt_tokens"]
+        assert router.metrics.migrations._metrics, "no migration was counted"
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize("limit", [0, 1, 2])
+def test_migration_limit_is_honoured(router_stack, limit):
+    """Every replica dies after its first token: a stream is resent ``migration_limit`` times, each
+    time with the delivered tokens, then ends with an error event (and [DONE])."""
+    from router_helpers import FakeReplica
+    fakes = [FakeReplica(tokens=4, mode="die_mid_stream") for _ in range(3)]
+    url, router = router_stack(fakes, migration_limit=limit, max_retries=0)
+    with httpx.stream("POST", url + "/v1/completions", timeout=30,
+                      json={"model": "tiny", "prompt": "hi", "max_tokens": 4, "stream": True}) as resp:
+        lines = [x for x in resp.iter_lines() if x.startswith("data: ")]
+    bodies = [b for f in fakes for b in f.bodies]
+    assert len(bodies) == 1 + limit
+    assert sorted(len(b.get("continue_token_ids") or []) for b in bodies) == list(range(limit + 1))
+    assert sorted(b["max_tokens"] for b in bodies) == sorted(4 - k for k in range(limit + 1))
+    assert lines[-1] == "data: [DONE]" and '"error"' in lines[-2]
+    assert "".join(json.loads(x[6:])["choices"][0]["text"] for x in lines[:-2]) == "x" * (1 + limit)
