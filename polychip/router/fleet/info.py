@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from polychip.router.device_health import DeviceHealth, parse_device_health
+
 
 @dataclass(frozen=True)
 class ReplicaInfo:
@@ -30,6 +32,10 @@ class ReplicaInfo:
     transfer_backend: str | None = None
     handoffs: tuple[tuple[str, float], ...] = ()
     startup: dict | None = None      # its "startup" block: load, compile and warm-up times (when it has one)
+    # what each rank's plugin reports about its device (temperature, throttling, ...); () when none
+    device_health: tuple[DeviceHealth, ...] = ()
+    # the compute figures its device declares (its spec's ``compute``: tflops_fp32, ...); () when none
+    compute: tuple[tuple[str, float], ...] = ()
 
     @classmethod
     def parse(cls, data: dict) -> "ReplicaInfo":
@@ -51,7 +57,21 @@ class ReplicaInfo:
                    kv_usage=float(get("kv_usage", (int, float), 0.0)),
                    prefix_cache_hit_rate=float(get("prefix_cache_hit_rate", (int, float), 0.0)),
                    startup=data["startup"] if isinstance(data.get("startup"), dict) else None,
+                   device_health=parse_device_health(data.get("device_health")),
+                   compute=_compute(data.get("device_compute")),
                    **_disaggregation(data.get("disaggregation")))
+
+
+def _compute(block) -> tuple[tuple[str, float], ...]:
+    """``device_compute``: figure name -> a positive number; ValueError naming a bad one."""
+    if block is None:
+        return ()
+    if not isinstance(block, dict):
+        raise ValueError(f"/server_info field 'device_compute' should be an object, got {block!r}")
+    for key, value in block.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"/server_info field 'device_compute.{key}' should be a positive number, got {value!r}")
+    return tuple(sorted((str(k), float(v)) for k, v in block.items()))
 
 
 HANDOFF_FIGURES = ("transfers_in_flight", "transfers_done", "transfers_failed", "fallbacks", "bytes",

@@ -2,11 +2,16 @@
 when it does not simply answer: ``Retry`` (another replica may try) or ``Final`` (the client gets it)."""
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from dataclasses import dataclass, field
 
 from fastapi.responses import Response
+
+from polychip.router.settings import SloTargets
+
+_serials = itertools.count(1)
 
 
 @dataclass
@@ -25,6 +30,10 @@ class Call:
     cost: float = 1.0                        # WFQ charge in tokens (estimate)
     t0: float = field(default_factory=time.perf_counter)
     attempts: int = 0
+    prompt_tokens: float = 0.0               # the router's estimate (it has no tokenizer)
+    max_tokens: int = 256                    # what it asks for (the default when it names none)
+    slo: SloTargets | None = None            # its latency targets (headers, else the defaults)
+    serial: int = field(default_factory=lambda: next(_serials))     # unique per router, unlike request_id
 
     def left(self, limit: float | None) -> float:
         """Seconds left of ``limit`` since arrival (inf: no limit)."""

@@ -34,7 +34,7 @@ from polychip.router.metrics import RouterMetrics
 from polychip.router.rollout.weights import Rollout
 from polychip.router.routing.call import Call, Final, Retry
 from polychip.router.fleet.client import ReplicaClient
-from polychip.router.routing.dispatch import Dispatcher, NoReplicaError, QueueFullError, Ticket
+from polychip.router.routing.dispatch import Dispatcher, NoReplicaError, QueueFullError, TargetMissError, Ticket
 from polychip.router.routing.outcomes import Outcomes
 from polychip.router.routing.pd import Pairing
 from polychip.router.routing.retry_budget import RetryBudget
@@ -74,7 +74,9 @@ class Proxy:
         return self.replicas.http
 
     async def handle(self, call: Call) -> Response:
-        ticket = Ticket(call.model, call.version, call.priority, call.preferred, call.prompt, cost=call.cost)
+        ticket = Ticket(call.model, call.version, call.priority, call.preferred, call.prompt, cost=call.cost,
+                        key=call.serial, arrived=call.t0, prompt_tokens=call.prompt_tokens,
+                        max_tokens=call.max_tokens, slo=call.slo)
         self.budget.request()
         tried: list[str] = []
         retries, last = 0, None
@@ -86,6 +88,8 @@ class Proxy:
                 replica = await self.d.acquire(ticket, wait=None if math.isinf(wait) else wait)
             except QueueFullError as e:
                 return self.outcomes.refuse(call, 503, str(e), "queue_full")
+            except TargetMissError as e:
+                return self.outcomes.refuse(call, 429, str(e), "slo_miss", retry_after=e.retry_after)
             except NoReplicaError as e:
                 why = str(e) + (f"; attempts: {' | '.join(tried)}" if tried else "")
                 self.outcomes.client_saw_failure(call, last)
