@@ -45,7 +45,7 @@ POLICIES = ("round_robin", "least_load", "fastest")
 
 def replica(device: str, spec: str) -> ServerProcess:
     return ServerProcess(["--device", device, "--device-config", os.path.join(SPECS, spec), "--num-threads", "1",
-                          "--log-level", "warning"])
+                          "--served-model-name", "tiny"])
 
 
 def start_router(urls: list[str], policy: str) -> tuple[subprocess.Popen, str]:
@@ -132,6 +132,9 @@ def main() -> None:
     try:
         fast.wait_ready(300)
         slow.wait_ready(300)
+        check = asyncio.run(poisson(fast.url, probe[:1], [0.0]))[0][0]
+        if not check.ok:
+            raise RuntimeError(f"the fast replica's answer: {check.error}")
         cap_fast = asyncio.run(closed_loop(fast.url, probe, 8))
         cap_slow = asyncio.run(closed_loop(slow.url, probe, 8))
         rate = a.rate or math.sqrt(cap_fast * cap_slow)
