@@ -10,6 +10,7 @@ import pytest
 
 from polychip.errors import ConfigError
 from polychip.router.deployment import DeploymentError, from_dict
+from polychip.router.routing.estimate import STALE_AFTER
 from polychip.router.settings import RouterConfig
 from tests.router_helpers import FakeReplica, router_stack, wait_for  # noqa: F401
 
@@ -61,6 +62,9 @@ def test_estimates_converge_and_fastest_prefers_the_fast_replica(two_speeds):
     assert seen["r1"]["expected"]["ttft_ms"] > seen["r0"]["expected"]["ttft_ms"]
     metrics = httpx.get(url + "/metrics").text
     assert 'polychip_router_replica_tpot_seconds{device_type="cpu",model="tiny",replica="r1"' in metrics
+    router.registry["r1"].speed.measured_at -= 2 * STALE_AFTER       # idle and not heard from: measured again
+    assert _ask(url).headers["x-polychip-replica"] == "r1"
+    assert _ask(url).headers["x-polychip-replica"] == "r0"
 
 
 def test_a_target_no_replica_meets_gets_429_with_retry_after(two_speeds):

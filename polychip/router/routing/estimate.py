@@ -5,7 +5,9 @@ estimates (fleet/speed.py); and whether that meets the request's latency targets
 A replica not yet measured borrows a measured peer's estimates (same model), scaled by the ratio of
 the compute their devices declare (``/server_info``'s ``device_compute``); with no measured peer
 nothing is known yet (``source`` "unknown") and it is taken as able to meet any target, so that it
-gets the answers it is measured by.
+gets the answers it is measured by. So is an idle replica whose last answer is older than
+``STALE_AFTER`` seconds: what it was (a throttling card, a busy host) may have passed, and one request
+measures it again.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from polychip.router.fleet.worker import Worker
 from polychip.router.settings import SloTargets
 
 # the compute figure that matters for a model's dtype (a spec's ``compute`` keys)
+STALE_AFTER = 30.0       # seconds without an answer before an idle replica's estimates are measured again
 DTYPE_FIGURE = {"float32": "tflops_fp32", "bfloat16": "tflops_bf16", "float16": "tflops_fp16", "int8": "tops_int8"}
 
 
@@ -60,6 +63,8 @@ def _ahead(worker: Worker, now: float) -> float:
 
 def _source(worker: Worker, peers: list[Worker]) -> tuple[Speed, str, float] | None:
     if worker.speed.measured:
+        if not worker.jobs and time.time() - (worker.speed.measured_at or 0.0) > STALE_AFTER:
+            return None             # idle and not heard from for a while: measure it again
         return worker.speed, "measured", 1.0
     for peer in sorted(peers, key=lambda p: -max(p.speed.prefill.n, p.speed.decode.n)):
         if peer is not worker and peer.speed.measured:
