@@ -19,6 +19,7 @@ pytestmark = pytest.mark.device_independent   # names its devices: simxpu:0 and 
 
 HOT_SPEC = """device_type: simxpu
 device_ids: [0]
+memory: {total: 2GiB}
 supported_dtypes: [float32, bfloat16]
 custom_attributes:
   thermal: {ambient_c: 35, full_load_c: 95, limit_c: 45, time_constant_s: 2, throttle_slowdown: 2, hysteresis_c: 1}
@@ -71,6 +72,7 @@ def test_traffic_leaves_a_hot_simxpu_card_and_comes_back_when_it_cools(model_fac
                     while_hot.append(where)
             assert while_hot and set(while_hot) == {"r1"}, while_hot
             wait_for(lambda: hot_w.weight()[0] == 1, 60, "the hot card cooled")
-            assert Counter(_ask(server.url, 4) for _ in range(6)) == {"r0": 3, "r1": 3}
+            back = Counter(_ask(server.url, 4) for _ in range(6))
+            assert back["r0"] >= 2 and back["r1"] >= 2, back          # both take traffic again
         finally:
             server.stop()
