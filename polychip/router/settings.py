@@ -8,49 +8,17 @@ force: every part reads them there, so what a reload changes is what the router 
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, Callable
+from typing import Annotated, Callable
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from polychip.errors import ConfigError
-
-PRIORITY_CLASSES = ("high", "normal", "low")
+from polychip.router.settings_base import PRIORITY_CLASSES, _Settings, setting, settings_message  # noqa: F401
+from polychip.router.settings_placement import PlacementConfig, SloTargets  # noqa: F401
 DEFAULT_PRIORITY_WEIGHTS = {"high": 3.0, "normal": 1.0, "low": 1.0}
 # priority_class -> the replica scheduler's integer ``priority`` (lower runs first)
 DEFAULT_REPLICA_PRIORITIES = {"high": -10, "normal": 0, "low": 10}
 POLICY_NAMES = ("round_robin", "least_load", "prefix_aware", "fastest")
-
-
-def setting(default: Any = None, help: str = "", *, flag: str | None = None, live: bool = True,
-            default_factory=None, alias: str | None = None, flag_type: str | None = None, **limits):
-    """A settings field: its help, its flag (default: from its name), whether a reload may change it,
-    and for a mapping flag how its values parse (``int_map``: CLASS=INT; default CLASS=NUMBER)."""
-    extra = {"flag": flag, "live": live, "flag_type": flag_type}
-    if default_factory is not None:
-        return Field(default_factory=default_factory, description=help, json_schema_extra=extra, alias=alias,
-                     **limits)
-    return Field(default, description=help, json_schema_extra=extra, alias=alias, **limits)
-
-
-class _Settings(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, populate_by_name=True)
-
-    def replace(self, **changes) -> "_Settings":
-        """A copy with ``changes``, validated again; a ConfigError naming each bad field."""
-        try:
-            return type(self)(**{**{name: getattr(self, name) for name in type(self).model_fields}, **changes})
-        except ValidationError as e:
-            raise ConfigError(settings_message(e)) from None
-
-
-def settings_message(err: ValidationError) -> str:
-    """``health_check.interval: Input should be greater than 0; got -1``, one line per problem."""
-    lines = []
-    for e in err.errors():
-        where = ".".join(str(p) for p in e["loc"]) or "router"
-        msg = e["msg"].removeprefix("Value error, ")
-        lines.append(f"{where}: {msg}" + ("" if isinstance(e.get("input"), (dict, list)) else f"; got {e['input']!r}"))
-    return "router settings: " + "; ".join(lines)
 
 
 class HealthConfig(_Settings):
@@ -103,53 +71,6 @@ class PrefixConfig(_Settings):
 
 
 Seconds = Annotated[float, Field(gt=0)]
-Millis = Annotated[float, Field(gt=0)]
-
-
-class SloTargets(_Settings):
-    """Latency targets of a request (its headers ``x-polychip-slo-ttft-ms`` / ``-tpot-ms``, else its model's
-    or its priority class's defaults): ``fastest`` places it where they are expected to be met."""
-
-    ttft_ms: float | None = setting(None, "time to first token, milliseconds from arrival", gt=0)
-    tpot_ms: float | None = setting(None, "time per output token after the first, milliseconds", gt=0)
-
-    @property
-    def given(self) -> bool:
-        return self.ttft_ms is not None or self.tpot_ms is not None
-
-    def over(self, defaults: "SloTargets | None") -> "SloTargets":
-        """These targets, each one not given taken from ``defaults``."""
-        if defaults is None:
-            return self
-        return SloTargets(ttft_ms=self.ttft_ms if self.ttft_ms is not None else defaults.ttft_ms,
-                          tpot_ms=self.tpot_ms if self.tpot_ms is not None else defaults.tpot_ms)
-
-
-class PlacementConfig(_Settings):
-    """What ``fastest`` learns and aims for: each replica's moving speed estimates, the weight of a device
-    running hot (every policy but round_robin), the latency targets per priority class."""
-
-    estimate_alpha: float = setting(0.1, "weight of each new answer in a replica's moving speed estimates",
-                                    gt=0, le=1)
-    hot_weight: float = setting(0.25, "placement weight of a replica whose device is past its thermal limit "
-                                "or throttling (1: ignore device health)", gt=0, le=1)
-    slo_ttft_ms: dict[str, Millis] = setting(help="default TTFT target (ms) per priority class, e.g. high=500",
-                                             default_factory=dict, flag="--slo-ttft-ms")
-    slo_tpot_ms: dict[str, Millis] = setting(help="default TPOT target (ms) per priority class, e.g. high=50",
-                                             default_factory=dict, flag="--slo-tpot-ms")
-
-    @field_validator("slo_ttft_ms", "slo_tpot_ms")
-    @classmethod
-    def _classes(cls, v):
-        unknown = sorted(set(v) - set(PRIORITY_CLASSES))
-        if unknown:
-            raise ValueError(f"unknown priority class(es) {unknown}; expected {list(PRIORITY_CLASSES)}")
-        return v
-
-    def slo(self, priority: str) -> SloTargets:
-        return SloTargets(ttft_ms=self.slo_ttft_ms.get(priority), tpot_ms=self.slo_tpot_ms.get(priority))
-
-
 class BatchConfig(_Settings):
     """OpenAI files and batch jobs (/v1/files, /v1/batches); fixed while the router runs."""
 

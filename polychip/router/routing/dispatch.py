@@ -23,9 +23,10 @@ from polychip.router.fleet.speed import Job
 from polychip.router.fleet.worker import Worker
 from polychip.router.rollout.weights import ModelRoute, Rollout
 from polychip.router.routing.estimate import expect
-from polychip.router.routing.policies import Policy, make_policy
+from polychip.router.routing.fastest import Fastest
+from polychip.router.routing.policies import LeastLoad, Policy, PrefixAware, RoundRobin
 from polychip.router.routing.wfq import FairQueue, QueueFullError
-from polychip.router.settings import LiveSettings, RouterConfig, SloTargets
+from polychip.router.settings import LiveSettings, PrefixConfig, RouterConfig, SloTargets
 
 log = logging.getLogger("polychip.router")
 
@@ -64,6 +65,14 @@ class Ticket:
     def lane(self) -> tuple:
         """Requests with the same lane can go to the same replicas."""
         return (self.model, self.version, self.preferred, frozenset(self.exclude), self.slo)
+
+
+def make_policy(name: str, prefix: PrefixConfig) -> Policy:
+    policies = {"round_robin": RoundRobin, "least_load": LeastLoad, "fastest": Fastest,
+                "prefix_aware": lambda: PrefixAware(prefix)}
+    if name not in policies:
+        raise ValueError(f"unknown policy {name!r}")
+    return policies[name]()
 
 
 def capable(replica: Worker, route: ModelRoute | None) -> str | None:

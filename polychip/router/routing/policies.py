@@ -113,16 +113,3 @@ class PrefixAware(Policy):
 
     def forget(self, replica):
         self.tree.remove_tenant(replica.name)
-
-
-def make_policy(name: str, prefix: PrefixConfig) -> Policy:
-    if name == "fastest":
-        from polychip.router.routing.fastest import Fastest
-        return Fastest()
-    if name == "round_robin":
-        return RoundRobin()
-    if name == "least_load":
-        return LeastLoad()
-    if name == "prefix_aware":
-        return PrefixAware(prefix)
-    raise ValueError(f"unknown policy {name!r}")
