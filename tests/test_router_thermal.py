@@ -16,6 +16,7 @@ from polychip.router.settings import HealthConfig, RouterConfig
 from router_helpers import start_router, wait_for
 
 pytestmark = pytest.mark.device_independent   # names its devices: simxpu:0 and simxpu:1
+pytest.importorskip("polychip_simxpu.thermal", reason="simxpu's heating card comes with plugin API 1.2 (issue 33)")
 
 HOT_SPEC = """device_type: simxpu
 device_ids: [0]
