@@ -233,7 +233,7 @@ def test_two_routers_over_etcd_share_batches_and_only_the_leader_runs_them(repli
             wait_for(lambda: router.batches is not None and router.state.leader is not None, 15, "batches and a leader")
         (leader_srv, leader), (follower_srv, follower) = sorted(routers, key=lambda sr: not sr[1].state.is_leader)
         assert leader.state.is_leader and not follower.state.is_leader
-        wait_for(lambda: all(r.up for r in leader.dispatcher.replicas.values()), 15, "the replica up")
+        wait_for(lambda: all(r.up for r in leader.registry), 15, "the replica up")
         on_follower = openai.OpenAI(base_url=follower_srv.url + "/v1", api_key="unused", max_retries=0, timeout=30)
         on_leader = openai.OpenAI(base_url=leader_srv.url + "/v1", api_key="unused", max_retries=0, timeout=30)
         up = on_follower.files.create(file=("in.jsonl", _lines(12)), purpose="batch")

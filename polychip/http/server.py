@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import socket
 from typing import Callable
@@ -60,6 +61,23 @@ def uvicorn_tls(certfile: str | None, keyfile: str | None, ca_certs: str | None)
     return out
 
 
+PORT_FD_ENV = "POLYCHIP_PORT_FD"     # a launching router's pipe: the port goes there, not into the log
+
+
+def report_port(sockets) -> None:
+    """Write the bound port to the pipe a launching router handed down (its fd in ``PORT_FD_ENV``),
+    once; the router learns the port from there only, never from the output a client can steer."""
+    fd = os.environ.pop(PORT_FD_ENV, None)
+    if fd is None or not sockets:
+        return
+    try:
+        os.write(int(fd), f"{sockets[0].getsockname()[1]}\n".encode())
+        os.close(int(fd))
+    except (OSError, ValueError) as e:
+        logging.getLogger("polychip.http").warning("cannot report the port to the launcher (%s=%s): %s",
+                                                   PORT_FD_ENV, fd, e)
+
+
 class ReadyServer(uvicorn.Server):
     """uvicorn.Server that logs one ready line once it accepts connections and installs the
     extra signal handlers it is given (signal -> coroutine function)."""
@@ -76,6 +94,7 @@ class ReadyServer(uvicorn.Server):
             for sig, handler in self.on_signal.items():
                 loop.add_signal_handler(sig, lambda h=handler: asyncio.ensure_future(h()))
             self.logger.info("%s", self.ready_line())
+            report_port(sockets)
 
 
 def serve_on(server: uvicorn.Server, sock: socket.socket) -> None:

@@ -23,7 +23,7 @@ from polychip.router.fleet.host import HostInventory
 from polychip.router.fleet.inventory import Inventory
 from polychip.router.fleet.launcher import Launcher
 from polychip.router.fleet.ledger import DeviceLedger
-from polychip.router.fleet.reconciler import Reconciler
+from polychip.router.reconciler import Reconciler
 from polychip.router.fleet.registry import WorkerRegistry
 from polychip.router.fleet.replica_logs import ReplicaLogs
 from polychip.router.fleet.worker import Worker

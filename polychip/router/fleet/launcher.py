@@ -7,19 +7,19 @@ sends SIGTERM (the replica drains) then kills it after a grace period.
 A launched replica dies with the router: the kernel sends it SIGTERM when the router's process
 goes, however it goes (``PR_SET_PDEATHSIG``, Linux). A replica without a fixed port binds port 0
 itself and reports the port in its ready line, so no other process can take the port between
-the router choosing it and the replica binding it. Each running replica is recorded (pid and
+the router choosing it and the replica binding it; the port comes back through a pipe the
+replica inherits, never from its output (processes.py). Its output is read in bounded lines, and
+a leftover's stop waits in a thread, not on the event loop. Each running replica is recorded (pid and
 command) under ``run_dir``; a new router that finds a record whose process still runs the same
 command stops it before launching its own (a clean replacement, not a second set).
 """
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import hashlib
 import json
 import logging
 import os
-import re
 import signal
 import time
 from dataclasses import dataclass, field
@@ -27,39 +27,22 @@ from pathlib import Path
 from typing import Callable
 
 from polychip.http.launcher import VERSION_ENV, serve_command as serve_argv
-from polychip.http.server import free_port
+from polychip.http.server import PORT_FD_ENV, free_port
 from polychip.router.deployment import ReplicaEntry
+from polychip.router.fleet.processes import (bounded_lines, die_with_parent, exit_reason, read_port,
+                                             running_cmd, stop_pid)
+
+__all__ = ["Launcher", "Managed", "serve_command", "exit_reason", "default_run_dir"]
 
 log = logging.getLogger("polychip.router.fleet.launcher")
 
 BACKOFF_START, BACKOFF_MAX, STABLE_AFTER = 1.0, 30.0, 60.0
-PR_SET_PDEATHSIG = 1
-READY_LINE = re.compile(r"polychip ready: https?://\S+:(\d+)\b")
+LEFTOVER_GRACE = 10.0         # seconds a previous router's replica gets to stop before SIGKILL
 
 
 def default_run_dir() -> Path:
     base = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/polychip-{os.getuid()}"
     return Path(base) / "polychip-router"
-
-
-def _die_with_parent(parent: int) -> Callable[[], None]:
-    """preexec_fn: SIGTERM when the router dies (and exit now if it already has)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-
-    def arm():
-        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
-            os._exit(121)
-        if os.getppid() != parent:          # the router died before prctl took effect
-            os._exit(122)
-    return arm
-
-
-def _running_cmd(pid: int) -> list[str] | None:
-    try:
-        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return None
-    return [a.decode(errors="replace") for a in raw.split(b"\0") if a] or None
 
 
 def serve_command(entry: ReplicaEntry, port: int, dtype: str, quantization: str | None,
@@ -100,25 +83,16 @@ class Managed:
     on_port: Callable[[int], None] | None = None     # told the port a replica bound (port 0)
 
 
-def exit_reason(code: int) -> str:
-    """'exit status 1' or 'killed by SIGKILL' for a subprocess return code."""
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit status {code}"
-
-
 class Launcher:
     def __init__(self, run_dir: Path | str | None = None, scope: str = "", logs=None, on_event=None,
-                 trust_flags: list[str] = ()):
+                 trust_flags: list[str] = (), leftover_grace: float = LEFTOVER_GRACE):
         self.managed: dict[str, Managed] = {}
         key = hashlib.sha256(scope.encode()).hexdigest()[:16]      # one deployment's replicas
         self.run_dir = Path(run_dir or default_run_dir()) / key
         self.logs = logs              # ReplicaLogs, or None: output into the router's log
         self.on_event = on_event or (lambda name, kind, detail: None)
         self.trust_flags = list(trust_flags)     # the router's trust options, for every replica it launches
+        self.leftover_grace = leftover_grace
 
     def start(self, entry: ReplicaEntry, on_port: Callable[[int], None] | None = None) -> Managed:
         """Launch ``entry`` (with its dtype and quantization resolved) on its port; port 0 (none given):
@@ -127,7 +101,6 @@ class Launcher:
         env = {**os.environ, **entry.env, VERSION_ENV: entry.version}
         m = Managed(entry, port, serve_command(entry, port, entry.dtype, entry.quantization, self.trust_flags), env,
                     on_port=on_port)
-        self.replace_leftover(entry.name, m.cmd)
         self.managed[entry.name] = m
         m.task = asyncio.ensure_future(self._keep_running(m))
         return m
@@ -143,9 +116,10 @@ class Launcher:
     def _unrecord(self, name: str) -> None:
         self._record_path(name).unlink(missing_ok=True)
 
-    def replace_leftover(self, name: str, cmd: list[str], grace: float = 10.0) -> int | None:
+    def replace_leftover(self, name: str, grace: float) -> int | None:
         """Stop what a previous router left running for replica ``name`` (its recorded pid, if
-        that process still runs the recorded command); returns the pid stopped."""
+        that process still runs the recorded command); returns the pid stopped. It blocks up to
+        ``grace`` + 5 s: the launcher runs it in a thread."""
         path = self._record_path(name)
         try:
             rec = json.loads(path.read_text())
@@ -153,32 +127,37 @@ class Launcher:
         except (OSError, ValueError, KeyError, TypeError):
             return None
         path.unlink(missing_ok=True)
-        if _running_cmd(pid) != old_cmd:
+        if running_cmd(pid) != old_cmd:
             return None             # gone, or the pid now belongs to something else
         log.warning("replica %s: a previous router left it running (pid %d); stopping it before launching "
                     "a new one", name, pid)
-        _stop_pid(pid, grace)
+        stop_pid(pid, grace)
         return pid
 
     async def _keep_running(self, m: Managed) -> None:
+        await asyncio.to_thread(self.replace_leftover, m.entry.name, self.leftover_grace)
         backoff = BACKOFF_START
         while not m.stopping:
             m.started_at = time.monotonic()
+            port_read, port_write = os.pipe()
             try:
-                m.proc = await asyncio.create_subprocess_exec(*m.cmd, env=m.env, stdout=asyncio.subprocess.PIPE,
-                                                              stderr=asyncio.subprocess.STDOUT,
-                                                              start_new_session=True,
-                                                              preexec_fn=_die_with_parent(os.getpid()))
+                proc = await asyncio.create_subprocess_exec(*m.cmd, env={**m.env, PORT_FD_ENV: str(port_write)},
+                                                            stdout=asyncio.subprocess.PIPE,
+                                                            stderr=asyncio.subprocess.STDOUT,
+                                                            start_new_session=True, pass_fds=(port_write,),
+                                                            preexec_fn=die_with_parent(os.getpid()))
             except OSError as e:
+                proc = None
                 log.error("replica %s: cannot start: %s", m.entry.name, e)
+            finally:
+                os.close(port_write)          # the child holds its own copy
+            pipe = os.fdopen(port_read, "rb", buffering=0)
+            if proc is None:
+                pipe.close()
                 code = -1
             else:
-                log.info("replica %s: started (pid %d, %s)", m.entry.name, m.proc.pid,
-                         f"port {m.port}" if m.port else "binding a free port")
-                self._record(m)
-                self.on_event(m.entry.name, "started", m.proc.pid)
-                await self._pipe_output(m)
-                code = await m.proc.wait()
+                m.proc = proc
+                code = await self._watch(m, pipe)
             m.exits.append(code)
             if m.stopping:
                 break
@@ -190,14 +169,33 @@ class Launcher:
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, BACKOFF_MAX)
 
+    async def _watch(self, m: Managed, pipe) -> int:
+        """One run of the replica: its port learnt from the pipe, its output logged; its exit status."""
+        log.info("replica %s: started (pid %d, %s)", m.entry.name, m.proc.pid,
+                 f"port {m.port}" if m.port else "binding a free port")
+        self._record(m)
+        self.on_event(m.entry.name, "started", m.proc.pid)
+        port = asyncio.ensure_future(self._learn_port(m, pipe))
+        try:
+            await self._pipe_output(m)
+            return await m.proc.wait()
+        finally:
+            port.cancel()
+            await asyncio.gather(port, return_exceptions=True)
+            pipe.close()
+
+    async def _learn_port(self, m: Managed, pipe) -> None:
+        """The port the replica reports through its pipe (the pipe is the only source)."""
+        port = await read_port(pipe)
+        if port is None:
+            log.warning("replica %s closed its port pipe without a valid port", m.entry.name)
+        elif m.on_port is not None:
+            m.on_port(port)
+
     async def _pipe_output(self, m: Managed) -> None:
         out = self.logs.writer(m.entry.name) if self.logs else logging.getLogger(f"polychip.replica.{m.entry.name}")
-        async for raw in m.proc.stdout:
-            line = raw.decode(errors="replace").rstrip()
+        async for line in bounded_lines(m.proc.stdout):
             out.info("%s", line)
-            ready = READY_LINE.search(line)
-            if ready and m.on_port is not None:
-                m.on_port(int(ready.group(1)))
 
     async def stop(self, name: str, grace: float) -> None:
         """SIGTERM (the replica finishes what it has for its own grace period), then SIGKILL."""
@@ -234,22 +232,3 @@ class Launcher:
         return m.restarts if m else 0
 
 
-def _stop_pid(pid: int, grace: float) -> None:
-    """SIGTERM, then SIGKILL after ``grace`` seconds (its process group: a replica leads one)."""
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline:
-            if _running_cmd(pid) is None or _is_zombie(pid):
-                return
-            time.sleep(0.05)
-
-
-def _is_zombie(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except (OSError, IndexError):
-        return True
