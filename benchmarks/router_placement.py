@@ -172,7 +172,8 @@ def main() -> None:
         slow.stop()
     print(f"\nrate {out['rate']:.2f} req/s, targets TTFT {out['ttft_target_ms']:.0f} ms, TPOT "
           f"{out['tpot_target_ms']:.1f} ms, {a.requests} requests x {a.rounds} rounds")
-    print(f"{'policy':12} {'goodput':>8} {'good':>6} {'429':>5} {'p50 TTFT':>9} {'p99 TTFT':>9} {'p50 TPOT':>9} {'vs rr':>6}")
+    print(f"{'policy':12} {'goodput':>8} {'good':>6} {'429':>5} {'p50 TTFT':>9} {'p99 TTFT':>9} {'p50 TPOT':>9} "
+          f"{'vs rr':>6}")
     by = {pol: [r for r in out["runs"] if r["policy"] == pol] for pol in POLICIES}
     mean = {pol: statistics.mean(r["goodput"] for r in rows) for pol, rows in by.items()}
     for pol, rows in by.items():

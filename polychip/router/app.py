@@ -44,7 +44,8 @@ class Router:
         self.settings = s = LiveSettings(cfg)
         self.registry = WorkerRegistry(cfg.breaker, cfg.placement)
         self.rollout = Rollout(cfg.guard, serving=self.registry.serving)
-        s.on_change(lambda old, new: (self.registry.configure(new.breaker, new.placement), setattr(self.rollout, "guard", new.guard)))
+        s.on_change(lambda old, new: (self.registry.configure(new.breaker, new.placement),
+                                      setattr(self.rollout, "guard", new.guard)))
         self.dispatcher = Dispatcher(s, self.rollout, self.registry)
         self.metrics = m = RouterMetrics(self.registry, self.dispatcher.queue_lengths, self.rollout)
         self.rollout.on_rollback = lambda model, version, why: m.rollbacks.labels(model, version).inc()
