@@ -71,6 +71,7 @@ class FakeReplica:
         self.inflight = 0
         self.peak_inflight = 0
         self.bodies: list[dict] = []
+        self.extra_info: dict = {}     # more /server_info fields (device_compute, device_health, ...)
         self.app = self._build()
 
     def info(self) -> dict:
@@ -79,7 +80,8 @@ class FakeReplica:
                 "device_index": int(index or 0), "device": self.device, "dtype": "float32",
                 "device_dtypes": list(self.dtypes), "quantization": None, "tp_size": 1,
                 "max_running_requests": self.max_running, "num_waiting": 0, "num_running": self.inflight,
-                "kv_usage": 0.0, "prefix_cache_hit_rate": 0.0, "pages_total": 100, "pages_free": 100}
+                "kv_usage": 0.0, "prefix_cache_hit_rate": 0.0, "pages_total": 100, "pages_free": 100,
+                **self.extra_info}
 
     def _build(self) -> FastAPI:
         app = FastAPI()

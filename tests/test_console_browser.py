@@ -168,6 +168,12 @@ def test_every_view_with_the_key(fleet, browser, screens, size):
         s = next(x for x in live["series"] if (x["model"], x["device_type"]) == ("tiny", device))
         assert sum(s["requests_per_s"]) * live["step_s"] >= 3
         assert sum(s["output_tokens_per_s"]) * live["step_s"] >= 18      # 3 x 6 tokens, from the usage
+    measured = {r["name"]: r for r in httpx.get(fleet.url + "/admin/replicas", headers=AUTH).json()["replicas"]}
+    assert measured["sim-0"]["speed"]["measured"] and measured["sim-0"]["weight"] == 1
+    cp.show("room")         # the speed learnt from those answers, and the placement weight
+    speed = page.locator('tr[data-replica="sim-0"] .speed')
+    wait_for(lambda: "ms/tok" in speed.inner_text() and "expect TTFT" in speed.inner_text(), 20, "the speed shown")
+    assert page.locator('tr[data-replica="sim-0"] .weight').inner_text().startswith("1")
     cp.show("live")
     page.wait_for_selector(".chart canvas")
     assert page.locator(".chart").count() == 6

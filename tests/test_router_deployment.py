@@ -64,8 +64,9 @@ BAD = [
     ("weights sum to zero", GOOD.replace("{v1: 90, v2: 10}", "{v1: 0, v2: 0}"),
      "models.0.versions: the weights {'v1': 0.0, 'v2': 0.0} sum to 0; expected a positive sum"),
     ("negative weight", GOOD.replace("v2: 10}", "v2: -1}"), "models.0.versions.v2: Input should be greater than"),
-    ("unknown policy", GOOD.replace("prefix_aware", "fastest"),
-     "router.policy: unknown policy 'fastest'; expected one of ['round_robin', 'least_load', 'prefix_aware']"),
+    ("unknown policy", GOOD.replace("prefix_aware", "quickest"),
+     "router.policy: unknown policy 'quickest'; expected one of "
+     "['round_robin', 'least_load', 'prefix_aware', 'fastest']"),
     ("unknown priority class", GOOD.replace("{high: 4}", "{urgent: 4}"),
      "router.priority_weights: unknown priority class(es) ['urgent']"),
     ("unknown key", GOOD.replace("port: 31002", "port: 31002, gpu: 1"), "replicas.1.gpu: unknown key"),

@@ -26,7 +26,10 @@ def other_value(path: tuple, field):
                ("priority_weights",): ({"high": 5.0, "normal": 1.0, "low": 1.0}, "high=5"),
                ("replica_priorities",): ({"high": -20, "normal": 0, "low": 10}, "high=-20"),
                ("guard", "confidence"): (0.9, "0.9"), ("total_timeout",): (900.0, "900.0"),
-               ("state",): ("memory://", "memory://")}
+               ("state",): ("memory://", "memory://"),
+               ("placement", "slo_ttft_ms"): ({"high": 500.0}, "high=500"),
+               ("placement", "slo_tpot_ms"): ({"normal": 40.0}, "normal=40"),
+               ("placement", "hot_weight"): (0.5, "0.5")}
     if path in special:
         return special[path]
     default = field.get_default(call_default_factory=True)

@@ -28,6 +28,7 @@ class ServingConfig:
     timeout_s: float = 3600.0
     extra_body: dict = field(default_factory=dict)
     progress: bool = True
+    extra_headers: dict = field(default_factory=dict)     # e.g. a router's x-polychip-slo-* targets
 
 
 def api_root(base_url: str) -> str:
@@ -37,7 +38,7 @@ def api_root(base_url: str) -> str:
 
 
 def _headers(cfg: ServingConfig) -> dict:
-    return {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    return {**cfg.extra_headers, **({"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {})}
 
 
 async def discover_model(client: httpx.AsyncClient, cfg: ServingConfig) -> str:

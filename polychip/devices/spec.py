@@ -244,6 +244,16 @@ def supported_dtypes(plugin) -> tuple[str, ...]:
     return tuple(info.dtypes) if info else ()
 
 
+def declared_compute(plugin) -> dict[str, float]:
+    """The compute figures the plugin's current device declares (tflops_fp32, ...): the spec's, else what
+    it discovers; {} when it declares none."""
+    spec = getattr(plugin, "spec", None)
+    if isinstance(spec, DeviceSpec) and spec.compute:
+        return {k: float(v) for k, v in spec.compute.items()}
+    info = {i.index: i for i in plugin.discover()}.get(getattr(plugin, "index", 0))
+    return {k: float(v) for k, v in (info.compute if info else {}).items()}
+
+
 def require_dtypes(plugin, dtypes, what: str) -> None:
     """Refuse a model whose compute or weight dtype the device does not support."""
     ok = supported_dtypes(plugin)

@@ -21,7 +21,7 @@ from typing import Any, Callable
 from polychip.engine.engine import Engine
 from polychip.engine.request import RequestOutput
 from polychip.engine.sampling_params import SamplingParams
-from polychip.devices.spec import supported_dtypes
+from polychip.devices.spec import declared_compute, supported_dtypes
 from polychip.engine.stats import EngineStats
 from polychip.errors import IntegrityError, InvalidRequestError, PolychipError
 
@@ -174,7 +174,8 @@ class AsyncEngine:
                 "kv_cache_dtype": str(eng.kv_dtype).removeprefix("torch."),
                 "device_dtypes": list(supported_dtypes(plugin)), "quantization": eng.loaded.quantization,
                 "tp_size": eng.config.tp_size, "pp_size": eng.config.pp_size,
-                "max_running_requests": eng.config.max_running_requests}
+                "max_running_requests": eng.config.max_running_requests,
+                "device_compute": declared_compute(plugin)}
 
     def startup_times(self) -> dict[str, Any]:
         """Seconds of each start-up step (load: weights and KV pool, compile, warmup) and when each ended."""

@@ -46,9 +46,10 @@ class Router:
     def __init__(self, cfg, replica_urls=(), deployment=None, deployment_path=None, placed=None,
                  inventory: Inventory | None = None, settings_from_file=None, trust=None):
         self.settings = s = LiveSettings(cfg)
-        self.registry = WorkerRegistry(cfg.breaker)
+        self.registry = WorkerRegistry(cfg.breaker, cfg.placement)
         self.rollout = Rollout(cfg.guard, serving=self.registry.serving, circuits_open=self.registry.circuits_open)
-        s.on_change(lambda old, new: (self.registry.configure(new.breaker), setattr(self.rollout, "guard", new.guard)))
+        s.on_change(lambda old, new: (self.registry.configure(new.breaker, new.placement),
+                                      setattr(self.rollout, "guard", new.guard)))
         self.dispatcher = Dispatcher(s, self.rollout, self.registry)
         self.metrics = m = RouterMetrics(self.registry, self.dispatcher.queue_lengths, self.rollout)
         self.rollout.on_rollback = lambda model, version, why: m.rollbacks.labels(model, version).inc()
@@ -68,7 +69,7 @@ class Router:
         self.workloads = Workloads(s, self.state, self.host, self.ledger, self.launcher, self.registry,
                                    self.rollout.forget, self.runtime.spawn)
         self.reconciler = Reconciler(s, self.rollout, self.registry, self.workloads, self.state, deployment,
-                                     deployment_path, placed, trust, settings_from_file)
+                                     deployment_path, placed, trust, settings_from_file, model_slo={})
         for i, url in enumerate(replica_urls):
             self.registry.add(Worker(f"r{i}", url.rstrip("/")))
         self.batches = None          # BatchJobs (router/batch/): on unless no files directory can be had
@@ -149,7 +150,7 @@ def build_app(router: Router) -> Gate:
     app = FastAPI(title="polychip router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
     for routes in (
-            openai_api.openai_routes(s, r.dispatcher.models, r.rollout, r.proxy.handle),
+            openai_api.openai_routes(s, r.dispatcher.models, r.rollout, r.proxy.handle, r.reconciler.model_slo),
             probes.probe_routes(r.registry, r.state.health, r.runtime.health, r.metrics.render),
             admin.admin_routes(s, r.registry, r.dispatcher, r.rollout, r.launcher, r.metrics.live, r.state.describe,
                                r.reconciler.reload, lambda: r.reconciler.excluded),

@@ -15,7 +15,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from polychip.config import QUANTIZATIONS, TRANSFER_BACKENDS
 from polychip.errors import ConfigError
 from polychip.http.serve_settings import parse_serve_args
-from polychip.router.settings import RouterConfig
+from polychip.router.settings import RouterConfig, SloTargets
 from polychip.trust.options import RouterTrust
 from polychip.router.workload_spec import WorkloadSpec
 from polychip.yaml_file import read_yaml_file
@@ -123,6 +123,7 @@ class ModelEntry(_Strict):
     preferred_device_types: list[str] = Field(default_factory=list)
     dtype: str | None = None                             # what the model needs of a device
     quantization: Quantization = None
+    slo: SloTargets | None = None                        # its requests' default latency targets
 
     @model_validator(mode="after")
     def _weights(self):

@@ -71,6 +71,27 @@ class _StateCollector:
                 g.add_metric([r.name, r.role, r.device_type, r.serving_model or ""], dict(r.info.handoffs)[key])
             yield g
 
+    def _speeds(self, labels):
+        """Each replica's moving speed estimates (once measured) and its placement weight, with why."""
+        prefill = GaugeMetricFamily("polychip_router_replica_prefill_tokens_per_second",
+                                    "Estimated prefill speed, learnt from the replica's answers", labels=labels)
+        tpot = GaugeMetricFamily("polychip_router_replica_tpot_seconds", "Estimated time per output token for one "
+                                 "more request there now, learnt from its answers", labels=labels)
+        weight = GaugeMetricFamily("polychip_router_replica_weight", "Placement weight (lowered while its device "
+                                   "runs hot; reason: why)", labels=labels + ["reason"])
+        for r in self.workers.sorted():
+            key = [r.name, r.device_type, r.serving_model or "", r.serving_version or ""]
+            tps = r.speed.prefill_tokens_per_s()
+            if tps is not None:
+                prefill.add_metric(key, tps)
+            if r.speed.decode.n:
+                tpot.add_metric(key, r.speed.decode.predict(len(r.jobs) + 1))
+            w, why = r.weight()
+            weight.add_metric(key + [why or ""], w)
+        yield prefill
+        yield tpot
+        yield weight
+
     def collect(self):
         labels = ["replica", "device_type", "model", "version"]
         up = GaugeMetricFamily("polychip_router_replica_up", "1 while the replica is healthy", labels=labels)
@@ -98,6 +119,7 @@ class _StateCollector:
             queue.add_metric([cls], n)
         yield queue
         yield from self._handoffs()
+        yield from self._speeds(labels)
         weight = GaugeMetricFamily("polychip_router_version_weight", "Traffic weight of each model version",
                                    labels=["model", "version"])
         for name, route in sorted(self.rollout.models.items()):

@@ -30,12 +30,13 @@ class Reconciler:
 
     def __init__(self, settings: LiveSettings, rollout: Rollout, registry: WorkerRegistry, workloads: Workloads,
                  state, deployment: Deployment | None = None, path: str | None = None,
-                 placed: Placement | None = None, trust=None, settings_from_file=None):
+                 placed: Placement | None = None, trust=None, settings_from_file=None, model_slo: dict | None = None):
         self.settings, self.rollout, self.registry, self.workloads, self.state = (settings, rollout, registry,
                                                                                  workloads, state)
         self.deployment, self.path, self.placed, self.trust = deployment, path, placed, trust
         self.settings_from_file = settings_from_file or (lambda dep: dep.router)
         self.excluded: dict[str, str] = {}       # replica name -> why its device cannot serve its model
+        self.model_slo = {} if model_slo is None else model_slo      # model -> its default latency targets
         self._lock = asyncio.Lock()
 
     async def start(self) -> None:
@@ -91,6 +92,8 @@ class Reconciler:
                                             tuple(m.preferred_device_types), m.dtype, m.quantization,
                                             declared=True))
         self.rollout.forget_undeclared({m.name for m in dep.models})
+        self.model_slo.clear()
+        self.model_slo.update({m.name: m.slo for m in dep.models if m.slo is not None})
         remote = {r.name: r for r in placed.remote}
         old = {r.name: r for r in self.deployment.replicas if r.url} if self.deployment is not dep else {}
         gone = [name for name, entry in old.items() if name in self.registry and remote.get(name) != entry]

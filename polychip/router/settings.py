@@ -8,49 +8,17 @@ force: every part reads them there, so what a reload changes is what the router 
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, Callable
+from typing import Annotated, Callable
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from polychip.errors import ConfigError
-
-PRIORITY_CLASSES = ("high", "normal", "low")
+from polychip.router.settings_base import PRIORITY_CLASSES, _Settings, setting, settings_message  # noqa: F401
+from polychip.router.settings_placement import PlacementConfig, SloTargets  # noqa: F401
 DEFAULT_PRIORITY_WEIGHTS = {"high": 3.0, "normal": 1.0, "low": 1.0}
 # priority_class -> the replica scheduler's integer ``priority`` (lower runs first)
 DEFAULT_REPLICA_PRIORITIES = {"high": -10, "normal": 0, "low": 10}
-POLICY_NAMES = ("round_robin", "least_load", "prefix_aware")
-
-
-def setting(default: Any = None, help: str = "", *, flag: str | None = None, live: bool = True,
-            default_factory=None, alias: str | None = None, flag_type: str | None = None, **limits):
-    """A settings field: its help, its flag (default: from its name), whether a reload may change it,
-    and for a mapping flag how its values parse (``int_map``: CLASS=INT; default CLASS=NUMBER)."""
-    extra = {"flag": flag, "live": live, "flag_type": flag_type}
-    if default_factory is not None:
-        return Field(default_factory=default_factory, description=help, json_schema_extra=extra, alias=alias,
-                     **limits)
-    return Field(default, description=help, json_schema_extra=extra, alias=alias, **limits)
-
-
-class _Settings(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, populate_by_name=True)
-
-    def replace(self, **changes) -> "_Settings":
-        """A copy with ``changes``, validated again; a ConfigError naming each bad field."""
-        try:
-            return type(self)(**{**{name: getattr(self, name) for name in type(self).model_fields}, **changes})
-        except ValidationError as e:
-            raise ConfigError(settings_message(e)) from None
-
-
-def settings_message(err: ValidationError) -> str:
-    """``health_check.interval: Input should be greater than 0; got -1``, one line per problem."""
-    lines = []
-    for e in err.errors():
-        where = ".".join(str(p) for p in e["loc"]) or "router"
-        msg = e["msg"].removeprefix("Value error, ")
-        lines.append(f"{where}: {msg}" + ("" if isinstance(e.get("input"), (dict, list)) else f"; got {e['input']!r}"))
-    return "router settings: " + "; ".join(lines)
+POLICY_NAMES = ("round_robin", "least_load", "prefix_aware", "fastest")
 
 
 class HealthConfig(_Settings):
@@ -104,8 +72,6 @@ class PrefixConfig(_Settings):
 
 
 Seconds = Annotated[float, Field(gt=0)]
-
-
 class BatchConfig(_Settings):
     """OpenAI files and batch jobs (/v1/files, /v1/batches); fixed while the router runs."""
 
@@ -165,6 +131,7 @@ class RouterConfig(_Settings):
     health: HealthConfig = setting(default_factory=HealthConfig, alias="health_check")
     guard: GuardConfig = setting(default_factory=GuardConfig, alias="canary_guard")
     prefix: PrefixConfig = setting(default_factory=PrefixConfig)
+    placement: PlacementConfig = setting(default_factory=PlacementConfig)
     breaker: BreakerConfig = setting(default_factory=BreakerConfig, alias="circuit_breaker")
     batch: BatchConfig = setting(default_factory=BatchConfig)
     max_retries: int = setting(2, "other replicas tried when one fails before the first token", ge=0)

@@ -11,7 +11,7 @@ from polychip.router.settings import POLICY_NAMES, RouterConfig, _Settings
 
 
 FLAG_PREFIX = {"health": "health", "guard": "canary", "prefix": "prefix", "breaker": "cb", "batch": "batch",
-               "etcd": "etcd"}
+               "etcd": "etcd", "placement": "placement"}
 METAVARS = {int: "N", float: "X", str: "TEXT"}
 
 

@@ -1,6 +1,8 @@
 // Room: every host and device (from /admin/devices), every replica with its health, circuit, KV
-// cache, queue and prefix-cache figures, a prefill/decode side's role and KV hand-offs, and a
-// pipeline group's stages (device, layers, step time) (from /admin/replicas). On `polychip serve` (no
+// cache, queue and prefix-cache figures, its measured speed (prefill tokens/s, TPOT, what a request
+// may expect there now), its placement weight with why it is lowered (a device running hot), a
+// prefill/decode side's role and KV hand-offs, and a pipeline group's stages (device, layers, step
+// time) (from /admin/replicas). On `polychip serve` (no
 // /admin/replicas) it shows the one replica from /server_info.
 import { html } from '../html.js';
 import { Gate } from '../gate.js';
@@ -57,9 +59,9 @@ function ReplicaTable({ rows }) {
   return html`<div class="scroll"><table class="replicas">
     <thead><tr><th>Replica</th><th>Device</th><th>Model · version</th><th>Status</th><th>Circuit</th>
       <th>KV cache</th><th>Running</th><th>Waiting</th><th>Prefix hits</th><th>In flight</th>
-      <th>Served</th><th>KV hand-offs</th></tr></thead>
+      <th>Served</th><th>Speed</th><th>Weight</th><th>KV hand-offs</th></tr></thead>
     <tbody>${rows.map((r) => (r.excluded ? html`<tr class="down"><td>${r.name}</td>
-        <td colspan="11">excluded: ${r.excluded}</td></tr>` : html`<${ReplicaRow} r=${r} />`))}</tbody>
+        <td colspan="13">excluded: ${r.excluded}</td></tr>` : html`<${ReplicaRow} r=${r} />`))}</tbody>
   </table></div>`;
 }
 
@@ -78,7 +80,29 @@ function ReplicaRow({ r }) {
     <td>${fig(r, 'running', 'num_running') ?? '–'}</td>
     <td>${fig(r, 'waiting', 'num_waiting') ?? '–'}</td>
     <td>${pct(fig(r, 'prefix_hit_rate', 'prefix_cache_hit_rate'))}</td>
-    <td>${r.inflight ?? '–'}</td><td>${r.served ?? '–'}</td><td><${Handoffs} h=${r.handoffs} /></td></tr>`;
+    <td>${r.inflight ?? '–'}</td><td>${r.served ?? '–'}</td><td class="speed"><${Speed} r=${r} /></td>
+    <td class="weight"><${Weight} r=${r} /></td><td><${Handoffs} h=${r.handoffs} /></td></tr>`;
+}
+
+// the replica's moving estimates, and what a typical request may expect there now
+function Speed({ r }) {
+  const s = r.speed, e = r.expected;
+  if (!s) return html`<span class="muted">–</span>`;
+  const tps = s.prefill_tokens_per_s == null ? '–' : `${Math.round(s.prefill_tokens_per_s)} tok/s`;
+  const tpot = s.tpot_ms == null ? '–' : `${s.tpot_ms.toFixed(1)} ms/tok`;
+  const exp = e && e.ttft_ms != null
+    ? `expect TTFT ${Math.round(e.ttft_ms)} ms for ${e.prompt_tokens} tokens (${e.source})` : 'not measured yet';
+  return html`<span>${tps} · ${tpot}<div class="muted small">${exp}</div></span>`;
+}
+
+// its placement weight; lowered while a device runs hot (temperature, limit, throttling)
+function Weight({ r }) {
+  if (r.weight == null) return html`<span class="muted">–</span>`;
+  const temps = (r.device_health || []).filter((h) => h.temperature_c != null)
+    .map((h) => `${h.device} ${h.temperature_c} °C`).join(', ');
+  return html`<span class=${r.weight < 1 ? 'bad' : ''}>${r.weight}</span>
+    ${r.weight_reason ? html`<div class="small">${r.weight_reason}</div>` : ''}
+    ${temps && !r.weight_reason ? html`<div class="muted small">${temps}</div>` : ''}`;
 }
 
 // a pipeline group's stages: each one's device, layers and mean step time per micro-batch

@@ -36,6 +36,8 @@ class ReplicaInfo:
     # a pipeline group (its /server_info "pipeline" block): each stage's (device, layers, mean step seconds)
     stages: tuple[tuple[str, str, float], ...] = ()
     startup: dict | None = None      # its "startup" block: load, compile and warm-up times (when it has one)
+    # the compute figures its device declares (its spec's ``compute``: tflops_fp32, ...); () when none
+    compute: tuple[tuple[str, float], ...] = ()
 
     @classmethod
     def parse(cls, data: dict) -> "ReplicaInfo":
@@ -58,7 +60,8 @@ class ReplicaInfo:
                    prefix_cache_hit_rate=float(get("prefix_cache_hit_rate", (int, float), 0.0)),
                    startup=data["startup"] if isinstance(data.get("startup"), dict) else None,
                    device_health=parse_device_health(data.get("device_health")),
-                   stages=_stages(data.get("pipeline")), **_disaggregation(data.get("disaggregation")))
+                   stages=_stages(data.get("pipeline")), compute=_compute(data.get("device_compute")),
+                   **_disaggregation(data.get("disaggregation")))
 
 
 def _stages(block) -> tuple[tuple[str, str, float], ...]:
@@ -77,6 +80,18 @@ def _stages(block) -> tuple[tuple[str, str, float], ...]:
             raise ValueError(f"/server_info field 'pipeline.stages' has a malformed stage: {st!r}")
         out.append((st["device"], f"{st['layers'][0]}-{st['layers'][1] - 1}", float(st["step_seconds"])))
     return tuple(out)
+
+
+def _compute(block) -> tuple[tuple[str, float], ...]:
+    """``device_compute``: figure name -> a positive number; ValueError naming a bad one."""
+    if block is None:
+        return ()
+    if not isinstance(block, dict):
+        raise ValueError(f"/server_info field 'device_compute' should be an object, got {block!r}")
+    for key, value in block.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"/server_info field 'device_compute.{key}' should be a positive number, got {value!r}")
+    return tuple(sorted((str(k), float(v)) for k, v in block.items()))
 
 
 HANDOFF_FIGURES = ("transfers_in_flight", "transfers_done", "transfers_failed", "fallbacks", "bytes",

@@ -12,19 +12,20 @@ import time
 from typing import Callable, Iterator
 
 from polychip.router.fleet.worker import Worker
-from polychip.router.settings import BreakerConfig
+from polychip.router.settings import BreakerConfig, PlacementConfig
 
 log = logging.getLogger("polychip.router")
 
 class WorkerRegistry:
-    def __init__(self, breaker: BreakerConfig | None = None):
+    def __init__(self, breaker: BreakerConfig | None = None, placement: PlacementConfig | None = None):
         self.breaker = breaker or BreakerConfig()
+        self.placement = placement or PlacementConfig()
         self.workers: dict[str, Worker] = {}
         self.on_added: list[Callable[[Worker], None]] = []
         self.on_removed: list[Callable[[Worker], None]] = []
 
     def add(self, worker: Worker) -> Worker:
-        worker.configure(self.breaker)
+        worker.configure(self.breaker, self.placement)
         self.workers[worker.name] = worker
         for hook in self.on_added:
             hook(worker)
@@ -51,11 +52,12 @@ class WorkerRegistry:
             self.remove(name)
         return worker
 
-    def configure(self, breaker: BreakerConfig) -> None:
-        """New breaker settings (a reload): every worker's breaker runs on them from now on."""
+    def configure(self, breaker: BreakerConfig, placement: PlacementConfig | None = None) -> None:
+        """New settings (a reload): every worker's breaker and estimates run on them from now on."""
         self.breaker = breaker
+        self.placement = placement or self.placement
         for w in self.workers.values():
-            w.configure(breaker)
+            w.configure(breaker, self.placement)
 
     def get(self, name: str) -> Worker | None:
         return self.workers.get(name)

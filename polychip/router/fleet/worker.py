@@ -7,7 +7,8 @@
 - its load: the requests the router has in flight there (``started`` / ``released``), and ``load()``.
 
 ``is_available()`` is what dispatch asks: healthy, not draining, and the breaker lets a request through.
-Per-worker speed estimates and device health figures (issue 34) belong here, beside the load.
+Its speed: moving estimates learnt from its answers (``speed``, fleet/speed.py) and the requests it is
+working on (``jobs``); its placement ``weight()``: lowered while its device runs hot.
 """
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from dataclasses import dataclass, field
 
 from polychip.router.fleet.breaker import Breaker
 from polychip.router.fleet.info import ReplicaInfo
-from polychip.router.settings import BreakerConfig, HealthConfig
+from polychip.router.fleet.speed import Job, Speed
+from polychip.router.settings import BreakerConfig, HealthConfig, PlacementConfig
 
 log = logging.getLogger("polychip.router")
 
@@ -47,13 +49,20 @@ class Worker:
     first_ttft: float | None = None          # time to first token of its first answered request
     first_token_at: float | None = None      # wall clock of that first token
     breaker: Breaker = field(init=False)
+    # speed
+    speed: Speed = field(default_factory=Speed)
+    jobs: dict[int, Job] = field(default_factory=dict)      # the router's requests there, by call serial
+    hot_weight: float = PlacementConfig().hot_weight
 
     def __post_init__(self):
         self.breaker = Breaker(BreakerConfig(), self.name)
 
-    def configure(self, breaker: BreakerConfig) -> None:
-        """The breaker settings in force now (the registry's, at add and on every reload)."""
+    def configure(self, breaker: BreakerConfig, placement: PlacementConfig | None = None) -> None:
+        """The settings in force now (the registry's, at add and on every reload)."""
         self.breaker.cfg = breaker
+        if placement is not None:
+            self.speed.configure(placement.estimate_alpha)
+            self.hot_weight = placement.hot_weight
 
     # what it serves: what the replica itself reports, else what was declared
     @property
@@ -92,6 +101,26 @@ class Worker:
     def released(self) -> None:
         """A request's slot here is free again."""
         self.inflight -= 1
+
+    def job_started(self, key: int, job: Job) -> None:
+        self.jobs[key] = job
+
+    def job_ended(self, key: int, first_token_at: float | None = None, ended_at: float | None = None,
+                  tokens: int | None = None) -> None:
+        """The request ``key`` ended here; with ``ended_at`` (perf_counter; ``first_token_at`` too when
+        streamed) it was a good answer, measured into the speed estimates."""
+        job = self.jobs.pop(key, None)
+        if job is not None and ended_at is not None:
+            ttft = None if first_token_at is None else max(first_token_at - job.sent_at, 0.0)
+            self.speed.answered(job, ttft, max(ended_at - job.sent_at, 0.0), tokens, len(self.jobs) + 1)
+
+    def weight(self) -> tuple[float, str | None]:
+        """Its placement weight (1, or ``hot_weight`` while a device of it runs hot) and why."""
+        hot = [h for h in (self.info.device_health if self.info else ()) if h.hot]
+        if not hot or self.hot_weight >= 1:
+            return 1.0, None
+        why = "; ".join(_hot_text(h) for h in hot)
+        return self.hot_weight, f"device running hot: {why}"
 
     def record_outcome(self, ok: bool, what: str = "") -> None:
         """What a request did here (a failure is what the replica did wrong), for the breaker."""
@@ -172,4 +201,18 @@ class Worker:
                 "kv_cache_usage": info.kv_usage if info else None, "running": info.num_running if info else None,
                 "waiting": info.num_waiting if info else None,
                 "prefix_hit_rate": info.prefix_cache_hit_rate if info else None,
+                "speed": self.speed.describe(len(self.jobs) + 1), "compute": dict(info.compute) if info else {},
+                "device_health": [dict(vars(h)) for h in info.device_health] if info else [],
+                "weight": self.weight()[0], "weight_reason": self.weight()[1],
                 "info": None if info is None else dict(vars(info))}
+
+
+def _hot_text(h) -> str:
+    """``simxpu:0 at 87.1 C (limit 85 C), throttling``"""
+    parts = []
+    if h.temperature_c is not None:
+        parts.append(f"at {h.temperature_c:g} C" + (f" (limit {h.thermal_limit_c:g} C)"
+                                                      if h.thermal_limit_c is not None else ""))
+    if h.throttling:
+        parts.append("throttling")
+    return f"{h.device} " + ", ".join(parts)

@@ -13,6 +13,9 @@ from polychip.errors import ConfigError
 from polychip.http.errors import APIError, parse_body
 from polychip.router.routes import requires_key
 from polychip.router.routing.dispatch import capable
+from polychip.router.routing.estimate import expect
+
+TYPICAL_PROMPT_TOKENS = 100     # /admin/replicas' "expected": what a request of this many prompt tokens may expect
 from polychip.router.settings import PRIORITY_CLASSES
 
 
@@ -37,6 +40,10 @@ def admin_routes(settings, registry, dispatcher, rollout, launcher, live, descri
             d = r.describe()
             d["incapable"] = capable(r, rollout.models.get(r.serving_model or ""))
             d["pid"], d["restarts"] = launcher.pid(r.name), launcher.restarts(r.name)
+            e = expect(r, [p for p in registry if p.serving_model == r.serving_model], TYPICAL_PROMPT_TOKENS)
+            d["expected"] = {"prompt_tokens": TYPICAL_PROMPT_TOKENS, "source": e.source,
+                             "ttft_ms": round(e.ttft_s * 1000, 1) if e.known else None,
+                             "tpot_ms": round(e.tpot_s * 1000, 2) if e.known else None}
             out.append(d)
         out += [{"name": n, "excluded": why} for n, why in sorted(excluded().items())]
         return {"replicas": out, "queue": dispatcher.queue_lengths(), "policy": settings.now.policy}

@@ -15,12 +15,36 @@ from polychip.http.errors import APIError, parse_body
 from polychip.router.rollout.weights import Rollout
 from polychip.router.routes import requires_key
 from polychip.router.routing.call import Call
-from polychip.router.routing.request import RoutedBody, prompt_text, resolve_model, token_cost
-from polychip.router.settings import PRIORITY_CLASSES
+from polychip.router.routing.request import (CHARS_PER_TOKEN, RoutedBody, asked_tokens, prompt_text, resolve_model,
+                                             token_cost)
+from polychip.router.settings import PRIORITY_CLASSES, SloTargets
+
+SLO_HEADERS = {"ttft_ms": "x-polychip-slo-ttft-ms", "tpot_ms": "x-polychip-slo-tpot-ms"}
 
 
-def openai_routes(settings, models, rollout: Rollout, handle) -> APIRouter:
-    """``models()``: the models served now; ``handle(call)``: the proxy's answer to one request."""
+def slo_of(request: Request, model_default: SloTargets | None, class_default: SloTargets) -> SloTargets:
+    """The request's latency targets: its headers, else its model's defaults, else its class's; a 400
+    naming a header that is not a positive number of milliseconds."""
+    given = {}
+    for key, header in SLO_HEADERS.items():
+        text = request.headers.get(header)
+        if text is None:
+            continue
+        try:
+            value = float(text)
+        except ValueError:
+            value = float("nan")
+        if not 0 < value < float("inf"):
+            raise APIError(400, f"{header}: expected a positive number of milliseconds, got {text!r}",
+                           "invalid_request_error")
+        given[key] = value
+    return SloTargets(**given).over(model_default).over(class_default)
+
+
+def openai_routes(settings, models, rollout: Rollout, handle, model_slo=None) -> APIRouter:
+    """``models()``: the models served now; ``handle(call)``: the proxy's answer to one request;
+    ``model_slo``: each model's default latency targets (the deployment's)."""
+    model_slo = {} if model_slo is None else model_slo
     routes = APIRouter(prefix="/v1", dependencies=[requires_key(settings)])
 
     def call_from(request: Request, raw: bytes, path: str) -> Call:
@@ -39,8 +63,10 @@ def openai_routes(settings, models, rollout: Rollout, handle) -> APIRouter:
         prompt = prompt_text(path, body)
         version = pinned_version(rollout, model, request.headers.get("x-polychip-version")) or \
             rollout.version_for(model, user)
+        slo = slo_of(request, model_slo.get(model), settings.now.placement.slo(priority))
         return Call(rid, path, raw, model, version, priority, tuple(body.preferred_device_types or ()), prompt,
-                    bool(body.stream), cost=token_cost(prompt, extra))
+                    bool(body.stream), cost=token_cost(prompt, extra), prompt_tokens=len(prompt) / CHARS_PER_TOKEN,
+                    max_tokens=asked_tokens(extra), slo=slo if slo.given else None)
 
     async def forward(request: Request, path: str) -> Response:
         call = call_from(request, await request.body(), path)

@@ -2,11 +2,16 @@
 when it does not simply answer: ``Retry`` (another replica may try) or ``Final`` (the client gets it)."""
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from dataclasses import dataclass, field
 
 from fastapi.responses import Response
+
+from polychip.router.settings import SloTargets
+
+_serials = itertools.count(1)
 
 
 @dataclass
@@ -27,6 +32,10 @@ class Call:
     attempts: int = 0
     ticket: object = None                    # the dispatch ticket (replicas tried), for a migration
     migration: object = None                 # routing/migration.py's Migration of a stream, or None
+    prompt_tokens: float = 0.0               # the router's estimate (it has no tokenizer)
+    max_tokens: int = 256                    # what it asks for (the default when it names none)
+    slo: SloTargets | None = None            # its latency targets (headers, else the defaults)
+    serial: int = field(default_factory=lambda: next(_serials))     # unique per router, unlike request_id
 
     def left(self, limit: float | None) -> float:
         """Seconds left of ``limit`` since arrival (inf: no limit)."""

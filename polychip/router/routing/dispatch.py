@@ -5,6 +5,11 @@ A request that finds eligible replicas but none with room waits in its class's q
 queues are served by weighted fair queueing whenever a slot frees or a replica comes up. A
 request with no eligible replica at all (none up, all tried, circuits open, none capable) is
 refused at once with the reason, and so is every queued request that loses its last one.
+
+Under a policy that places by latency targets (``fastest``), a request no replica is expected to
+serve within its targets waits in the queue too; it gives up (``TargetMissError``, a 429 naming the
+shortfall) at queue_timeout, or sooner once its TTFT target has passed. Every request placed is a job
+of its worker until it ends: its queue, and the answers its speed estimates learn from.
 """
 from __future__ import annotations
 
@@ -15,15 +20,18 @@ from dataclasses import dataclass, field
 
 from polychip.dtypes import quantization_dtype
 from polychip.router.fleet.registry import WorkerRegistry
+from polychip.router.fleet.speed import Job
 from polychip.router.fleet.worker import Worker
 from polychip.router.rollout.weights import ModelRoute, Rollout
-from polychip.router.routing.policies import Policy, make_policy
+from polychip.router.routing.estimate import expect
+from polychip.router.routing.fastest import Fastest
+from polychip.router.routing.policies import LeastLoad, Policy, PrefixAware, RoundRobin
 from polychip.router.routing.wfq import FairQueue, QueueFullError
-from polychip.router.settings import LiveSettings, RouterConfig
+from polychip.router.settings import LiveSettings, PrefixConfig, RouterConfig, SloTargets
 
 log = logging.getLogger("polychip.router")
 
-__all__ = ["Dispatcher", "Ticket", "NoReplicaError", "QueueFullError", "capable"]
+__all__ = ["Dispatcher", "Ticket", "NoReplicaError", "TargetMissError", "QueueFullError", "capable"]
 
 
 class NoReplicaError(Exception):
@@ -32,6 +40,10 @@ class NoReplicaError(Exception):
     def __init__(self, message: str, retry_after: float = 1.0):
         super().__init__(message)
         self.retry_after = retry_after
+
+
+class TargetMissError(NoReplicaError):
+    """No replica was expected to meet the request's latency targets while it could wait."""
 
 
 @dataclass
@@ -43,10 +55,25 @@ class Ticket:
     prompt: str = ""
     exclude: set[str] = field(default_factory=set)    # replicas already tried
     cost: float = 1.0                        # tokens: prompt estimate + max_tokens (WFQ charge)
+    key: int = 0                             # its job's key on the worker (the call's serial)
+    arrived: float = field(default_factory=time.perf_counter)
+    prompt_tokens: float = 0.0
+    max_tokens: int = 256
+    slo: SloTargets | None = None
+    missed: str = ""                         # why no replica was expected to meet the targets, last tried
+    retry_after: float = 1.0
 
     def lane(self) -> tuple:
         """Requests with the same lane can go to the same replicas."""
-        return (self.model, self.version, self.preferred, frozenset(self.exclude))
+        return (self.model, self.version, self.preferred, frozenset(self.exclude), self.slo)
+
+
+def make_policy(name: str, prefix: PrefixConfig) -> Policy:
+    policies = {"round_robin": RoundRobin, "least_load": LeastLoad, "fastest": Fastest,
+                "prefix_aware": lambda: PrefixAware(prefix)}
+    if name not in policies:
+        raise ValueError(f"unknown policy {name!r}")
+    return policies[name]()
 
 
 def capable(replica: Worker, route: ModelRoute | None) -> str | None:
@@ -119,12 +146,37 @@ class Dispatcher:
 
     def _place(self, ticket: Ticket) -> Worker | None:
         roomy = [r for r in self.eligible(ticket) if self.has_room(r)]
-        return self.policy.choose(roomy, ticket.prompt) if roomy else None
+        if not roomy:
+            return None
+        return self.policy.pick(roomy, ticket, [r for r in self.registry if r.serving_model == ticket.model])
 
     def _commit(self, ticket: Ticket, replica: Worker) -> Worker:
+        now = time.perf_counter()
+        e = expect(replica, [r for r in self.registry if r.serving_model == ticket.model], ticket.prompt_tokens, now)
+        ahead = sum(j.prompt_tokens for j in replica.jobs.values() if j.first_token_by > now)
+        replica.job_started(ticket.key, Job(now, ticket.prompt_tokens, ticket.max_tokens,
+                                            ticket.prompt_tokens + ahead, len(replica.jobs) + 1, now + e.ttft_s))
         replica.started()
         self.policy.placed(replica, ticket.prompt)
         return replica
+
+    def _wait_limit(self, ticket: Ticket, wait: float | None) -> float:
+        """How long ``ticket`` may wait in the queue: queue_timeout (or ``wait``), and under a policy placing
+        by targets no longer than its TTFT target leaves."""
+        limit = self.cfg.queue_timeout if wait is None else min(wait, self.cfg.queue_timeout)
+        if self.policy.uses_targets and ticket.slo is not None and ticket.slo.ttft_ms is not None:
+            limit = min(limit, max(0.0, ticket.slo.ttft_ms / 1000 - (time.perf_counter() - ticket.arrived)))
+        return limit
+
+    def _gave_up(self, ticket: Ticket, limit: float) -> NoReplicaError:
+        if ticket.missed:
+            return TargetMissError(f"no replica is expected to meet the request's targets ({_targets(ticket.slo)}) "
+                                   f"within {limit:g}s: {ticket.missed}", ticket.retry_after)
+        if self.policy.uses_targets and ticket.slo is not None and ticket.slo.given:
+            return TargetMissError(f"every eligible replica stayed busy past the request's targets "
+                                   f"({_targets(ticket.slo)}); waited {limit:g}s", ticket.retry_after)
+        return NoReplicaError(f"no replica took the request within {limit:g}s: every eligible replica "
+                              "stayed busy")
 
     def why_none(self, ticket: Ticket) -> tuple[str, float]:
         """Why no replica is eligible for ``ticket``, and when to retry (seconds)."""
@@ -169,7 +221,7 @@ class Dispatcher:
         fut = asyncio.get_running_loop().create_future()
         entry = self.queue.push(ticket.priority, (ticket, fut), ticket.cost, ticket.lane())
         self.pump()
-        limit = self.cfg.queue_timeout if wait is None else min(wait, self.cfg.queue_timeout)
+        limit = self._wait_limit(ticket, wait)
         try:
             done, _ = await asyncio.wait({fut}, timeout=limit)
         except asyncio.CancelledError:
@@ -177,13 +229,14 @@ class Dispatcher:
             raise
         if not done:
             self._abandon(entry, fut)
-            raise NoReplicaError(f"no replica took the request within {limit:g}s: every eligible replica "
-                                 "stayed busy")
+            raise self._gave_up(ticket, limit)
         return fut.result()
 
     def _abandon(self, entry, fut: asyncio.Future) -> None:
         self.queue.remove(entry)
         if fut.done() and not fut.cancelled() and fut.exception() is None:
+            ticket = entry.item[0]
+            fut.result().job_ended(ticket.key)
             self.release(fut.result())        # placed just as we gave up: hand the slot on
         else:
             fut.cancel()
@@ -224,3 +277,9 @@ class Dispatcher:
 
     def queue_lengths(self) -> dict[str, int]:
         return {c: self.queue.length(c) for c in self.queue.weights}
+
+
+def _targets(slo: SloTargets | None) -> str:
+    parts = [] if slo is None else [f"{k} {v:g} ms" for k, v in (("ttft", slo.ttft_ms), ("tpot", slo.tpot_ms))
+                                    if v is not None]
+    return ", ".join(parts) or "none"

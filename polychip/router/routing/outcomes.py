@@ -50,9 +50,13 @@ class Outcomes:
                tokens: int | None = None, kind: str | None = None) -> float:
         """The request's final outcome on ``replica``: metrics, its breaker, the canary guard
         (this attempt's outcome), the access log. Returns the end-to-end seconds."""
-        e2e = time.perf_counter() - call.t0
+        now = time.perf_counter()
+        e2e = now - call.t0
         labels = self.labels(call, replica)
         replica.served += 1
+        good = ok and status == 200
+        replica.job_ended(call.serial, call.t0 + ttft if good and ttft is not None else None,
+                          now if good else None, tokens)        # a good answer teaches its speed
         if replica.first_ttft is None and ok and status < 400:    # a non-streamed answer: its first token is its end
             replica.first_ttft = ttft if ttft is not None else e2e
             replica.first_token_at = time.time() - e2e + replica.first_ttft
@@ -83,6 +87,7 @@ class Outcomes:
         """An attempt the client does not see: the breaker counts it, and so does the guard against the
         version that served it (an admission 503 is neither's failure)."""
         labels = self.labels(call, replica)
+        replica.job_ended(call.serial)
         self.metrics.errors.labels(*labels, r.kind).inc()
         self.metrics.live.error(call.model, replica.device_type, r.kind)
         if r.failure:
@@ -104,5 +109,6 @@ class Outcomes:
                     call.path, status, call.model, call.version, call.priority, kind, message,
                     (time.perf_counter() - call.t0) * 1000)
         headers = {"Retry-After": str(max(1, math.ceil(retry_after)))} if retry_after is not None else None
-        type_ = {"queue_full": "server_overloaded", "deadline": "timeout"}.get(kind, "service_unavailable")
+        type_ = {"queue_full": "server_overloaded", "deadline": "timeout",
+                 "slo_miss": "rate_limit_exceeded"}.get(kind, "service_unavailable")
         return error_response(status, message, type_, headers=headers)

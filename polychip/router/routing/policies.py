@@ -1,7 +1,9 @@
 """Which of the replicas that can take a request now gets it.
 
-``choose`` may be called for requests that end up not being placed, so it keeps no state
-that matters; ``placed`` is told the final choice.
+``choose`` (``pick``, for the policies that read more of the request than its prompt) may be called for
+requests that end up not being placed, so it keeps no state that matters; ``placed`` is told the final
+choice. A replica whose device runs hot (``Worker.weight``) counts as more loaded under least_load and
+prefix_aware, and as slower under fastest; round_robin takes turns regardless.
 """
 from __future__ import annotations
 
@@ -12,11 +14,22 @@ from polychip.router.routing.prefix_tree import PrefixTree
 from polychip.router.settings import PrefixConfig
 
 
+def weighted_load(r: Worker) -> float:
+    """least_load's figure, raised for a replica with a lowered weight (1/weight times the load of one more)."""
+    return (r.load() + 1.0) / r.weight()[0] - 1.0
+
+
 class Policy(abc.ABC):
     name = ""
+    uses_targets = False         # does it place by latency targets (and may leave a request waiting)?
 
     @abc.abstractmethod
     def choose(self, candidates: list[Worker], prompt: str) -> Worker: ...
+
+    def pick(self, candidates: list[Worker], ticket, peers: list[Worker]) -> Worker | None:
+        """The replica for ``ticket`` (dispatch.Ticket) among ``candidates`` (``peers``: every worker of its
+        model); None: none may take it now."""
+        return self.choose(candidates, ticket.prompt)
 
     def placed(self, replica: Worker, prompt: str) -> None:
         """The request went to ``replica``."""
@@ -49,8 +62,9 @@ class LeastLoad(Policy):
         self._rr = RoundRobin()
 
     def choose(self, candidates, prompt):
-        low = min(r.load() for r in candidates)
-        tied = [r for r in candidates if r.load() - low < 1e-9]
+        loads = {r.name: weighted_load(r) for r in candidates}
+        low = min(loads.values())
+        tied = [r for r in candidates if loads[r.name] - low < 1e-9]
         return self._rr.choose(tied, prompt)
 
     def placed(self, replica, prompt):
@@ -70,7 +84,7 @@ class PrefixAware(Policy):
         self.least = LeastLoad()
 
     def _balanced(self, candidates) -> bool:
-        loads = [r.load() for r in candidates]
+        loads = [weighted_load(r) for r in candidates]
         hi, lo = max(loads), min(loads)
         return not (hi - lo > self.cfg.balance_abs and hi > lo * self.cfg.balance_rel)
 
@@ -87,8 +101,8 @@ class PrefixAware(Policy):
             best_len = max(n for n, _ in hits)
             if best_len / len(text) >= self.cfg.match_threshold:
                 best = [r for n, r in hits if n == best_len]
-                return min(best, key=lambda r: (r.load(), r.name))
-        return min(candidates, key=lambda r: (self.tree.chars.get(r.name, 0), r.load(), r.name))
+                return min(best, key=lambda r: (weighted_load(r), r.name))
+        return min(candidates, key=lambda r: (self.tree.chars.get(r.name, 0), weighted_load(r), r.name))
 
     def placed(self, replica, prompt):
         self.least.placed(replica, prompt)
@@ -99,13 +113,3 @@ class PrefixAware(Policy):
 
     def forget(self, replica):
         self.tree.remove_tenant(replica.name)
-
-
-def make_policy(name: str, prefix: PrefixConfig) -> Policy:
-    if name == "round_robin":
-        return RoundRobin()
-    if name == "least_load":
-        return LeastLoad()
-    if name == "prefix_aware":
-        return PrefixAware(prefix)
-    raise ValueError(f"unknown policy {name!r}")

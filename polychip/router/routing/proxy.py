@@ -35,7 +35,7 @@ from polychip.router.metrics import RouterMetrics
 from polychip.router.rollout.weights import Rollout
 from polychip.router.routing.call import Call, Final, Retry
 from polychip.router.fleet.client import ReplicaClient
-from polychip.router.routing.dispatch import Dispatcher, NoReplicaError, QueueFullError, Ticket
+from polychip.router.routing.dispatch import Dispatcher, NoReplicaError, QueueFullError, TargetMissError, Ticket
 from polychip.router.routing.outcomes import Outcomes
 from polychip.router.routing.migration import Migration
 from polychip.router.routing.relay import StreamRelay
@@ -78,7 +78,8 @@ class Proxy(StreamRelay):
 
     async def handle(self, call: Call) -> Response:
         ticket = call.ticket = Ticket(call.model, call.version, call.priority, call.preferred, call.prompt,
-                                      cost=call.cost)
+                                      cost=call.cost, key=call.serial, arrived=call.t0,
+                                      prompt_tokens=call.prompt_tokens, max_tokens=call.max_tokens, slo=call.slo)
         call.migration = Migration.for_call(call.body, self.cfg.migration_limit) if call.stream else None
         sent = call.migration.first_body() if call.migration is not None else call.body
         self.budget.request()
@@ -92,6 +93,8 @@ class Proxy(StreamRelay):
                 replica = await self.d.acquire(ticket, wait=None if math.isinf(wait) else wait)
             except QueueFullError as e:
                 return self.outcomes.refuse(call, 503, str(e), "queue_full")
+            except TargetMissError as e:
+                return self.outcomes.refuse(call, 429, str(e), "slo_miss", retry_after=e.retry_after)
             except NoReplicaError as e:
                 why = str(e) + (f"; attempts: {' | '.join(tried)}" if tried else "")
                 return self.outcomes.refuse(call, 503, why, "no_replica", retry_after=e.retry_after)

@@ -63,9 +63,13 @@ def resolve_model(known: list[str], name: str | None) -> str:
     return name
 
 
+def asked_tokens(data: dict) -> int:
+    """The completion tokens a request asks for (DEFAULT_MAX_TOKENS when it names none)."""
+    asked = data.get("max_completion_tokens", data.get("max_tokens"))
+    return asked if isinstance(asked, int) and not isinstance(asked, bool) and asked > 0 else DEFAULT_MAX_TOKENS
+
+
 def token_cost(prompt: str, data: dict) -> float:
     """WFQ charge: an estimate of the prompt's tokens plus the tokens asked for."""
-    asked = data.get("max_completion_tokens", data.get("max_tokens"))
-    asked = asked if isinstance(asked, int) and not isinstance(asked, bool) and asked > 0 else DEFAULT_MAX_TOKENS
     n = data.get("n") if isinstance(data.get("n"), int) and data.get("n", 1) > 0 else 1
-    return len(prompt) / CHARS_PER_TOKEN + asked * n
+    return len(prompt) / CHARS_PER_TOKEN + asked_tokens(data) * n
