@@ -106,8 +106,8 @@ class Engine:
         self.pages = PageManager(self.pool.allocator, page, prefix_cache=not config.disable_radix_cache,
                                  host_tier=self.host_tier)
         self.eos_ids = self.tokenizer.eos_token_ids
-        self.proposer = NgramProposer(NgramSettings.of(config), StepCost(self.runner.decode_step_seconds())) \
-            if config.speculative_algorithm else None
+        self.proposer = NgramProposer(NgramSettings.of(config), StepCost(self.runner.decode_step_seconds()),
+                                      static_bs or None) if config.speculative_algorithm else None
         self.scheduler = Scheduler(self.pages, config.chunked_prefill_size, config.max_running_requests,
                                    config.schedule_policy, eos_ids=self.eos_ids, max_model_len=self.max_model_len,
                                    proposer=self.proposer)

@@ -81,9 +81,12 @@ def speculable(req: Request) -> bool:
 class NgramProposer:
     """Looks drafts up, sizes them for the batch, and keeps the acceptance figures."""
 
-    def __init__(self, settings: NgramSettings, cost: StepCost | None = None):
+    def __init__(self, settings: NgramSettings, cost: StepCost | None = None, max_rows: int | None = None):
+        """``max_rows``: the most rows a step's drafts may bring it to (the compiled decode path's largest
+        bucket: past it a step runs eager, and on the cpu the kernels change with the row count)."""
         self.s = settings
         self.cost = cost                 # None: every draft is verified at its full length
+        self.max_rows = max_rows
         self.acceptance = Acceptance(settings.max_window)
         self.recent = RecentOutputs(settings.recent_requests, settings.min_window, settings.max_window)
         self.switched_off = 0            # requests whose acceptance turned speculation off
@@ -134,7 +137,7 @@ class NgramProposer:
             r.spec.refused *= OWN_DECAY
         counts = allocate([(len(drafts[r.request_id]),
                             self.acceptance.estimate(r.spec.kept, r.spec.refused, r.spec.match)) for r in sized],
-                          len(wanted), self.cost)
+                          len(wanted), self.cost, self.max_rows)
         for r, k in zip(sized, counts):
             if k:
                 drafts[r.request_id] = drafts[r.request_id][:k]

@@ -88,10 +88,14 @@ class Acceptance:
         self.refused[match] = PRIOR_DECAY * self.refused[match] + refused
 
 
-def allocate(candidates: list[tuple[int, float]], base_rows: int, cost: StepCost) -> list[int]:
+def allocate(candidates: list[tuple[int, float]], base_rows: int, cost: StepCost, max_rows: int | None = None) \
+        -> list[int]:
     """Draft tokens to verify for each candidate (max tokens, acceptance p), given ``base_rows`` decoding
-    requests in the step; the batch's best expected tokens per second (module docstring)."""
+    requests in the step, with at most ``max_rows`` rows in all; the batch's best expected tokens per
+    second (module docstring)."""
     gains = sorted(((p ** j, i) for i, (n, p) in enumerate(candidates) for j in range(1, n + 1)), reverse=True)
+    if max_rows is not None:
+        gains = gains[:max(0, max_rows - base_rows)]
     plain = base_rows / cost(base_rows)
     best, best_m, tokens = plain * MIN_GAIN, 0, float(base_rows)
     for m, (gain, _) in enumerate(gains, 1):
