@@ -136,3 +136,29 @@ def test_smollm2_int8_bf16_kv_suffix_drafts_from_the_last_answer(test_device):
         llm.engine.shutdown()
     assert got[0] == got[1] and got[1][0] == got[1][1]
     assert stats.spec_accepted_tokens - before > len(got[1][1]) // 2     # the second turn is mostly drafted
+
+
+@pytest.mark.device_independent
+def test_cpu_kernels_give_a_row_the_same_bits_at_any_batch_size():
+    """A verify step's rows must equal plain decode's, bit for bit, or greedy speculation could flip a
+    near-tie: the linear tiles and the decode attention may not depend on the other rows."""
+    import torch
+    from polychip.devices.cpu import kernels as cpu_kernels
+    k = cpu_kernels.load()
+    if k is None:
+        pytest.skip("CPU kernels did not build here")
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(9, 576, generator=g), torch.randn(200, 576, generator=g)
+    q8, scales = torch.randint(-127, 128, (200, 576), dtype=torch.int8, generator=g), torch.rand(200, generator=g)
+    for m in (2, 5, 9):
+        assert torch.equal(k.linear_tiles(x[:m], w, None)[0], k.linear_tiles(x[:1], w, None)[0]), m
+        assert torch.equal(k.linear_int8_tiles(x[:m], q8, scales, None)[0], k.linear_int8_tiles(x[:1], q8, scales, None)[0])
+    kc = torch.randn(120, 16, 3, 64, generator=g).bfloat16()
+    vc = torch.randn(120, 16, 3, 64, generator=g).bfloat16()
+    q = torch.randn(5, 9, 64, generator=g)
+    table = torch.arange(60).repeat(5, 1)                    # one sequence of 900 tokens, five verify rows
+    lens = torch.tensor([896, 897, 898, 899, 900])
+    batch = k.paged_decode_attention(q, kc, vc, table, lens, 0.125, 1.0, 1.0)
+    for i in range(5):
+        alone = k.paged_decode_attention(q[i:i + 1], kc, vc, table[:1], lens[i:i + 1], 0.125, 1.0, 1.0)
+        assert torch.equal(batch[i], alone[0]), i
