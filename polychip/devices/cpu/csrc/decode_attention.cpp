@@ -335,13 +335,14 @@ void decode_piece(const float* qb, const typename Kv<K>::T* kp, const typename K
 }
 
 
-// Every sequence's attention, cut into pieces of kPieceTokens (whole pages) handed out to the intra-op
-// threads as they come free, then merged by their max and sum. A piece's bounds depend on its own
-// sequence only, never on the batch: a row's result is the same at any batch size (a verify step's
-// rows, many per sequence, give what one decode row would). The KV scales are folded in: k_mult into
-// the scaled query, v_mult into the final normalisation, so the loops see raw widened values only.
-constexpr int64_t kPieceTokens = 256;   // 800 tokens: 4 pieces for 2 threads at batch 1
-
+// Every sequence's attention, cut into pieces of whole pages on the intra-op threads, then merged by
+// their max and sum. The KV scales are folded in: k_mult into the scaled query, v_mult into the
+// final normalisation, so the loops see raw widened values only.
+//
+// How a row is cut depends on its own length and on how many sequences the batch holds, never on
+// its number of rows: the rows of a verify step (one per draft position of a sequence: the same
+// pages, consecutive lengths) count as one sequence, so each gives the bits one decode row of that
+// sequence would (greedy speculation reproduces plain decoding).
 template <KvKind K>
 void run_decode(const float* qp, const void* kc, const void* vc, const int64_t* tab, const int64_t* lp, int64_t B,
                 int64_t W, int64_t H, int64_t Hkv, int64_t D, int64_t page, float scale, float k_mult, float v_mult,
@@ -349,34 +350,47 @@ void run_decode(const float* qp, const void* kc, const void* vc, const int64_t* 
   using T = typename Kv<K>::T;
   const T* kp = static_cast<const T*>(kc);
   const T* vp = static_cast<const T*>(vc);
-  const int64_t piece = (kPieceTokens + page - 1) / page * page;
-  std::vector<int64_t> first(B + 1, 0);     // row b's pieces are tasks first[b] .. first[b + 1] - 1
-  for (int64_t b = 0; b < B; ++b) first[b + 1] = first[b] + (lp[b] + piece - 1) / piece;
-  const int64_t tasks = first[B];
-  std::vector<float> part_acc(tasks * H * D), part_ml(tasks * 2 * H, 0.f);
+  int64_t max_len = 0, seqs = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    max_len = std::max(max_len, lp[b]);
+    seqs += b == 0 || tab[b * W] != tab[(b - 1) * W] || lp[b] != lp[b - 1] + 1;
+  }
+  // split each sequence into pieces of whole pages so that every thread has work even at batch 1
+  const int64_t threads = at::get_num_threads();
+  int64_t splits = std::max<int64_t>(1, std::min<int64_t>((2 * threads + seqs - 1) / seqs, (max_len + 255) / 256));
+  while (splits > 1 && seqs * splits % threads != 0) --splits;   // as many tasks per thread: not 3 on 2 threads
+  std::vector<float> part_acc(B * splits * H * D), part_ml(B * splits * 2 * H, 0.f);
   float* pa = part_acc.data();
   float* pml = part_ml.data();
   const float sc = scale * k_mult;
-  for_each_chunk(tasks, [&](int64_t task) {
-    thread_local std::vector<float> scores;
-    const int64_t b = std::upper_bound(first.begin(), first.end(), task) - first.begin() - 1;
-    const int64_t t0 = (task - first[b]) * piece, t1 = std::min(lp[b], t0 + piece);
-    float* ml = pml + task * 2 * H;
-    decode_piece<K>(qp + b * H * D, kp, vp, tab + b * W, t0, t1, page, H, Hkv, D, sc, pa + task * H * D, ml,
-                    ml + H, scores);
+  at::parallel_for(0, B * splits, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / splits, sp = task % splits;
+      const int64_t piece = ((lp[b] + splits - 1) / splits + page - 1) / page * page;   // the row's own length
+      const int64_t t0 = sp * piece, t1 = std::min(lp[b], t0 + piece);
+      float* ml = pml + task * 2 * H;
+      if (t0 >= t1) {
+        for (int64_t h = 0; h < H; ++h) ml[h] = -INFINITY;   // empty piece: weight zero in the merge
+        continue;
+      }
+      decode_piece<K>(qp + b * H * D, kp, vp, tab + b * W, t0, t1, page, H, Hkv, D, sc, pa + task * H * D, ml,
+                      ml + H, scores);
+    }
   });
   for (int64_t b = 0; b < B; ++b)
     for (int64_t h = 0; h < H; ++h) {
       float mx = -INFINITY;
-      for (int64_t t = first[b]; t < first[b + 1]; ++t) mx = std::max(mx, pml[t * 2 * H + h]);
+      for (int64_t sp = 0; sp < splits; ++sp) mx = std::max(mx, pml[((b * splits + sp) * 2) * H + h]);
       float total = 0.f;
       float* o = op + (b * H + h) * D;
       std::fill(o, o + D, 0.f);
-      for (int64_t t = first[b]; t < first[b + 1]; ++t) {
-        const float* ml = pml + t * 2 * H;
+      for (int64_t sp = 0; sp < splits; ++sp) {
+        const float* ml = pml + (b * splits + sp) * 2 * H;
+        if (ml[h] == -INFINITY) continue;
         const float w = std::exp(ml[h] - mx);
         total += w * ml[H + h];
-        axpy(o, pa + (t * H + h) * D, w, D);
+        axpy(o, pa + ((b * splits + sp) * H + h) * D, w, D);
       }
       const float inv = v_mult / total;
       for (int64_t d = 0; d < D; ++d) o[d] *= inv;
