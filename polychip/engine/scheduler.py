@@ -169,8 +169,11 @@ class Scheduler:
         return out
 
     def _plan_drafts(self, budget: int) -> dict[str, list[int]]:
-        """The proposer's drafts for the running requests that decode this step, sized for the batch."""
-        if self.proposer is None:
+        """The proposer's drafts for the running requests that decode this step, sized for the batch.
+        None while prompts wait or prefill: such a step is bound by the prefill's compute, and a draft
+        token would take a prompt token's place in the budget."""
+        if self.proposer is None or (self.waiting and len(self.running) < self.max_running) or \
+                any(r.num_computed_tokens < len(r.prompt_ids) for r in self.running):
             return {}
         return self.proposer.plan([(r, min(budget - 1, self.max_model_len - r.num_tokens)) for r in self.running
                                    if r.num_computed_tokens == r.num_tokens - 1])
