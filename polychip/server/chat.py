@@ -81,8 +81,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
 
 async def _stream_events(state, req, stream, meta, prompt_len, reply_parser):
     n = req.n
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    chunks = ChunkBuilder(meta, "chat.completion.chunk", "delta", include_usage)
+    chunks = ChunkBuilder(meta, "chat.completion.chunk", "delta", req.stream_options)
     for i in range(n):
         yield chunks.choice(i, {"role": "assistant", "content": ""})
     parsers = [reply_parser() for _ in range(n)]
@@ -95,12 +94,14 @@ async def _stream_events(state, req, stream, meta, prompt_len, reply_parser):
         if req.logprobs and len(o.token_ids) > seen[i]:
             lp = {"content": chat_logprobs(state.tokenizer, (o.logprobs or [])[seen[i]:])}
         seen[i] = len(o.token_ids)
+        so_far = usage(prompt_len, sum(seen)) if chunks.continuous else None
         if delta or lp:
-            yield chunks.choice(i, delta, logprobs=lp)
+            yield chunks.choice(i, delta, logprobs=lp, usage=so_far)
         if out.finished:
             completion_tokens += len(o.token_ids)
             cached = out.num_cached_tokens if i == 0 else cached
-            yield chunks.choice(i, {}, parsers[i].finish_reason(o.finish_reason), stop_reason=o.stop_reason)
-    if include_usage:
+            yield chunks.choice(i, {}, parsers[i].finish_reason(o.finish_reason), stop_reason=o.stop_reason,
+                                usage=so_far)
+    if chunks.include_usage:
         yield chunks.usage(usage(prompt_len, completion_tokens, cached))
     yield sse("[DONE]")

@@ -99,8 +99,7 @@ def best_of_n(finals: list, best_of: int, n: int) -> list:
 
 async def _stream_events(state, req, stream, meta, echoes, prompt_tokens):
     n = req.n
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    chunks = ChunkBuilder(meta, "text_completion", "text", include_usage)
+    chunks = ChunkBuilder(meta, "text_completion", "text", req.stream_options)
     count = len(echoes) * n
     seen, offsets = [0] * count, [0] * count
     for i in range(count):
@@ -114,11 +113,12 @@ async def _stream_events(state, req, stream, meta, echoes, prompt_tokens):
             lp = completion_logprobs(state.tokenizer, (o.logprobs or [])[seen[i]:], offsets[i])
             offsets[i] += sum(len(t) for t in lp["tokens"])
         seen[i] = len(o.token_ids)
+        so_far = usage(prompt_tokens, sum(seen)) if chunks.continuous else None
         if o.delta_text or lp:
-            yield chunks.choice(i, o.delta_text, logprobs=lp)
+            yield chunks.choice(i, o.delta_text, logprobs=lp, usage=so_far)
         if out.finished:
             completion_tokens += len(o.token_ids)
-            yield chunks.choice(i, "", o.finish_reason, stop_reason=o.stop_reason)
-    if include_usage:
+            yield chunks.choice(i, "", o.finish_reason, stop_reason=o.stop_reason, usage=so_far)
+    if chunks.include_usage:
         yield chunks.usage(usage(prompt_tokens, completion_tokens))
     yield sse("[DONE]")
