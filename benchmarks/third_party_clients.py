@@ -125,7 +125,7 @@ def main() -> None:
     ap.add_argument("--serve-args", default="--quantization int8 --kv-cache-dtype bfloat16 --max-running-requests 16")
     ap.add_argument("--port", type=int, default=31999)
     ap.add_argument("--concurrency", default="1,4,16")
-    ap.add_argument("--requests", type=int, default=None, help="requests per concurrency (default: 2 x concurrency, "
+    ap.add_argument("--requests", type=int, default=None, help="requests per concurrency (default: 2 x concurrency, 2 to 16, "
                     "at least 2)")
     ap.add_argument("--input-len", type=int, default=800)
     ap.add_argument("--output-len", type=int, default=512)
@@ -141,7 +141,7 @@ def main() -> None:
     rows = []
     try:
         for c in map(int, a.concurrency.split(",")):
-            n = a.requests or max(2, 2 * c)
+            n = a.requests or max(2, min(2 * c, 16))
             for name in a.clients.split(","):
                 out = tempfile.mkdtemp(dir=work)
                 load = os.getloadavg()[0]

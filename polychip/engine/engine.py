@@ -96,7 +96,9 @@ class Engine:
                            scratch=static_bs > 0)
         self.runner.attach_pool(self.pool)
         compiling = time.time()
-        self.runner.compile_decode(self.pool.scratch_page, timed=bool(config.speculative_algorithm))
+        # speculation's cost model starts from each bucket's timing (not under tensor parallelism: the
+        # other ranks would have to run the same extra steps; its figures then come from the steps run)
+        self.runner.compile_decode(self.pool.scratch_page, timed=bool(config.speculative_algorithm) and tp is None)
         done = time.time()
         # wall clock of each start-up step (the server's /server_info "startup" block)
         self.startup = {"load": compiling - began, "compile": done - compiling, "loaded_at": compiling,
