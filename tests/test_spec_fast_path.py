@@ -115,7 +115,7 @@ def test_verify_steps_run_through_the_compiled_buckets(model_factory):
     assert verify_calls > 0
 
 
-@pytest.mark.device_needs("int8")
+@pytest.mark.device_needs("int8", "kv:bfloat16")
 def test_smollm2_int8_bf16_kv_suffix_drafts_from_the_last_answer(test_device):
     """The fast configuration: int8 weights, bfloat16 KV, SUFFIX; the same agent turn twice, greedy."""
     chat = [{"role": "system", "content": 'Answer with one JSON object {"name": ..., "arguments": {...}}.'},
