@@ -160,9 +160,7 @@ void tile_rows(const float* x, const WT* w, float* y, const float* b, const floa
     for (int64_t m = 0, p = 0; m < M; m += MR, ++p) {
       const int mr = static_cast<int>(std::min<int64_t>(MR, M - m));
       const int64_t r0 = std::min<int64_t>(p * per_pass, NR);
-      // one float row at a time streams well on its own: a prefetch per load only took load slots (-15%)
-      const int pf_rows = M == 1 && sizeof(WT) == 4
-                              ? 0 : static_cast<int>(std::max<int64_t>(0, std::min({per_pass, NR - r0, N - pn - r0})));
+      const int pf_rows = static_cast<int>(std::max<int64_t>(0, std::min({per_pass, NR - r0, N - pn - r0})));
       Tiles<WT>::fns[mr - 1][nr - 1](x + m * K, w + n * K, y + m * N + n, b ? b + n : nullptr,
                                      scale ? scale + n : nullptr, K, N, pf_rows > 0 ? w + (pn + r0) * K : w, pf_rows);
     }
