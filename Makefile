@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | cksum | cut -d' ' -f1)
 
-.PHONY: install serve generate test bench clean chromium console
+.PHONY: install serve generate test bench clean chromium console bench-tools
 
 $(STAMP):
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -39,15 +39,30 @@ serve: $(STAMP)
 generate: $(STAMP)
 	$(BIN)/polychip generate --chat --prompt "What is the capital of France?" $(ARGS)
 
+# third-party benchmark clients (GuideLLM, AIPerf) in a virtualenv of their own: their dependencies
+# never touch the project's (benchmarks/third_party_clients.py runs them; tests/test_bench_clients.py
+# checks they still talk to our server)
+BENCH_VENV := .venv-bench
+BENCH_STAMP := $(BENCH_VENV)/.installed-guidellm-0.8.1-aiperf-0.13.0
+
+$(BENCH_STAMP):
+	test -x $(BENCH_VENV)/bin/python || $(PY) -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/pip install -q --upgrade pip
+	# torch==2.13.0 first (the CPU build, as the project's): guidellm needs a torch, not a CUDA one
+	$(BENCH_VENV)/bin/pip install -q torch==2.13.0 guidellm==0.8.1 aiperf==0.13.0
+	rm -f $(BENCH_VENV)/.installed-*; touch $(BENCH_STAMP)
+
+bench-tools: $(BENCH_STAMP)
+
 # the whole suite on the cpu, then every test that runs a model again on the simulated accelerator
 # (tests marked device_independent name their devices or run none; see tests/conftest.py)
 TEST_DEVICES ?= simxpu
 
-test: $(STAMP) chromium
+test: $(STAMP) chromium $(BENCH_STAMP)
 	$(BIN)/python -m pytest -q $(ARGS)
 	for d in $(TEST_DEVICES); do \
 		POLYCHIP_TEST_DEVICE=$$d $(BIN)/python -m pytest -q -m "not device_independent" $(ARGS) || exit 1; \
 	done
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(BENCH_VENV) build *.egg-info

@@ -23,7 +23,7 @@ QUANTIZATIONS = tuple(QUANTIZATION_DTYPES)    # int8 (weight-only) and the check
 
 DECODE_GROUP = "compiled decode (SGLang's flags)"
 SPEC_GROUP = "speculative decoding (SGLang's flags)"
-SPEC_ALGORITHMS = ("NGRAM",)    # prompt lookup: drafts from the request's own prompt and output
+SPEC_ALGORITHMS = ("NGRAM", "SUFFIX")   # drafts from the request's own tokens; SUFFIX: and recent outputs
 TP_GROUP = "tensor parallelism (SGLang's flags; --tp-size counts ranks on all nodes)"
 PD_GROUP = "prefill/decode disaggregation (SGLang's flags; docs/disaggregation.md)"
 PP_GROUP = "pipeline parallelism (docs/pipeline-parallel.md; --nnodes, --node-rank, --dist-* as for tp)"
@@ -144,17 +144,21 @@ class EngineConfig(_FromKwargs):
                                              "cuda: no CUDA graphs)", group=DECODE_GROUP)
     # speculative decoding (SGLang's flags; engine/spec_decode.py)
     speculative_algorithm: str | None = option(None, "NGRAM: draft tokens looked up in the request's own prompt "
-                                                     "and output, verified in one forward (default: off)",
+                                                     "and output, verified in one forward; SUFFIX: also in the "
+                                                     "outputs of recent requests (default: off)",
                                                group=SPEC_GROUP, choices=SPEC_ALGORITHMS)
-    speculative_num_draft_tokens: int = option(4, "draft tokens per step and sequence; the forward checks them "
-                                                  "and the token after in one pass", group=SPEC_GROUP)
+    speculative_num_draft_tokens: int = option(4, "most draft tokens per step and sequence (each step verifies "
+                                                  "as many as its measured cost and the acceptance so far "
+                                                  "pay for); the forward checks them and the token after in one "
+                                                  "pass", group=SPEC_GROUP)
     speculative_ngram_min_match_window_size: int = option(1, "shortest end of the sequence looked up for a "
                                                              "draft", group=SPEC_GROUP)
     speculative_ngram_max_match_window_size: int = option(12, "longest end of the sequence looked up (the "
                                                               "longest match wins)", group=SPEC_GROUP)
-    speculative_ngram_min_acceptance: float = option(0.25, "a request whose drafts were accepted less than this "
-                                                           "share over its last 8 verify steps decodes without "
-                                                           "speculation from then on (polychip's flag)",
+    speculative_ngram_min_acceptance: float = option(0.0, "a request whose drafts were accepted less than this "
+                                                          "share over its last 8 verify steps decodes without "
+                                                          "speculation from then on (polychip's flag; 0: never, "
+                                                          "the cost model already drops drafts that do not pay)",
                                                      group=SPEC_GROUP)
     # tensor parallelism (SGLang's flags): tp_size counts ranks across all nodes
     tp_size: int = option(1, "ranks, one per device, that each hold 1/N of every layer", group=TP_GROUP)

@@ -4,6 +4,7 @@ and the OpenAI / extension fields the server refuses. On the steered random Qwen
 replies "Blue wins!"), through the official openai client and raw HTTP."""
 from __future__ import annotations
 
+import json
 import os
 
 import httpx
@@ -150,13 +151,27 @@ def test_harmless_values_of_partly_refused_fields_pass(server):
     assert httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30).status_code == 200
 
 
-def test_completions_refuse_chat_fields_and_continuous_usage(server):
+def test_completions_refuse_chat_fields(server):
     for body, field in (({"functions": [{"name": "f"}]}, "functions"),
-                        ({"reasoning_effort": "low"}, "reasoning_effort"),
-                        ({"stream": True, "stream_options": {"continuous_usage_stats": True}},
-                         "stream_options.continuous_usage_stats")):
+                        ({"reasoning_effort": "low"}, "reasoning_effort")):
         r = httpx.post(server.url + "/v1/completions", json={"model": "qwen3-tiny", "prompt": "x", **body}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["message"].startswith(field), r.text
+
+
+@pytest.mark.parametrize("route, body", [("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions",
+                                                                               {"messages": QUESTION})])
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(server, route, body):
+    """vLLM's stream_options.continuous_usage_stats, as GuideLLM sends it; only with include_usage."""
+    req = {"model": "qwen3-tiny", "max_tokens": 6, "min_tokens": 6, "stream": True, **body,
+           "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with httpx.stream("POST", server.url + route, json=req, timeout=30) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    counted = [c["usage"]["completion_tokens"] for c in chunks if c["choices"] and c["usage"]]
+    assert counted and counted == sorted(counted) and counted[-1] == 6, chunks
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
+    req["stream_options"] = {"continuous_usage_stats": True}                      # without include_usage: none
+    with httpx.stream("POST", server.url + route, json=req, timeout=30) as r:
+        assert not any('"usage"' in line for line in r.iter_lines())
 
 
 # a value of each JSON type, to find one a field's declared type does not take

@@ -28,6 +28,7 @@ from polychip.engine.sampler import Sampler
 from polychip.engine.sampling_params import SamplingParams
 from polychip.engine.scheduler import Scheduler
 from polychip.engine.spec_decode import NgramProposer, NgramSettings, SpecState, speculable, verify
+from polychip.engine.spec_policy import StepCost
 from polychip.engine.static_decode import static_decode_limit
 from polychip.engine.stats import STAGES, EngineStats, RankDevice, StageTimer
 from polychip.engine.stop import streamable_len
@@ -98,7 +99,9 @@ class Engine:
                            scratch=static_bs > 0)
         self.runner.attach_pool(self.pool)
         compiling = time.time()
-        self.runner.compile_decode(self.pool.scratch_page)
+        # speculation's cost model starts from each bucket's timing (not under tensor parallelism: the
+        # other ranks would have to run the same extra steps; its figures then come from the steps run)
+        self.runner.compile_decode(self.pool.scratch_page, timed=bool(config.speculative_algorithm) and tp is None)
         done = time.time()
         # wall clock of each start-up step (the server's /server_info "startup" block)
         self.startup = {"load": compiling - began, "compile": done - compiling, "loaded_at": compiling,
@@ -108,7 +111,8 @@ class Engine:
         self.pages = PageManager(self.pool.allocator, page, prefix_cache=not config.disable_radix_cache,
                                  host_tier=self.host_tier)
         self.eos_ids = self.tokenizer.eos_token_ids
-        self.proposer = NgramProposer(NgramSettings.of(config)) if config.speculative_algorithm else None
+        self.proposer = NgramProposer(NgramSettings.of(config), StepCost(self.runner.decode_step_seconds()),
+                                      static_bs or None) if config.speculative_algorithm else None
         self.scheduler = Scheduler(self.pages, config.chunked_prefill_size, config.max_running_requests,
                                    config.schedule_policy, eos_ids=self.eos_ids, max_model_len=self.max_model_len,
                                    proposer=self.proposer)
@@ -262,8 +266,11 @@ class Engine:
         if self.pipeline is not None:        # micro-batches in flight between the stages
             return self.pipeline.step()
         timer = self._timer
+        began = time.perf_counter()
         with timer("schedule"):
             sched = self.scheduler.schedule()
+        decode_rows = sched.num_tokens if self.proposer is not None and sched.scheduled and \
+            all(n == 1 or r.draft for r, n in sched.scheduled) else 0
         sampled, tokens, logprobs = [], [], []
         if sched.scheduled:
             with timer("prepare"):
@@ -279,7 +286,10 @@ class Engine:
                 if sampled:
                     tokens, logprobs = self._sample(logits, sampled)
         with timer("detokenize"):
-            return self.finish_step(sched, sampled, tokens, logprobs)
+            outputs = self.finish_step(sched, sampled, tokens, logprobs)
+        if decode_rows:      # what a decode step of this many rows costs, for speculation's cost model
+            self.proposer.observe(decode_rows, time.perf_counter() - began)
+        return outputs
 
     def finish_step(self, sched, sampled: list[Request], tokens: list, logprobs: list) -> list[RequestOutput]:
         """Book a step's results (a micro-batch's, under pipeline parallelism): the scheduler's update,

@@ -46,13 +46,14 @@ class StepLimits:
 
     @property
     def int_capacity(self) -> int:
-        """int64 elements: ids, positions, slots; sample rows, decode lengths; two page tables; prefill rows."""
-        return 3 * self.max_tokens + self.max_rows + self.max_seqs + 2 * self.max_seqs * self.max_pages + \
-            3 * self.max_seqs
+        """int64 elements: ids, positions, slots; sample rows; decode lengths and page table (a row per decode
+        row: verify steps have several per request); the prefill page table and rows."""
+        return 3 * self.max_tokens + self.max_rows + self.max_rows * (1 + self.max_pages) + \
+            self.max_seqs * self.max_pages + 3 * self.max_seqs
 
     @property
     def mask_capacity(self) -> int:
-        return self.max_seqs * self.max_pages * self.page_size
+        return self.max_rows * self.max_pages * self.page_size
 
 
 class _Packer:
@@ -140,11 +141,15 @@ class ModelRunner:
     def buffer_bytes(self) -> int:
         return sum(b.nbytes for b in self.buffers) + (self.static.nbytes if self.static else 0)
 
-    def compile_decode(self, scratch_page: int) -> None:
+    def compile_decode(self, scratch_page: int, timed: bool = False) -> None:
         """Compile the static decode path's buckets (start-up; ``scratch_page``: the KV pool's page
-        that padding rows write)."""
+        that padding rows write; ``timed``: time a step of each, see ``decode_step_seconds``)."""
         if self.static is not None:
-            self.static.compile_all(self.model, self.kv_caches, scratch_page, self.kv_scales)
+            self.static.compile_all(self.model, self.kv_caches, scratch_page, self.kv_scales, timed)
+
+    def decode_step_seconds(self) -> dict[int, float]:
+        """Seconds of a compiled decode step by its rows (empty unless compiled with ``timed``)."""
+        return dict(self.static.step_seconds) if self.static is not None else {}
 
     def release_compiled(self) -> None:
         """Drop the static path's compiled steps (at shutdown, before the KV pool they refer to)."""
@@ -178,9 +183,9 @@ class ModelRunner:
             pos.append(p)
             slots.append(pages[p // self.page] * self.page + p % self.page)
             used = pages[:-(-(c + n) // self.page)]
-            if n == 1:
-                dec_pages.append(used)
-                dec_lens.append(c + 1)
+            if n == 1 or d:     # a decode, or a verify step: one decode row per position, each over its prefix
+                dec_pages.extend([used] * n)
+                dec_lens.extend(range(c + 1, c + n + 1))
             else:
                 prefills.append((start, n, c + n, used))
             if c + n == req.num_tokens + d:     # a speculating request samples its last token and each draft

@@ -67,6 +67,8 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.receiving.pop(req.request_id, None)
+        if self.proposer is not None:
+            self.proposer.finished(req)
         if req.handoff is not None and req.finish_reason != "abort" and req.output_ids:
             self.held[req.request_id] = req
         else:
@@ -150,6 +152,7 @@ class Scheduler:
         out = SchedulerOutput()
         budget, room = self.budget, max_requests if max_requests is not None else len(self.running) + len(self.waiting)
         self.running.sort(key=lambda r: (r.priority, r.timings.arrival))
+        drafts = self._plan_drafts(budget)
         i = 0
         while i < len(self.running) and budget > 0 and room > 0:
             req = self.running[i]
@@ -157,7 +160,7 @@ class Scheduler:
                 i += 1
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            draft = self._draft(req, n, budget)
+            draft = self._draft(req, n, budget, drafts)
             fits = self._make_room(req, self.pages.pages_for(req.num_computed_tokens + n + len(draft)) - len(req.pages),
                                    out, busy)
             if fits:
@@ -169,16 +172,26 @@ class Scheduler:
                 i += 1
         if not out.preempted:
             self._admit(out, budget, room)
-        out.scheduled.sort(key=lambda rn: rn[1] != 1)   # decodes first, stable otherwise
+        out.scheduled.sort(key=lambda rn: rn[1] != 1 and not rn[0].draft)   # decode rows first, stable otherwise
         out.num_prompt_tokens = sum(max(0, min(n, len(r.prompt_ids) - r.num_computed_tokens))
                                     for r, n in out.scheduled)
         return out
 
-    def _draft(self, req: Request, n: int, budget: int) -> list[int]:
-        """Draft tokens for a decoding request, inside the budget and the context; [] when not speculating."""
-        if self.proposer is None or n != 1 or req.num_computed_tokens != req.num_tokens - 1:
+    def _plan_drafts(self, budget: int) -> dict[str, list[int]]:
+        """The proposer's drafts for the running requests that decode this step, sized for the batch.
+        None while prompts wait or prefill: such a step is bound by the prefill's compute, and a draft
+        token would take a prompt token's place in the budget."""
+        if self.proposer is None or (self.waiting and len(self.running) < self.max_running) or \
+                any(r.num_computed_tokens < len(r.prompt_ids) for r in self.running):
+            return {}
+        return self.proposer.plan([(r, min(budget - 1, self.max_model_len - r.num_tokens)) for r in self.running
+                                   if r.num_computed_tokens == r.num_tokens - 1])
+
+    def _draft(self, req: Request, n: int, budget: int, drafts: dict[str, list[int]]) -> list[int]:
+        """A decoding request's draft, inside what is left of the budget and the context; [] when none."""
+        if n != 1 or req.num_computed_tokens != req.num_tokens - 1:
             return []
-        return self.proposer.propose(req, min(budget - 1, self.max_model_len - req.num_tokens))
+        return drafts.get(req.request_id, [])[:max(0, min(budget - 1, self.max_model_len - req.num_tokens))]
 
     def _make_room(self, req: Request, need: int, out: SchedulerOutput, busy: frozenset[str] = frozenset()) -> bool | None:
         """Give running ``req`` ``need`` more pages, preempting from the back of the queue (never a

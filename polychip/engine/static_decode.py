@@ -27,6 +27,9 @@ from polychip.models.decoder import ForwardContext
 
 log = logging.getLogger("polychip.engine")
 
+#: the largest compiled decode step when speculating (rows: requests and their draft tokens)
+SPEC_MAX_ROWS = 32
+
 
 def static_decode_limit(config, plugin, resolutions: dict) -> tuple[int, str]:
     """The largest batch the static path takes (0: every step eager) and, when 0, why."""
@@ -39,7 +42,16 @@ def static_decode_limit(config, plugin, resolutions: dict) -> tuple[int, str]:
         # the native decode gathers every page of the table: at full width that is the whole context
         return 0, "attention is the native op, which would gather the full-width page table every layer"
     max_bs = config.cuda_graph_max_bs or plugin.compiled_decode_max_bs
+    if config.speculative_algorithm and not config.cuda_graph_max_bs:
+        # a verify step is a decode step of 1 + K rows per request: room for a few requests' drafts
+        return min(max(max_bs, SPEC_MAX_ROWS), limit_rows(config), config.chunked_prefill_size), ""
     return min(max_bs, config.max_running_requests, config.chunked_prefill_size), ""
+
+
+def limit_rows(config) -> int:
+    """Rows of the largest decode step: a row per running request, and one per draft token."""
+    return config.max_running_requests * (1 + (config.speculative_num_draft_tokens if config.speculative_algorithm
+                                               else 0))
 
 
 def batch_sizes(plugin, max_bs: int) -> list[int]:
@@ -124,6 +136,7 @@ class StaticDecode:
         self.plugin, self.max_bs, self.page_size = plugin, max_bs, page_size
         self.buckets = [DecodeBucket(plugin, b, max_pages) for b in batch_sizes(plugin, max_bs)]
         self.scratch_slot = -1     # set with the KV pool (its scratch page)
+        self.step_seconds: dict[int, float] = {}    # bucket size -> seconds of one step (compile_all(timed=True))
 
     @property
     def nbytes(self) -> int:
@@ -136,19 +149,27 @@ class StaticDecode:
             return None
         return next(b for b in self.buckets if b.size >= n)
 
-    def compile_all(self, model, kv_caches, scratch_page: int, kv_scales=None) -> None:
+    def compile_all(self, model, kv_caches, scratch_page: int, kv_scales=None, timed: bool = False) -> None:
         """``plugin.compile`` per bucket, each then run once on padding rows only, so that what a plugin
-        does on a first call (capture, recording, compilation) happens here, at start-up."""
+        does on a first call (capture, recording, compilation) happens here, at start-up. ``timed``: run
+        each once more and keep its seconds (``step_seconds``: speculation's cost model starts from them)."""
         self.scratch_slot = scratch_page * self.page_size
         t_all = time.perf_counter()
         for i, bucket in enumerate(self.buckets):
             t0 = time.perf_counter()
             bucket.compiled = self.plugin.compile(StaticStep(model, kv_caches, bucket, kv_scales))
             self.warm(bucket)
+            if timed:      # best of two: a neighbour's burst must not set the model's start
+                self.step_seconds[bucket.size] = min(self._timed_warm(bucket) for _ in range(2))
             log.info("decode step compiled for batch %d (%d of %d) in %.2f s", bucket.size, i + 1,
                      len(self.buckets), time.perf_counter() - t0)
         log.info("static decode path: batches 1..%d in %d buckets, compiled in %.1f s", self.max_bs,
                  len(self.buckets), time.perf_counter() - t_all)
+
+    def _timed_warm(self, bucket: DecodeBucket) -> float:
+        t = time.perf_counter()
+        self.warm(bucket)
+        return time.perf_counter() - t
 
     @torch.inference_mode()
     def warm(self, bucket: DecodeBucket) -> None:

@@ -83,8 +83,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
 
 async def _stream_events(state, req, stream, meta, prompt_len, reply_parser, continued=0):
     n = req.n
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    chunks = ChunkBuilder(meta, "chat.completion.chunk", "delta", include_usage)
+    chunks = ChunkBuilder(meta, "chat.completion.chunk", "delta", req.stream_options)
     for i in range(n):
         yield chunks.choice(i, {"role": "assistant", "content": ""})
     parsers = [reply_parser() for _ in range(n)]
@@ -98,12 +97,14 @@ async def _stream_events(state, req, stream, meta, prompt_len, reply_parser, con
             lp = {"content": chat_logprobs(state.tokenizer, (o.logprobs or [])[seen[i]:])}
         ids = list(o.token_ids[seen[i]:]) if req.return_token_ids else None
         seen[i] = len(o.token_ids)
+        so_far = usage(prompt_len, sum(seen) + continued) if chunks.continuous else None
         if delta or lp or ids:
-            yield chunks.choice(i, delta, logprobs=lp, token_ids=ids)
+            yield chunks.choice(i, delta, logprobs=lp, token_ids=ids, usage=so_far)
         if out.finished:
             completion_tokens += len(o.token_ids) + continued
             cached = out.num_cached_tokens if i == 0 else cached
-            yield chunks.choice(i, {}, parsers[i].finish_reason(o.finish_reason), stop_reason=o.stop_reason)
-    if include_usage:
+            yield chunks.choice(i, {}, parsers[i].finish_reason(o.finish_reason), stop_reason=o.stop_reason,
+                                usage=so_far)
+    if chunks.include_usage:
         yield chunks.usage(usage(prompt_len, completion_tokens, cached))
     yield sse("[DONE]")

@@ -102,8 +102,7 @@ def best_of_n(finals: list, best_of: int, n: int) -> list:
 
 async def _stream_events(state, req, stream, meta, echoes, prompt_tokens, continued=0):
     n = req.n
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    chunks = ChunkBuilder(meta, "text_completion", "text", include_usage)
+    chunks = ChunkBuilder(meta, "text_completion", "text", req.stream_options)
     count = len(echoes) * n
     seen, offsets = [0] * count, [0] * count
     for i in range(count):
@@ -118,11 +117,12 @@ async def _stream_events(state, req, stream, meta, echoes, prompt_tokens, contin
             offsets[i] += sum(len(t) for t in lp["tokens"])
         ids = list(o.token_ids[seen[i]:]) if req.return_token_ids else None
         seen[i] = len(o.token_ids)
+        so_far = usage(prompt_tokens, sum(seen) + continued) if chunks.continuous else None
         if o.delta_text or lp or ids:
-            yield chunks.choice(i, o.delta_text, logprobs=lp, token_ids=ids)
+            yield chunks.choice(i, o.delta_text, logprobs=lp, token_ids=ids, usage=so_far)
         if out.finished:
             completion_tokens += len(o.token_ids) + continued
-            yield chunks.choice(i, "", o.finish_reason, stop_reason=o.stop_reason)
-    if include_usage:
+            yield chunks.choice(i, "", o.finish_reason, stop_reason=o.stop_reason, usage=so_far)
+    if chunks.include_usage:
         yield chunks.usage(usage(prompt_tokens, completion_tokens))
     yield sse("[DONE]")

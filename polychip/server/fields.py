@@ -59,7 +59,8 @@ FIELDS: tuple[Field, ...] = (
     Field("stop", BOTH, HONOURED, "strings; cut from the text unless include_stop_str_in_output"),
     Field("stream", BOTH, HONOURED, "server-sent events, ending with [DONE]"),
     Field("stream_options.include_usage", BOTH, HONOURED, "a last chunk with usage"),
-    Field("stream_options.continuous_usage_stats", BOTH, REFUSED, "true is refused; usage comes in the last chunk"),
+    Field("stream_options.continuous_usage_stats", BOTH, HONOURED, "with include_usage, every chunk carries the "
+          "usage so far (vLLM's extension; GuideLLM asks for it)"),
     Field("presence_penalty", BOTH, HONOURED, "[-2, 2], over the output"),
     Field("frequency_penalty", BOTH, HONOURED, "[-2, 2], over the output"),
     Field("logit_bias", BOTH, HONOURED, "token id (a string) -> [-100, 100] added to its logit; ids outside "
@@ -218,10 +219,6 @@ def check_fields(req: BaseModel, endpoint: str) -> None:
         why = f.refuse(getattr(req, name))
         if why:
             raise InvalidRequestError(f"{name} {why} ({f.note})" if f.note else f"{name} {why}")
-    so = getattr(req, "stream_options", None)
-    if so is not None and so.continuous_usage_stats:
-        raise InvalidRequestError("stream_options.continuous_usage_stats is not supported; "
-                                  "usage comes in the last chunk with include_usage")
 
 
 def log_identity(req: BaseModel, request_id: str) -> None:

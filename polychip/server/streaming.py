@@ -24,12 +24,18 @@ class ChunkBuilder:
     """Chunks of one streamed response: ``meta`` (id, created, model) and ``object`` on each; the
     choice's payload under ``payload_key`` ("delta" for chat, "text" for completions)."""
 
-    def __init__(self, meta: dict, object_: str, payload_key: str, include_usage: bool):
+    def __init__(self, meta: dict, object_: str, payload_key: str, stream_options=None):
+        """``stream_options``: the request's; with include_usage a last chunk carries the usage, and with
+        continuous_usage_stats too every chunk carries the usage so far (vLLM's extension)."""
         self.base = {**meta, "object": object_}
-        self.payload_key, self.include_usage = payload_key, include_usage
+        self.payload_key = payload_key
+        self.include_usage = bool(stream_options and stream_options.include_usage)
+        self.continuous = self.include_usage and bool(stream_options.continuous_usage_stats)
 
     def choice(self, index: int, payload, finish_reason: str | None = None, logprobs=None,
-               stop_reason: str | int | None = None, token_ids: list[int] | None = None) -> str:
+               stop_reason: str | int | None = None, token_ids: list[int] | None = None,
+               usage: dict | None = None) -> str:
+        """One choice's chunk; ``usage``: the usage so far (sent when continuous_usage_stats asked for it)."""
         c = {"index": index, self.payload_key: payload, "logprobs": logprobs, "finish_reason": finish_reason}
         if token_ids is not None:       # return_token_ids: this chunk's new tokens
             c["token_ids"] = token_ids
@@ -37,7 +43,7 @@ class ChunkBuilder:
             c["stop_reason"] = stop_reason
         body = {**self.base, "choices": [c]}
         if self.include_usage:
-            body["usage"] = None
+            body["usage"] = usage if self.continuous else None
         return sse(body)
 
     def usage(self, usage: dict) -> str:

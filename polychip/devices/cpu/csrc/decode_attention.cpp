@@ -338,6 +338,11 @@ void decode_piece(const float* qb, const typename Kv<K>::T* kp, const typename K
 // Every sequence's attention, cut into pieces of whole pages on the intra-op threads, then merged by
 // their max and sum. The KV scales are folded in: k_mult into the scaled query, v_mult into the
 // final normalisation, so the loops see raw widened values only.
+//
+// How a row is cut depends on its own length and on how many sequences the batch holds, never on
+// its number of rows: the rows of a verify step (one per draft position of a sequence: the same
+// pages, consecutive lengths) count as one sequence, so each gives the bits one decode row of that
+// sequence would (greedy speculation reproduces plain decoding).
 template <KvKind K>
 void run_decode(const float* qp, const void* kc, const void* vc, const int64_t* tab, const int64_t* lp, int64_t B,
                 int64_t W, int64_t H, int64_t Hkv, int64_t D, int64_t page, float scale, float k_mult, float v_mult,
@@ -345,13 +350,15 @@ void run_decode(const float* qp, const void* kc, const void* vc, const int64_t* 
   using T = typename Kv<K>::T;
   const T* kp = static_cast<const T*>(kc);
   const T* vp = static_cast<const T*>(vc);
-  int64_t max_len = 0;
-  for (int64_t b = 0; b < B; ++b) max_len = std::max(max_len, lp[b]);
+  int64_t max_len = 0, seqs = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    max_len = std::max(max_len, lp[b]);
+    seqs += b == 0 || tab[b * W] != tab[(b - 1) * W] || lp[b] != lp[b - 1] + 1;
+  }
   // split each sequence into pieces of whole pages so that every thread has work even at batch 1
   const int64_t threads = at::get_num_threads();
-  int64_t splits = std::max<int64_t>(1, std::min<int64_t>((2 * threads + B - 1) / B, (max_len + 255) / 256));
-  while (splits > 1 && B * splits % threads != 0) --splits;   // as many tasks per thread: not 3 on 2 threads
-  const int64_t piece = ((max_len + splits - 1) / splits + page - 1) / page * page;
+  int64_t splits = std::max<int64_t>(1, std::min<int64_t>((2 * threads + seqs - 1) / seqs, (max_len + 255) / 256));
+  while (splits > 1 && seqs * splits % threads != 0) --splits;   // as many tasks per thread: not 3 on 2 threads
   std::vector<float> part_acc(B * splits * H * D), part_ml(B * splits * 2 * H, 0.f);
   float* pa = part_acc.data();
   float* pml = part_ml.data();
@@ -360,6 +367,7 @@ void run_decode(const float* qp, const void* kc, const void* vc, const int64_t* 
     std::vector<float> scores;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / splits, sp = task % splits;
+      const int64_t piece = ((lp[b] + splits - 1) / splits + page - 1) / page * page;   // the row's own length
       const int64_t t0 = sp * piece, t1 = std::min(lp[b], t0 + piece);
       float* ml = pml + task * 2 * H;
       if (t0 >= t1) {

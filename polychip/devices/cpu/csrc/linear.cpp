@@ -49,8 +49,7 @@ struct Vec {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   }
   static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
-  static float sum(V a) { return _mm512_reduce_add_ps(a); }
-  // the four horizontal sums of a0..a3
+  // the four horizontal sums of a0..a3 (each by the same tree of additions, whichever of the four it is)
   static __m128 sum4(V a0, V a1, V a2, V a3) {
     const V s01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
     const V s23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
@@ -58,6 +57,9 @@ struct Vec {
     const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(t), _mm512_extractf32x8_ps(t, 1));
     return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
   }
+  // one horizontal sum by sum4's tree: a column's result never depends on the tile it fell in (so a
+  // row's logits are the same at any batch size, and greedy speculation reproduces plain decoding)
+  static float sum(V a) { return _mm_cvtss_f32(sum4(a, a, a, a)); }
 };
 #else
 struct Vec {
@@ -74,15 +76,11 @@ struct Vec {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
   }
   static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
-  static float sum(V a) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    s = _mm_hadd_ps(s, s);
-    return _mm_cvtss_f32(_mm_hadd_ps(s, s));
-  }
   static __m128 sum4(V a0, V a1, V a2, V a3) {
     const V t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
     return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
   }
+  static float sum(V a) { return _mm_cvtss_f32(sum4(a, a, a, a)); }   // sum4's tree (see the AVX-512 one)
 };
 #endif
 
