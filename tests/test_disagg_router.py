@@ -130,3 +130,41 @@ def test_a_real_pair_behind_the_router_answers_as_the_decode_chip_alone(pair):
                  ["transfers_done"] == 1, 10, "the router to see the hand-off")
     finally:
         srv.stop()
+
+
+def test_a_decode_replica_killed_mid_stream_the_stream_moves_to_another_decode_replica(pair, model_factory):
+    """The fault the pair alone cannot survive (issue 35): the decode side dies mid-stream. The router
+    migrates the stream (issue 34) to the other decode replica, paired with the same prefill side, with
+    the tokens already delivered: the client sees no error and the text of an uninterrupted run."""
+    pre, dec = pair
+    model = model_factory("qwen3", False, 2)
+    dec2 = ServerProcess(["--model-path", model, "--max-total-tokens", "4096", "--skip-server-warmup",
+                          "--served-model-name", "tiny", "--device", "simxpu", "--disaggregation-mode", "decode"])
+    srv = None
+    try:
+        dec2.wait_ready()
+        srv, router = start_router(RouterConfig(health=FAST), [pre.url, dec.url, dec2.url])
+        wait_for(lambda: sum(r.up for r in router.registry.workers.values()) == 3, 30, "replicas up")
+        body = {"model": "tiny", "prompt": "the moved stream " * 30, "max_tokens": 200, "temperature": 0,
+                "ignore_eos": True}
+        plain = httpx.post(dec2.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+        events, killed = [], None
+        with httpx.stream("POST", srv.url + "/v1/completions", json={**body, "stream": True}, timeout=90) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                if killed is None and len(events) == 6:
+                    killed = next(s for s in (dec, dec2)
+                                  if httpx.get(s.url + "/server_info", timeout=5).json()["num_running"] > 0)
+                    killed.proc.kill()
+        chunks = [json.loads(e) for e in events if e.startswith("{")]
+        assert killed is not None and events[-1] == "[DONE]"
+        assert not any("error" in c for c in chunks), [c for c in chunks if "error" in c]
+        assert "".join(c["choices"][0]["text"] for c in chunks if c.get("choices")) == plain
+        assert all("token_ids" not in c["choices"][0] for c in chunks if c.get("choices"))
+        wait_for(lambda: any(s.value > 0 for m in router.metrics.migrations.collect() for s in m.samples
+                             if s.name.endswith("_total")), 5, "the migration to be counted")
+    finally:
+        if srv is not None:
+            srv.stop()
+        dec2.stop()
