@@ -30,6 +30,7 @@ _SOURCES = [os.path.join(_DIR, f) for f in ("bindings.cpp", "decode_attention.cp
                                           "linear.cpp", "quant_linear.cpp", "elementwise.cpp", "replay.cpp")]
 _HEADERS = [os.path.join(_DIR, "common.h")]
 _state: dict = {}          # one build attempt per process: {"module": module or None}
+_by_digest: dict = {}      # sha256 of library bytes -> the module loaded from them (each loaded once)
 # -fopenmp, not just -fopenmp-simd: without _OPENMP, ATen's at::parallel_for compiles to a serial loop
 # (GOMP_* then resolve to torch's own libgomp, a dependency of libtorch_cpu). -fno-finite-math-only:
 # the attention kernels mark empty pieces and masked scores with -inf, which fast-math may assume away
@@ -96,6 +97,8 @@ def _import_built(name: str, path: str):
         why = "modified since the package pinned it" if name in allowed else "not pinned by the package"
         _state["refused"] = f"the CPU kernel library {path} is {why} (sha256 {digest[:16]}...)"
         return None
+    if digest in _by_digest:        # loaded already: a second dlopen (another memfd) would register its ops twice
+        return _by_digest[digest]
     fd = os.memfd_create(name, os.MFD_CLOEXEC)
     try:
         os.write(fd, data)
@@ -105,6 +108,7 @@ def _import_built(name: str, path: str):
         loader.exec_module(module)
         module.__file__ = module.__spec__.origin = path
         _state["sha256"], _state["name"] = digest, name
+        _by_digest[digest] = module
         return module
     except ImportError as e:        # a half-written build: build again
         log.warning("CPU kernels at %s did not import (%s); building again", path, e)
