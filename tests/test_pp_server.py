@@ -43,7 +43,7 @@ def room(model_factory):
         fast = HealthConfig(interval=0.2, timeout=2, failure_threshold=2, success_threshold=1)
         srv, router = start_router(RouterConfig(health=fast), [group.url, plain.url])
         started.append(srv)
-        wait_for(lambda: all(r.up for r in router.dispatcher.replicas.values()), 30, "replicas up")
+        wait_for(lambda: all(r.up for r in router.registry.workers.values()), 30, "replicas up")
         yield group, plain, srv.url
     finally:
         for s in reversed(started):

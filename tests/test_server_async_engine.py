@@ -42,7 +42,7 @@ class FakeEngine:
         if not prompt_ids:
             raise InvalidRequestError("prompt is empty")
 
-    def add_request(self, prompt, params, request_id, priority, arrival, remote=None):
+    def add_request(self, prompt, params, request_id, priority, arrival, remote=None, continuation=()):
         if request_id in self.reqs:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         self.reqs[request_id] = [params.max_tokens, 0]

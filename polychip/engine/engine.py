@@ -87,17 +87,7 @@ class Engine:
         self.activation_reserve = self.plugin.reserve_for_activations(
             activation_bytes(mc, limits.max_tokens, limits.max_rows, self.loaded.dtype))
         page = config.page_size
-        kv_heads = self.loaded.kv_heads          # this rank's share under tensor parallelism
-        self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.plugin, self.loaded.dtype)
-        layers = pp.span.layers if pp else mc.num_layers    # a pipeline stage keeps only its layers' KV
-        per_page = KVPool.bytes_per_page(layers, page, kv_heads, mc.head_dim, self.kv_dtype)
-        num_pages = size_pool(config, self.plugin, per_page, page, self.max_model_len,
-                              extra_pages=int(static_bs > 0))
-        if self.group is not None:   # the smallest rank's pool sets the page count for all
-            num_pages = self.group.agree_on_pool(num_pages, mc, per_page)
-        self.pool = KVPool(self.plugin, layers, num_pages, page, kv_heads, mc.head_dim, self.kv_dtype,
-                           scratch=static_bs > 0)
-        self.runner.attach_pool(self.pool)
+        num_pages, per_page = self._make_pool(config, static_bs)
         compiling = time.time()
         # speculation's cost model starts from each bucket's timing (not under tensor parallelism: the
         # other ranks would have to run the same extra steps; its figures then come from the steps run)
@@ -128,6 +118,23 @@ class Engine:
         log.info("KV pool: %d pages x %d tokens in %s (%.1f MiB); step inputs %.1f MiB; activation reserve %.1f MiB",
                  num_pages, page, dtype_name(self.kv_dtype), num_pages * per_page / 2**20,
                  self.runner.buffer_bytes / 2**20, self.activation_reserve / 2**20)
+
+    def _make_pool(self, config: EngineConfig, static_bs: int) -> tuple[int, int]:
+        """The KV pool, sized against the memory left (every rank agreeing on the smallest), attached
+        to the runner; returns (pages, bytes per page)."""
+        mc, page, pp = self.model_config, config.page_size, self.pp
+        kv_heads = self.loaded.kv_heads          # this rank's share under tensor parallelism
+        self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.plugin, self.loaded.dtype)
+        layers = pp.span.layers if pp else mc.num_layers    # a pipeline stage keeps only its layers' KV
+        per_page = KVPool.bytes_per_page(layers, page, kv_heads, mc.head_dim, self.kv_dtype)
+        num_pages = size_pool(config, self.plugin, per_page, page, self.max_model_len,
+                              extra_pages=int(static_bs > 0))
+        if self.group is not None:   # the smallest rank's pool sets the page count for all
+            num_pages = self.group.agree_on_pool(num_pages, mc, per_page)
+        self.pool = KVPool(self.plugin, layers, num_pages, page, kv_heads, mc.head_dim, self.kv_dtype,
+                           scratch=static_bs > 0)
+        self.runner.attach_pool(self.pool)
+        return num_pages, per_page
 
     def _make_runner(self, config: EngineConfig, limits: StepLimits) -> int:
         """The model runner (a stage's, a tensor-parallel rank 0's or a plain one); returns the largest

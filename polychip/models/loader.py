@@ -253,6 +253,15 @@ def rewrite(model, plugin, registry, torch_dtype, ops, plan: dict | None, enable
     return resolutions, merges, fusions, warnings
 
 
+def matching_tokenizer(model_dir: str, cfg: ModelConfig) -> Tokenizer:
+    """The folder's tokenizer; more tokens than the model's vocabulary is a ModelLoadError."""
+    tokenizer = Tokenizer.from_dir(model_dir, cfg.eos_token_ids)
+    if tokenizer.vocab_size > cfg.vocab_size:
+        raise ModelLoadError(f"tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is "
+                             f"{cfg.vocab_size}: tokenizer and weights do not match")
+    return tokenizer
+
+
 def load_model(model_path: str | None, plugin, dtype: str = "auto", enable_fusion: bool = True,
                cache_dir: str | None = None, max_model_len: int | None = None,
                registry: OpRegistry | None = None, quantization: str | None = None, comm=None,
@@ -261,8 +270,8 @@ def load_model(model_path: str | None, plugin, dtype: str = "auto", enable_fusio
     are; ``quantization`` may name their scheme, or on a float model "int8" or "w8a8" quantises while
     loading; ``strict`` refuses a scheme op the plugin lacks (quant_load.check_strict). A folder with
     a ``plan.json`` (an opened package) gets the plan's fusions and a warning per op this device
-    resolves differently. ``comm``: a
-    distributed Communicator; with more than one rank, this rank's shard is loaded. ``stage``: a
+    resolves differently. ``comm``: a distributed Communicator; with more than one rank, this rank's
+    shard is loaded. ``stage``: a
     pipeline stage's layers (models/stage.py); only its weights are read and placed."""
     t0 = time.perf_counter()
     model_dir, from_cache = resolve_model_dir(model_path, cache_dir)
@@ -271,10 +280,7 @@ def load_model(model_path: str | None, plugin, dtype: str = "auto", enable_fusio
     if comm is not None and comm.world_size > 1:
         shard = tp_shard.ShardLayout.plan(cfg, comm.rank, comm.world_size)
     plan = read_op_plan(model_dir)
-    tokenizer = Tokenizer.from_dir(model_dir, cfg.eos_token_ids)
-    if tokenizer.vocab_size > cfg.vocab_size:
-        raise ModelLoadError(f"tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is "
-                             f"{cfg.vocab_size}: tokenizer and weights do not match")
+    tokenizer = matching_tokenizer(model_dir, cfg)
     dname = model_dtype(plugin, cfg, dtype, plan)
     files = weight_files(model_dir)
     stored_state = stored_meta(files)

@@ -47,6 +47,13 @@ def batch_routes(settings, current) -> APIRouter:
     def jobs_of(handler):
         return with_jobs(current, handler)
 
+    _file_routes(routes, jobs_of)
+    _batch_job_routes(routes, jobs_of)
+    return routes
+
+
+def _file_routes(routes: APIRouter, jobs_of) -> None:
+    """/v1/files: upload, list, get, content, delete (OpenAI's Files API)."""
     @routes.post("/v1/files")
     @jobs_of
     async def upload(jobs, request: Request):
@@ -92,6 +99,9 @@ def batch_routes(settings, current) -> APIRouter:
                             param="file_id")
         return jobs.files.delete(file_id)
 
+
+def _batch_job_routes(routes: APIRouter, jobs_of) -> None:
+    """/v1/batches: create, list, get, cancel (OpenAI's Batch API)."""
     @routes.post("/v1/batches")
     @jobs_of
     async def create_batch(jobs, request: Request):
@@ -119,4 +129,3 @@ def batch_routes(settings, current) -> APIRouter:
     @jobs_of
     async def cancel_batch(jobs, request: Request, batch_id: str):
         return await jobs.cancel(batch_id)
-    return routes

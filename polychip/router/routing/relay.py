@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+from dataclasses import dataclass
 
 import anyio
 import httpx
@@ -24,6 +25,35 @@ class MidStreamError(Exception):
     """A replica's error event after the first token (its engine failed mid-answer)."""
 
 
+@dataclass
+class _Tally:
+    """What a relayed stream's outcome is so far: ok, HTTP-like status, completion tokens, failure kind."""
+    ok: bool = True
+    status: int = 200
+    tokens: int | None = None
+    kind: str | None = None
+
+
+def _scan(batch: list[bytes], mig: Migration | None, t: _Tally) -> tuple[list[bytes], bool, str | None]:
+    """One batch of events: (the events to pass on, [DONE] seen, the error to migrate past or None).
+    Usage and error events are parsed into ``t``; a migrating stream's events lose their token ids."""
+    out = []
+    for event in batch:
+        if b"[DONE]" in event and parse_event(event) == "[DONE]":
+            out.append(event)
+            return out, True, None
+        if b'"usage"' in event or b'"error"' in event:
+            msg = parse_event(event)
+            if isinstance(msg, dict):
+                if "error" in msg:
+                    if mig is not None and mig.can_go_on():
+                        return out, False, str(msg["error"])[:200]
+                    t.ok, t.kind = False, "stream_error"
+                t.tokens = (msg.get("usage") or {}).get("completion_tokens", t.tokens)
+        out.append(mig.see(event) if mig is not None else event)
+    return out, False, None
+
+
 
 class StreamRelay:
     """Proxy's stream half (it provides d, cfg, outcomes, metrics, pairing, _until_first_token and
@@ -33,29 +63,17 @@ class StreamRelay:
         """Pass the stream on as the network delivers it, one write per batch of events; only the
         events that may carry usage, token ids, an error or [DONE] are parsed. A replica that fails
         after the first token hands the stream to another one when it can migrate."""
-        ok, status, tokens, done, kind = True, 200, None, False, None
+        t = _Tally()
         mig: Migration | None = call.migration
         try:
             batch = held
             while True:
                 try:
                     while True:
-                        out = []
-                        for event in batch:
-                            if b"[DONE]" in event and parse_event(event) == "[DONE]":
-                                done = True
-                                out.append(event)
-                                break
-                            if b'"usage"' in event or b'"error"' in event:
-                                msg = parse_event(event)
-                                if isinstance(msg, dict):
-                                    if "error" in msg:
-                                        if mig is not None and mig.can_go_on():
-                                            yield b"".join(out)
-                                            raise MidStreamError(str(msg["error"])[:200])
-                                        ok, kind = False, "stream_error"
-                                    tokens = (msg.get("usage") or {}).get("completion_tokens", tokens)
-                            out.append(mig.see(event) if mig is not None else event)
+                        out, done, failed = _scan(batch, mig, t)
+                        if failed is not None:          # an error event this stream can migrate past
+                            yield b"".join(out)
+                            raise MidStreamError(failed)
                         if done:
                             # the replica has finished this request: free its slot now, not after the body's
                             # end arrives (which may wait for the replica's next step), or the client's next
@@ -70,7 +88,7 @@ class StreamRelay:
                             async with asyncio.timeout(None if math.isinf(left) else max(left, 0)):
                                 batch = await events.batch()
                         except TimeoutError:
-                            ok, status, kind = False, 504, "deadline"
+                            t.ok, t.status, t.kind = False, 504, "deadline"
                             yield sse_text(error_body(f"the answer passed the router's total_timeout "
                                                       f"({self.cfg.total_timeout:g}s) and is incomplete", "timeout",
                                                       None, 504))
@@ -84,20 +102,20 @@ class StreamRelay:
                     moved = await self._migrate(call, replica, resp, released, why) if mig is not None \
                         and mig.can_go_on() else None
                     if moved is None:
-                        ok, status, kind = False, 599, "stream_broken"
+                        t.ok, t.status, t.kind = False, 599, "stream_broken"
                         yield sse_text(error_body(why + "; the answer is incomplete", "upstream_error", None, 502))
                         yield sse_text("[DONE]")
                         return
                     replica, resp, events, batch = moved
                     released = []
         except asyncio.CancelledError:
-            status, kind = 499, "client_gone"
+            t.status, t.kind = 499, "client_gone"
             raise
         finally:
             with anyio.CancelScope(shield=True):
                 await close_quietly(resp)
                 self._release_once(replica, released)
-                self.outcomes.finish(call, replica, status, ttft, ok=ok, tokens=tokens, kind=kind)
+                self.outcomes.finish(call, replica, t.status, ttft, ok=t.ok, tokens=t.tokens, kind=t.kind)
 
     async def _migrate(self, call: Call, failed: Worker, resp, released: list, why: str):
         """Resend a broken stream to another replica with the tokens delivered so far; (replica,
