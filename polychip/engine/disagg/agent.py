@@ -151,7 +151,7 @@ class Agent:
 
     def status(self) -> dict:
         c = self.counters
-        return {"mode": self.role, "transfer_backend": self.settings.backend,
+        return {"mode": self.role, "transfer_backend": self.settings.backend, "wire_dtype": self.side.wire_dtype,
                 "bootstrap_port": self.bootstrap_port if self.role == "prefill" else None,
                 "side": self.side.describe(), "peers": [link.peer for link in list(self.links)],
                 "transfers_in_flight": self.open_transfers(),
