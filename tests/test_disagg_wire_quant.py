@@ -68,7 +68,7 @@ def _teacher_forced(prompts, continuations) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("wire,threshold", [("int8", 0.99), ("fp8_e4m3", 0.90)])
-def test_quantised_kv_decodes_as_the_unquantised_pair_with_a_quarter_of_the_bytes(sides, wire, threshold):
+def test_quantised_kv_decodes_as_the_unquantised_pair_with_about_a_quarter_of_the_bytes(sides, wire, threshold):
     prefill, decode = sides
     pre, plain, quant = prefill[wire], decode["auto"], decode[wire]
     before = {w: dict(d.engine.disagg.status()) for w, d in (("auto", plain), (wire, quant))}
