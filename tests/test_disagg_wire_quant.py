@@ -67,7 +67,9 @@ def _teacher_forced(prompts, continuations) -> list[list[int]]:
     return [p + c[:j] for p, c in zip(prompts, continuations) for j in range(len(c) - 1)]
 
 
-@pytest.mark.parametrize("wire,threshold", [("int8", 0.99), ("fp8_e4m3", 0.90)])
+# thresholds of the teacher-forced top-1 agreement on this tiny random model (measured here: int8 111/112,
+# fp8 105/112; a broken dequantisation gives about 45%); SmolLM2's figures are in docs/disaggregation.md
+@pytest.mark.parametrize("wire,threshold", [("int8", 0.97), ("fp8_e4m3", 0.90)])
 def test_quantised_kv_decodes_as_the_unquantised_pair_with_about_a_quarter_of_the_bytes(sides, wire, threshold):
     prefill, decode = sides
     pre, plain, quant = prefill[wire], decode["auto"], decode[wire]
