@@ -82,21 +82,24 @@ class Router:
 
     async def start(self) -> None:
         self.client.open()
-        await self.state.start()
-        for loop in self.state.loops():
-            self.runtime.adopt(loop, critical=loop.name == "state writer")
+        await self.state.start(supervise=self._supervise_state_loop)
+        for loop in self.state.loops():          # the session's and the store's threads: restarted if they die
+            if loop.name not in self.runtime.loops:
+                self.runtime.loop(loop.name, loop.run, last=True)
         for worker in self.registry:
             self.state.replica_changed(worker)
         await self.reconciler.start()
         self.runtime.loop("health checks", self.health.run, critical=True)
         self.runtime.loop("live sampling", lambda: self.metrics.live.sample_forever(
             lambda: (self.dispatcher.queue_lengths(), self.registry.inflight())))
-        self.runtime.loop("adopted loops", self.runtime.watch_adopted, critical=True)
         files = self.files_dir()
         if files is not None:
             self.batches = router_jobs(self.cfg.batch, self.dispatcher, self.rollout, self.proxy.handle,
                                        self.client, self.state, self.runtime.spawn, files)
             await self.batches.start()
+
+    def _supervise_state_loop(self, loop) -> None:
+        self.runtime.loop(loop.name, loop.run, critical=loop.name == "state writer", stop=loop.stop, last=True)
 
     def files_dir(self) -> str | None:
         """Where /v1/files keeps uploads: --files-dir, else beside the embedded (sqlite) state; N routers
@@ -114,6 +117,8 @@ class Router:
             await self.batches.stop()
         await self.runtime.stop()
         await self.workloads.stop()
+        await self.state.flush()                 # what the loops and the workloads wrote as they stopped
+        await self.runtime.stop(last=True)       # then the state's own loops
         await self.state.stop()
         await self.launcher.stop_all(self.cfg.drain_timeout)
         await self.client.close()

@@ -6,8 +6,10 @@
   seconds). A loop that returns on its own counts as a failure too: nothing ends without a word.
 - A ``critical`` loop that fails ``MAX_RESTARTS`` times within ``RESTART_WINDOW`` seconds cannot go on:
   it is marked down and ``on_fatal(name, error)`` runs (the command stops the server and exits 1).
-- ``adopt(loop)``: a loop object that runs itself (the state layer's: name, ``status``, ``run()``) is
-  watched: its failures are counted through the state's hook, and if it dies it is restarted here.
+- ``loop(..., stop=f, last=True)``: a loop object of the state layer (the writer, the figures, the session's
+  and the store's threads): ``stop()`` ends it gracefully, and ``last`` keeps it running through
+  ``stop()`` until ``stop(last=True)``, so what the other loops and the workloads write while they stop
+  is still written (the router flushes the state between the two).
 - ``spawn(name, coroutine)``: one-shot background work (stopping a workload, a relaunch); a failure is
   logged with its name and counted like a loop's.
 - ``health()``: each loop's state; ``down`` names the loops not running now (crashed and waiting for
@@ -31,21 +33,20 @@ DOWN_STATES = ("restarting", "down", "dead")
 @dataclass
 class Loop:
     name: str
-    run: Callable[[], Awaitable[None]] | None       # None: an adopted loop object runs itself
+    run: Callable[[], Awaitable[None]]
     critical: bool = False
-    state: str = "starting"                          # running, restarting, down, stopped (adopted: theirs)
+    state: str = "starting"                          # running, restarting, down, stopped
     failures: int = 0
     last_error: str | None = None
     failed_at: list[float] = field(default_factory=list)
     task: asyncio.Task | None = None
-    adopted: object = None                           # the state layer's loop object
+    stop: Callable[[], None] | None = None           # ends run() gracefully (else the task is cancelled)
+    last: bool = False                               # stopped by stop(last=True), after the others
+    stopping: bool = False
 
     def snapshot(self) -> dict:
-        if self.adopted is not None and self.task is None:
-            s = self.adopted.status.snapshot()
-            return {**s, "critical": self.critical, "supervised": "adopted"}
         return {"name": self.name, "state": self.state, "failures": self.failures, "last_error": self.last_error,
-                "critical": self.critical, "supervised": "runtime"}
+                "critical": self.critical}
 
 
 class TaskSupervisor:
@@ -57,18 +58,13 @@ class TaskSupervisor:
         self.loops: dict[str, Loop] = {}
         self.fatal: tuple[str, BaseException] | None = None
         self._spawned: set[asyncio.Task] = set()
-        self._stopping = False
 
     # registration
-    def loop(self, name: str, run: Callable[[], Awaitable[None]], critical: bool = False) -> Loop:
+    def loop(self, name: str, run: Callable[[], Awaitable[None]], critical: bool = False,
+             stop: Callable[[], None] | None = None, last: bool = False) -> Loop:
         """Run ``run()`` now (on the running event loop), restarting it as the module says."""
-        entry = self.loops[name] = Loop(name, run, critical)
+        entry = self.loops[name] = Loop(name, run, critical, stop=stop, last=last)
         entry.task = asyncio.ensure_future(self._supervise(entry))
-        return entry
-
-    def adopt(self, loop, critical: bool = False) -> Loop:
-        """Watch a loop object that runs itself (``name``, ``status``, ``run()``)."""
-        entry = self.loops[loop.name] = Loop(loop.name, None, critical, adopted=loop)
         return entry
 
     def failed(self, name: str, error: BaseException) -> None:
@@ -92,18 +88,18 @@ class TaskSupervisor:
     # running
     async def _supervise(self, entry: Loop) -> None:
         backoff = BACKOFF_START
-        while not self._stopping:
+        while not entry.stopping:
             started = self.clock()
             entry.state = "running"
             try:
                 await entry.run()
-                if self._stopping:
+                if entry.stopping:
                     break
                 raise RuntimeError(f"the loop {entry.name!r} returned on its own")
             except asyncio.CancelledError:
                 raise
             except Exception as e:
-                if self._stopping:
+                if entry.stopping:
                     break
                 if self.clock() - started > STABLE_AFTER:
                     backoff = BACKOFF_START
@@ -133,29 +129,29 @@ class TaskSupervisor:
                   entry.last_error, exc_info=e)
         return True
 
-    async def watch_adopted(self) -> None:
-        """A loop of its own (registered by the router): restart an adopted loop that died."""
-        while True:
-            for entry in list(self.loops.values()):
-                if entry.adopted is not None and entry.task is None and entry.adopted.status.state == "dead":
-                    log.error("background loop %r died; the task supervisor restarts it", entry.name)
-                    self.failed(entry.name, RuntimeError("died"))
-                    entry.run = entry.adopted.run
-                    entry.task = asyncio.ensure_future(self._supervise(entry))
-            await asyncio.sleep(1.0)
-
     # views and the end
     def health(self) -> dict:
         loops = [e.snapshot() for e in self.loops.values()]
         down = sorted(s["name"] for s in loops if s["state"] in DOWN_STATES)
         return {"ok": not down, "down": down, "loops": loops}
 
-    async def stop(self) -> None:
-        self._stopping = True
-        tasks = [e.task for e in self.loops.values() if e.task is not None] + list(self._spawned)
-        for t in tasks:
+    async def stop(self, last: bool = False, timeout: float = 5.0) -> None:
+        """Stop the loops (``last``: the ones kept for the end) and, first time, the one-shot tasks: a loop
+        with a ``stop`` is asked to end and given ``timeout`` seconds, the rest are cancelled."""
+        entries = [e for e in self.loops.values() if e.task is not None and e.last == last and not e.stopping]
+        for e in entries:
+            e.stopping = True
+            if e.stop is not None:
+                e.stop()
+            else:
+                e.task.cancel()
+        spawned = [] if last else list(self._spawned)
+        for t in spawned:
             t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for e in self.loops.values():
-            if e.task is not None:
-                e.state = "stopped"
+        tasks = [e.task for e in entries]
+        done, left = await asyncio.wait(tasks, timeout=timeout) if tasks else (set(), set())
+        for t in left:
+            t.cancel()
+        await asyncio.gather(*tasks, *spawned, return_exceptions=True)
+        for e in entries:
+            e.state = "stopped"

@@ -26,6 +26,7 @@ import json
 import logging
 import socket
 import time
+from typing import Callable
 
 from polychip.router.state_figures import STATS_EVERY, SharedFigures
 from polychip.router.state import Event, Session, StateStore, StoreError, open_store
@@ -58,6 +59,7 @@ class RouterState(SharedFigures):
         self.figures = AsyncLoop("canary figures", self.guard_tick, STATS_EVERY, self._loop_failed)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task] = []
+        self._writing = False
         self._published: dict = {}
         self._unreadable: set = set()                 # (stats key, model, version) already logged
         self._registry: dict[str, object] = {}       # what this router last wrote of its replicas
@@ -86,7 +88,9 @@ class RouterState(SharedFigures):
             self.store.on_loop_failure = self._loop_failed
         return self.store
 
-    async def start(self) -> None:
+    async def start(self, supervise: Callable[[object], None] | None = None) -> None:
+        """Open the store and the session; the writer and the figures loops run under ``supervise`` (the
+        router's task supervisor, which stops them last), or on tasks of their own when alone (tools, tests)."""
         self._loop = asyncio.get_running_loop()
         cfg = self.cfg
         if self.store is None:
@@ -102,7 +106,12 @@ class RouterState(SharedFigures):
         self.rollout.on_change = self.route_changed
         log.info("state: %s, node %s, %d stored models, leader %s", self.store.backend, self.node_id,
                  len(self.models_view()), self.leader)
-        self._tasks = [self._run(self.writer), self._run(self.figures)]
+        self._writing = True
+        if supervise is None:
+            self._tasks = [self._run(self.writer), self._run(self.figures)]
+        else:
+            for loop in (self.writer, self.figures):
+                supervise(loop)
 
     def loops(self) -> list:
         """Every background loop of the state layer (name, run(), stop(), status): the writer, the
@@ -155,7 +164,7 @@ class RouterState(SharedFigures):
             await asyncio.to_thread(self.store.close)
 
     async def flush(self, timeout: float = 5.0) -> None:
-        if self._tasks:
+        if self._writing and self.writer.status.state != "stopped":    # started, and not stopped yet
             await self.writer.flush(timeout)
 
     # the view
