@@ -108,3 +108,33 @@ def test_stopping_a_leftover_does_not_block_the_event_loop(tmp_path, monkeypatch
     finally:
         leftover.kill()
         leftover.wait()
+
+
+def test_a_keep_alive_that_fails_is_named_counted_and_the_replica_runs_again(tmp_path, monkeypatch):
+    monkeypatch.setattr(launcher_mod, "serve_command", lambda entry, port, *rest: [sys.executable, "-c", FAKE])
+    monkeypatch.setattr(launcher_mod, "BACKOFF_START", 0.1)
+    failures, logs = [], Lines()
+    real_watch, calls = Launcher._watch, []
+
+    async def watch_failing_once(self, m, pipe):
+        calls.append(m.proc.pid)
+        if len(calls) == 1:
+            pipe.close()
+            raise RuntimeError("a bug while watching")
+        return await real_watch(self, m, pipe)
+    monkeypatch.setattr(Launcher, "_watch", watch_failing_once)
+
+    async def main():
+        s = Launcher(run_dir=tmp_path / "run", scope="t", logs=logs,
+                     on_failure=lambda name, e: failures.append((name, str(e))))
+        m = s.start(ReplicaEntry(name="r0", model="m", version="v1", device="cpu"))
+        try:
+            await _until(lambda: "after the long line" in logs.lines)
+            assert m.restarts == 1 and not m.task.done() and m.proc.returncode is None
+            assert m.exits == [-1]
+        finally:
+            await s.stop_all(2.0)
+
+    asyncio.run(main())
+    assert failures == [("replica r0 keep-alive", "a bug while watching")]
+    assert len(calls) == 2 and subprocess.run(["kill", "-0", str(calls[0])], capture_output=True).returncode != 0

@@ -64,7 +64,7 @@ class Router:
         self.ledger = DeviceLedger()
         self.launcher = Launcher(scope=os.path.abspath(deployment_path) if deployment_path else "",
                                  logs=ReplicaLogs.for_router(cfg), on_event=self._process_event,
-                                 trust=trust)
+                                 trust=trust, on_failure=self.runtime.failed)
         self.host = HostInventory(inventory or Inventory(), self.state.host, self.state.put)
         self.workloads = Workloads(s, self.state, self.host, self.ledger, self.launcher, self.registry,
                                    self.rollout.forget, self.runtime.spawn)

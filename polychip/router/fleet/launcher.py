@@ -89,8 +89,9 @@ class Managed:
 
 class Launcher:
     def __init__(self, run_dir: Path | str | None = None, scope: str = "", logs=None, on_event=None,
-                 trust: TrustOptions | None = None, leftover_grace: float = LEFTOVER_GRACE):
+                 trust: TrustOptions | None = None, leftover_grace: float = LEFTOVER_GRACE, on_failure=None):
         self.managed: dict[str, Managed] = {}
+        self.on_failure = on_failure or (lambda name, error: None)   # the task supervisor's count
         key = hashlib.sha256(scope.encode()).hexdigest()[:16]      # one deployment's replicas
         self.run_dir = Path(run_dir or default_run_dir()) / key
         self.logs = logs              # ReplicaLogs, or None: output into the router's log
@@ -142,26 +143,15 @@ class Launcher:
         await asyncio.to_thread(self.replace_leftover, m.entry.name, self.leftover_grace)
         backoff = BACKOFF_START
         while not m.stopping:
-            m.started_at = time.monotonic()
-            port_read, port_write = os.pipe()
             try:
-                proc = await asyncio.create_subprocess_exec(*m.cmd, env={**m.env, PORT_FD_ENV: str(port_write)},
-                                                            stdout=asyncio.subprocess.PIPE,
-                                                            stderr=asyncio.subprocess.STDOUT,
-                                                            start_new_session=True, pass_fds=(port_write,),
-                                                            preexec_fn=die_with_parent(os.getpid()))
-            except OSError as e:
-                proc = None
-                log.error("replica %s: cannot start: %s", m.entry.name, e)
-            finally:
-                os.close(port_write)          # the child holds its own copy
-            pipe = os.fdopen(port_read, "rb", buffering=0)
-            if proc is None:
-                pipe.close()
+                code = await self._run_once(m)
+            except Exception as e:        # our bug or the OS's: named, counted, and the replica kept running
                 code = -1
-            else:
-                m.proc = proc
-                code = await self._watch(m, pipe)
+                log.error("replica %s: keep-alive failed: %s: %s", m.entry.name, type(e).__name__, e, exc_info=e)
+                self.on_failure(f"replica {m.entry.name} keep-alive", e)
+                if m.proc is not None and m.proc.returncode is None:
+                    m.proc.kill()         # a run half watched is not kept: the next one starts clean
+                    await m.proc.wait()
             m.exits.append(code)
             if m.stopping:
                 break
@@ -172,6 +162,28 @@ class Launcher:
             log.warning("replica %s exited with %s; restart %d in %.0fs", m.entry.name, code, m.restarts, backoff)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, BACKOFF_MAX)
+
+    async def _run_once(self, m: Managed) -> int:
+        """Start the replica once and watch it to its exit; its exit status (-1: it could not start)."""
+        m.started_at = time.monotonic()
+        port_read, port_write = os.pipe()
+        try:
+            proc = await asyncio.create_subprocess_exec(*m.cmd, env={**m.env, PORT_FD_ENV: str(port_write)},
+                                                        stdout=asyncio.subprocess.PIPE,
+                                                        stderr=asyncio.subprocess.STDOUT,
+                                                        start_new_session=True, pass_fds=(port_write,),
+                                                        preexec_fn=die_with_parent(os.getpid()))
+        except OSError as e:
+            proc = None
+            log.error("replica %s: cannot start: %s", m.entry.name, e)
+        finally:
+            os.close(port_write)          # the child holds its own copy
+        pipe = os.fdopen(port_read, "rb", buffering=0)
+        if proc is None:
+            pipe.close()
+            return -1
+        m.proc = proc
+        return await self._watch(m, pipe)
 
     async def _watch(self, m: Managed, pipe) -> int:
         """One run of the replica: its port learnt from the pipe, its output logged; its exit status."""
