@@ -168,7 +168,8 @@ def _sse(obj) -> str:
 
 def start_router(cfg, urls=(), deployment=None, deployment_path=None):
     """(ThreadServer, Router) for a router in this process."""
-    from polychip.router.app import Router, build_app
+    from polychip.router.app import Router
+    from polychip.router.asgi import build_app
     router = Router(cfg, list(urls), deployment, deployment_path)
     server = ThreadServer(build_app(router)).start()
     return server, router

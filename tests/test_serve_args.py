@@ -126,7 +126,8 @@ def test_a_deployment_files_guarded_serve_args_are_refused_by_the_router(tmp_pat
 
 
 def in_process_router(trust, tmp_path):
-    from polychip.router.app import Router, build_app
+    from polychip.router.app import Router
+    from polychip.router.asgi import build_app
     from polychip.router.settings import RouterConfig
     inventory = Inventory(reader=lambda config, plugins: parse_devices_json(devices_json()))
     router = Router(RouterConfig(api_key=KEY, state="memory://", drain_timeout=1), inventory=inventory, trust=trust)

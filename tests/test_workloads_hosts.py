@@ -7,7 +7,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from polychip.router.app import Router, build_app
+from polychip.router.app import Router
+from polychip.router.asgi import build_app
 from polychip.router.fleet.inventory import Inventory, parse_devices_json
 from polychip.router.settings import HealthConfig, RouterConfig
 from router_helpers import ThreadServer, wait_for

@@ -91,7 +91,7 @@ def run_router(router, sock, tls: dict | None = None, seccomp_front: bool = Fals
     uvicorn's ssl arguments (``edge.uvicorn_tls``); ``seccomp_front``: the front's syscall filter
     first (``serve --dp-size --seccomp``)."""
     from polychip.http.timeouts import uvicorn_options
-    from polychip.router.app import build_app
+    from polychip.router.asgi import build_app
     cfg = router.cfg
     uv = edge.uvicorn_config(build_app(router), log_level=cfg_log_level(), graceful_timeout=cfg.drain_timeout,
                              **uvicorn_options(cfg.timeout_request_header, cfg.timeout_keep_alive), **(tls or {}))

@@ -1,23 +1,10 @@
 """The router's composition root: it makes each part and hands it only the parts it uses; nothing else
-sees the whole. ``build_app`` puts the routes on FastAPI behind the shared edge (``polychip/http``:
-body limits and timeouts, content type, cross-origin refusal, request ids, OpenAI error bodies).
-
-Request extension fields: ``preferred_device_types`` (most preferred first) and ``priority_class``
-(high | normal | low; or the header ``x-polychip-priority``); the header ``x-polychip-version`` sends the
-request to that version. ``/console`` is the web console, ``/admin/live`` its time series.
-"""
+sees the whole. ``asgi.build_app`` puts the routes on FastAPI behind the shared edge."""
 from __future__ import annotations
 
-import contextlib
-import logging
 import os
 
-from fastapi import FastAPI
-
-from polychip.http.console import mount_console
-from polychip.http.errors import install_error_handlers
-from polychip.http.gate import EdgeLimits, Gate
-from polychip.router.batch.dispatch import router_jobs
+from polychip.router.batch.dispatch import files_dir, router_jobs
 from polychip.router.fleet.client import ReplicaClient
 from polychip.router.fleet.health import HealthChecker
 from polychip.router.fleet.host import HostInventory
@@ -31,15 +18,11 @@ from polychip.router.fleet.worker import Worker
 from polychip.router.fleet.workloads import Workloads
 from polychip.router.metrics import RouterMetrics
 from polychip.router.rollout.weights import Rollout
-from polychip.router.routes import admin, batches, devices, openai_api, probes, workloads as workload_api
 from polychip.router.routing.dispatch import Dispatcher
 from polychip.router.routing.proxy import Proxy
 from polychip.router.runtime import TaskSupervisor
 from polychip.router.settings import LiveSettings
-from polychip.router.state import default_state_dir
 from polychip.router.state_sync import RouterState
-
-log = logging.getLogger("polychip.router")
 
 
 class Router:
@@ -92,7 +75,7 @@ class Router:
         self.runtime.loop("health checks", self.health.run, critical=True)
         self.runtime.loop("live sampling", lambda: self.metrics.live.sample_forever(
             lambda: (self.dispatcher.queue_lengths(), self.registry.inflight())))
-        files = self.files_dir()
+        files = files_dir(self.cfg)
         if files is not None:
             self.batches = router_jobs(self.cfg.batch, self.dispatcher, self.rollout, self.proxy.handle,
                                        self.client, self.state, self.runtime.spawn, files)
@@ -100,17 +83,6 @@ class Router:
 
     def _supervise_state_loop(self, loop) -> None:
         self.runtime.loop(loop.name, loop.run, critical=loop.name == "state writer", stop=loop.stop, last=True)
-
-    def files_dir(self) -> str | None:
-        """Where /v1/files keeps uploads: --files-dir, else beside the embedded (sqlite) state; N routers
-        over etcd need one shared directory, so there the API stays off unless --files-dir names it."""
-        if self.cfg.batch.files_dir is not None:
-            return self.cfg.batch.files_dir
-        if self.cfg.state != "sqlite":
-            log.warning("/v1/files and /v1/batches are off: the state store is shared (%s) and the files "
-                        "need a directory every router sees (--files-dir)", self.cfg.state.split("@")[-1])
-            return None
-        return os.path.join(self.cfg.state_dir or default_state_dir(self.cfg.port), "files")
 
     async def stop(self) -> None:
         if self.batches is not None:
@@ -135,38 +107,3 @@ class Router:
 
     def _process_event(self, name: str, kind: str, detail) -> None:
         self.workloads.process_event(name, kind, detail)
-
-
-def build_app(router: Router) -> Gate:
-    """The router's ASGI app: its routes on FastAPI, each given what it uses, behind the edge's gate."""
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI):
-        try:
-            await router.start()
-        except Exception as e:       # a refused deployment: the command reports it and exits 1
-            router.startup_error = e
-            raise
-        try:
-            yield
-        finally:
-            await router.stop()
-
-    r, s = router, router.settings
-    app = FastAPI(title="polychip router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    install_error_handlers(app)
-    for routes in (
-            openai_api.openai_routes(s, r.dispatcher.models, r.rollout, r.proxy.handle, r.reconciler.model_slo),
-            probes.probe_routes(r.registry, r.state.health, r.runtime.health, r.metrics.render),
-            admin.admin_routes(s, r.registry, r.dispatcher, r.rollout, r.launcher, r.metrics.live, r.state.describe,
-                               r.reconciler.reload, lambda: r.reconciler.excluded),
-            workload_api.workload_routes(s, r.workloads, r.launcher.logs),
-            devices.device_routes(s, r.workloads, r.host, r.ledger, r.registry, lambda: r.url),
-            batches.batch_routes(s, lambda: r.batches)):
-        app.include_router(routes)
-    mount_console(app)
-    cfg = s.now
-    # the API key is checked per route (routes/__init__.py), so that a reload can change it
-    limits = EdgeLimits(api_key=None, max_body_bytes=cfg.max_request_body_bytes,
-                        body_timeout=cfg.timeout_request_body, access_log=False,   # the proxy logs each request
-                        upload_paths=("/v1/files",), max_upload_bytes=cfg.batch.max_file_bytes + batches.FORM_OVERHEAD)
-    return Gate(app, limits)

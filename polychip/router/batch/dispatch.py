@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import os
 import time
 import uuid
 
@@ -16,6 +18,9 @@ from polychip.router.batch.store import BatchStore
 from polychip.router.routing.call import Call
 from polychip.router.routing.request import RoutedBody, prompt_text, resolve_model
 from polychip.router.settings import BatchConfig
+from polychip.router.state import default_state_dir
+
+log = logging.getLogger("polychip.router.batch")
 
 BATCH_PRIORITY = "low"
 
@@ -64,3 +69,16 @@ def router_jobs(cfg: BatchConfig, dispatcher, rollout, handle, client, state, sp
                      send, check, is_leader=lambda: state.is_leader, term=lambda: state.session.term, spawn=spawn)
     state.leader_hooks.append(jobs.leadership_changed)
     return jobs
+
+
+def files_dir(cfg) -> str | None:
+    """Where /v1/files keeps uploads: --files-dir, else beside the embedded (sqlite) state; N routers
+    over etcd need one shared directory, so there the API stays off unless --files-dir names it."""
+    if cfg.batch.files_dir is not None:
+        return cfg.batch.files_dir
+    if cfg.state != "sqlite":
+        log.warning("/v1/files and /v1/batches are off: the state store is shared (%s) and the files "
+                    "need a directory every router sees (--files-dir)", cfg.state.split("@")[-1])
+        return None
+    return os.path.join(cfg.state_dir or default_state_dir(cfg.port), "files")
+
