@@ -1,6 +1,6 @@
 """Pipeline parallelism, units: stage spans and the split pass, a stage's weights, the planner (best split
 against every split, memory refusals, declared and missing figures), the scheduler's micro-batch rules,
-the config, and how the router reads a group. No process is started here."""
+the config, `--calibrate` on a slowed card, and how the router reads a group. No process is started here."""
 from __future__ import annotations
 
 import itertools
@@ -199,3 +199,32 @@ def test_a_deployment_replica_names_its_stages():
         ReplicaEntry(name="g", model="m", device="simxpu:0", pp_devices=["cpu:0", "simxpu:0"])
     with pytest.raises(ValueError, match="two or more distinct devices"):
         ReplicaEntry(name="g", model="m", device="cpu:0", pp_devices=["cpu:0", "cpu:0"])
+
+
+def test_calibrate_measures_each_device_and_moves_layers_off_a_slowed_card(model_factory, tmp_path, capsys):
+    """``polychip plan --calibrate`` times one layer on each device: a simxpu whose spec makes it 4x slower
+    measures slower than the same card unslowed and gets fewer layers than either that card's calibrated
+    split or the split from declared figures (which cannot see the slowdown)."""
+    import json
+    from polychip.commands.plan import main
+    path = model_factory("llama", False, 8, intermediate_size=1024)
+
+    def plan(slowdown: int, *extra: str) -> dict:
+        spec = tmp_path / f"simxpu-x{slowdown}.yaml"
+        spec.write_text("device_type: simxpu\ndevice_ids: [0]\nmemory: {total: 4GiB}\nsupported_dtypes: [float32]\n"
+                        f"custom_attributes: {{slowdown: {slowdown}}}\n")
+        assert main(["--model", path, "--dtype", "float32", "--pp-size", "2", "--pp-devices", "cpu:0,simxpu:0",
+                     "--device-config", str(spec), "--streams", "16", "--input-len", "128", "--output-len", "16",
+                     "--num-threads", "1", "--json", *extra]) == 0     # one thread: no spinning against other load
+        return json.loads(capsys.readouterr().out)
+
+    declared, plain, slow = plan(4), plan(1, "--calibrate"), plan(4, "--calibrate")
+    assert not any(s["measured"] for s in declared["stages"])
+    for p in (plain, slow):
+        assert [s["figures"] for s in p["stages"]] == ["measured (--calibrate)"] * 2
+        assert all(p["stages"][0]["measured"][k] > 0 for k in ("decode_layer", "prefill_layer", "decode_head"))
+    ratio = {k: [p["stages"][1]["measured"][k] / p["stages"][0]["measured"][k] for p in (plain, slow)]
+             for k in ("decode_layer", "prefill_layer")}     # the slowed card against the cpu beside it
+    assert all(slowed > 2 * unslowed for unslowed, slowed in ratio.values()), ratio
+    assert slow["counts"][1] < plain["counts"][1] and slow["counts"][1] < declared["counts"][1], \
+        (declared["counts"], plain["counts"], slow["counts"])

@@ -1,6 +1,7 @@
 """A quantisation_config polychip cannot serve is refused before a weight is placed, the message
 naming the field; a scheme the device lacks falls back to the native reference with the reason,
-or is refused under strict naming the scheme and the device."""
+or is refused under strict naming the scheme and the device; a quantised checkpoint under pipeline stages is
+refused naming its scheme and format."""
 from __future__ import annotations
 
 import json
@@ -121,3 +122,16 @@ def test_a_scheme_the_device_lacks_falls_back_with_its_reason_or_is_refused_unde
     assert load_model(made["ct-w8a8"], open_device("cpu"), "float32", strict=True).quantization == "w8a8"
     with pytest.raises(DeviceSpecError, match=r"w4a16 weight dtype int4 is not supported by device simxpu:0"):
         load_model(made["ct-w4a16"], sim, "float32")
+
+
+@pytest.mark.parametrize("name, scheme, fmt", [("ct-w8a8", "w8a8", "compressed-tensors"), ("gptq", "w4a16", "gptq")])
+def test_a_quantised_checkpoint_is_refused_under_pipeline_stages_naming_scheme_and_format(made, name, scheme, fmt):
+    from polychip.config import EngineConfig
+    from polychip.engine.engine import Engine
+    from polychip.models.stage import StageSpan
+    want = rf"{scheme} weights \({fmt}\) cannot be split into pipeline stages yet"
+    with pytest.raises(ConfigError, match=want):
+        load_model(made[name], open_device("cpu"), "float32", stage=StageSpan(1, 2, 1, 2, 2))
+    with pytest.raises(ConfigError, match=want):      # through --pp-size, before a stage serves anything
+        Engine(EngineConfig(model_path=made[name], dtype="float32", pp_size=2, pp_devices="cpu:0,simxpu:0",
+                            chunked_prefill_size=16, max_running_requests=8, max_total_tokens=4096))
