@@ -71,7 +71,7 @@ class Migration:
     def see(self, event: bytes) -> bytes:
         """Record the tokens an event delivers; the event as the client gets it (b"": none)."""
         wanted = (b'"token_ids"' in event or b'"finish_reason"' in event) if self.migratable else False
-        extra_usage = not self.client_usage and b'"usage"' in event
+        extra_usage = not self.client_usage and not self.whole and b'"usage"' in event   # JSON: it needs it
         if not wanted and not extra_usage:
             return event
         msg = parse_event(event)
