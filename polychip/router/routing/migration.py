@@ -6,7 +6,10 @@ resent elsewhere with those ids as ``continue_token_ids`` (the model reads them 
 detokenizer replays them, so the text goes on with nothing repeated or missing), ``max_tokens`` reduced
 by them and a given ``seed`` advanced by them; the new stream's opening role chunk is dropped and the
 rest is spliced into the client's stream. The replica counts usage once (the continued tokens are
-completion tokens). Streams of one choice only (n > 1 would need one continuation per choice).
+completion tokens). Requests of one choice only (n > 1 would need one continuation per choice). A
+non-streamed one is asked for as a stream and gathered (routing/gather.py); its migration is the same.
+A continued sampled answer gets ``seed + delivered``: reproducible, but not the uninterrupted run's
+text (the replica's generator would have to be advanced by the draws already made).
 """
 from __future__ import annotations
 

@@ -12,6 +12,9 @@ an immediate 503 saying why. Stream events are held back until the first one car
 so a retry is invisible to the client; after that, a failure ends the stream with an
 OpenAI-shaped error event and ``[DONE]`` unless the stream can migrate (routing/migration.py: it
 goes on, spliced, on another replica, up to ``migration_limit`` times); no client is left hanging.
+A non-streamed request that can migrate (one choice, no logprobs or tools) is relayed as a stream
+too and gathered into one JSON body (routing/gather.py); every stream asks its replica for usage,
+so that each answer teaches the replica's TPOT estimate (the client gets usage only if it asked).
 
 Every attempt's outcome feeds the replica's circuit breaker and the canary guard (against the
 version that served it).
