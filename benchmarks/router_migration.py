@@ -73,7 +73,7 @@ async def one(client, url, i, max_tokens, kill_after=None, stream=True):
     return i, ids if done else None, error, where
 
 
-async def run(url, n, concurrency, max_tokens, victim=None, stream=True):
+async def run(url, n, concurrency, max_tokens, victim=None, stream=True, delay=0.5):
     sem = asyncio.Semaphore(concurrency)
     midway = asyncio.Event()
 
@@ -83,7 +83,7 @@ async def run(url, n, concurrency, max_tokens, victim=None, stream=True):
 
     async def killer():
         await midway.wait()
-        await asyncio.sleep(0.5 if stream else 0.1)
+        await asyncio.sleep(delay)
         os.kill(victim.pid, signal.SIGKILL)
 
     async with httpx.AsyncClient(timeout=300) as client:
@@ -111,10 +111,14 @@ def wait_until_up(url: str, n: int, timeout: float = 60) -> None:
 
 def measure(url, a, victim, stream: bool) -> None:
     what = "streams" if stream else "JSON requests"
+    t0 = time.perf_counter()
     base = asyncio.run(run(url, a.requests, a.concurrency, a.max_tokens, stream=stream))
+    # JSON: the kill comes half a wave after the first answer (the next wave is then mid-answer)
+    delay = 0.5 if stream else (time.perf_counter() - t0) * a.concurrency / a.requests / 2
     before = migrations(url)
     t0 = time.perf_counter()
-    killed = asyncio.run(run(url, a.requests, a.concurrency, a.max_tokens, victim=victim, stream=stream))
+    killed = asyncio.run(run(url, a.requests, a.concurrency, a.max_tokens, victim=victim, stream=stream,
+                             delay=delay))
     took = time.perf_counter() - t0
     ref = {i: ids for i, ids, _, _ in base}
     complete = sum(1 for _, ids, err, _ in killed if ids is not None and not err and len(ids) == a.max_tokens)
