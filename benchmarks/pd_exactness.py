@@ -8,9 +8,9 @@ chip in the same run:
   against the decode chip's own (prompt computed there), plus the prefill side's first token.
 
 Pairs: prefill cpu -> decode simxpu and the reverse (float32 KV both sides), and a bfloat16 pool on the
-prefill side (wire in bfloat16, converted into the float32 pool).
+prefill side (wire in bfloat16, converted into the float32 pool); int8 or fp8 on the wire (rows int8, fp8).
 
-    WHO=pd /work/bin/quiet .venv/bin/python benchmarks/pd_exactness.py
+    WHO=pd /work/bin/quiet .venv/bin/python benchmarks/pd_exactness.py [f32 f32-reverse bf16 int8 fp8]
 """
 from __future__ import annotations
 
@@ -64,11 +64,12 @@ def forced_argmax(eng, prompt: list[int], forced: list[int]) -> list[int]:
         eng.pages.cache.unlock(node)
 
 
-def run(prefill_dev: str, decode_dev: str, prefill_kv: str = "auto") -> tuple[int, float, int]:
-    common = dict(max_total_tokens=16384, page_size=1, disaggregation_transfer_backend="tcp")
+def run(prefill_dev: str, decode_dev: str, prefill_kv: str = "auto", wire: str = "auto") -> tuple[int, float, int]:
+    common = dict(max_total_tokens=16384, page_size=1)
+    pd = dict(disaggregation_transfer_backend="tcp", disaggregation_wire_dtype=wire)
     pre = Driver(engine(None, prefill_dev, disaggregation_mode="prefill", disaggregation_bootstrap_port=0,
-                        kv_cache_dtype=prefill_kv, **common))
-    dec = Driver(engine(None, decode_dev, disaggregation_mode="decode", **common))
+                        kv_cache_dtype=prefill_kv, **common, **pd))
+    dec = Driver(engine(None, decode_dev, disaggregation_mode="decode", **common, **pd))
     plain = Driver(engine(None, decode_dev, **common))
     try:
         remote = RemotePrefill("127.0.0.1", pre.engine.disagg.agent.bootstrap_port)
@@ -93,13 +94,18 @@ def run(prefill_dev: str, decode_dev: str, prefill_kv: str = "auto") -> tuple[in
             d.stop()
 
 
+ROWS = {"f32": ("cpu", "simxpu", "auto", "auto", "cpu f32 -> simxpu f32"),
+        "f32-reverse": ("simxpu", "cpu", "auto", "auto", "simxpu f32 -> cpu f32"),
+        "bf16": ("cpu", "simxpu", "bfloat16", "auto", "cpu bf16 pool -> simxpu f32"),
+        "int8": ("cpu", "simxpu", "auto", "int8", "cpu f32 -> simxpu f32, int8 wire"),
+        "fp8": ("cpu", "cpu", "auto", "fp8_e4m3", "cpu f32 -> cpu f32, fp8 wire")}     # simxpu declares no fp8 KV
+
+
 def main() -> None:
     print(f"SmolLM2-135M, {len(PROMPTS)} chat prompts, {N_OUT} greedy tokens, tcp on loopback")
     print(f"{'prefill -> decode':34} {'greedy identical':>17} {'teacher-forced top-1':>21}")
-    for pre, dec, kv, label in (("cpu", "simxpu", "auto", "cpu f32 -> simxpu f32"),
-                                ("simxpu", "cpu", "auto", "simxpu f32 -> cpu f32"),
-                                ("cpu", "simxpu", "bfloat16", "cpu bf16 pool -> simxpu f32")):
-        same, agree, total = run(pre, dec, kv)
+    for pre, dec, kv, wire, label in (ROWS[r] for r in (sys.argv[1:] or ["f32", "f32-reverse", "bf16"])):
+        same, agree, total = run(pre, dec, kv, wire)
         print(f"{label:34} {same:>11}/{len(PROMPTS)} {agree * 100:>15.2f}% of {total}", flush=True)
 
 

@@ -1,8 +1,9 @@
 """Why disaggregate: long prompts arriving among running streams. Two cores, SmolLM2-135M on cpu:
 
 - plain: two plain replicas, one pinned to each core, behind ``polychip router`` (least_load);
-- pair:  a prefill side pinned to core 0 and a decode side pinned to core 1 (local backend); the
-         client sends each request to the decode side naming the prefill side (bootstrap_host/port).
+- pair:  a prefill side pinned to core 0 and a decode side pinned to core 1 (local backend) behind the
+         same router, which pairs them (each replica's role from its /server_info) and sends each
+         request to the decode side naming the prefill side: what users send is the same plain request.
 
 The workload, the same for both: 16 streams kept running (64-token prompts, 128 tokens each, a new one
 when one ends) and a 2,000-token prompt (16 tokens out) every ``--every`` seconds, for ``--seconds``.
@@ -81,8 +82,9 @@ def summary(results: list[dict], seconds: float, target: float) -> dict:
             "errors": sum(1 for r in results if "error" in r)}
 
 
-def run_plain(args) -> dict:
-    reps = [Pinned(core, []) for core in (0, 1)]
+def behind_router(reps: list[Pinned], args, roles: int = 0) -> dict:
+    """The workload through ``polychip router`` (least_load) in front of ``reps``, as users send it: the
+    router reads each replica's role from its /server_info and pairs a decode replica with a prefill one."""
     router = None
     try:
         for r in reps:
@@ -93,24 +95,35 @@ def run_plain(args) -> dict:
                                *[a for r in reps for a in ("--replica", r.url)]])
         url = f"http://127.0.0.1:{port}"
         router.wait_until(lambda: httpx.get(url + "/health", timeout=2).status_code == 200, 60, "router")
+        router.wait_until(lambda: ready(httpx.get(url + "/admin/replicas", timeout=2).json()["replicas"], roles),
+                          60, "replicas up, roles known")
         return summary(asyncio.run(workload(url, {}, args.seconds, args.every)), args.seconds, args.target)
     finally:
         if router is not None:
             router.stop()
+
+
+def ready(replicas: list[dict], roles: int) -> bool:
+    return all(w["up"] for w in replicas) and sum(w["role"] is not None for w in replicas) == roles
+
+
+def run_plain(args) -> dict:
+    reps = [Pinned(core, []) for core in (0, 1)]
+    try:
+        return behind_router(reps, args)
+    finally:
         for r in reps:
             r.stop()
 
 
 def run_pair(args) -> dict:
-    bport = 40000 + random.randrange(20000)
     pre = Pinned(0, ["--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "local",
-                     "--disaggregation-bootstrap-port", str(bport)])
+                     "--disaggregation-bootstrap-port", str(40000 + random.randrange(20000))])
     dec = Pinned(1, ["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "local"])
     try:
-        pre.ready(), dec.ready()
-        extra = {"bootstrap_host": "127.0.0.1", "bootstrap_port": bport}
-        out = summary(asyncio.run(workload(dec.url, extra, args.seconds, args.every)), args.seconds, args.target)
-        out["fallbacks"] = dec.info()["disaggregation"]["fallbacks"]
+        out = behind_router([pre, dec], args, roles=2)
+        d = dec.info()["disaggregation"]
+        out["fallbacks"], out["handoffs"] = d["fallbacks"], d["transfers_done"]
         return out
     finally:
         dec.stop()
@@ -135,7 +148,7 @@ def main() -> None:
     a, b = rows["plain x2 (router)"], rows["prefill+decode"]
     print(f"TPOT p95 plain/pair {a['tpot95'] / b['tpot95']:.2f}x; ITL p95 plain/pair {a['itl95'] / b['itl95']:.2f}x; "
           f"goodput pair/plain {b['goodput'] / a['goodput'] if a['goodput'] else float('inf'):.2f}x; "
-          f"pair fallbacks {b.get('fallbacks')}")
+          f"pair hand-offs {b.get('handoffs')}, fallbacks {b.get('fallbacks')}")
 
 
 if __name__ == "__main__":

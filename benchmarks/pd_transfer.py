@@ -1,4 +1,4 @@
-"""What a prefill/decode hand-off costs, per backend: TTFT of an 800-token prompt on SmolLM2-135M through
+"""What a prefill/decode hand-off costs, per backend and wire dtype (``local:int8``: int8 on the wire): TTFT of an 800-token prompt on SmolLM2-135M through
 a pair (prefill on core 0, decode on core 1, cpu both) against plain serving on the decode server itself
 (same process, same core), measured in alternation; the bytes per prompt token, and the link rate: the
 same prompt sent again is a prefix hit on the prefill side, so its hand-off is nearly all transfer
@@ -17,10 +17,11 @@ from pd_common import Pinned, prompt_ids, stream
 PROMPT, OUT = 800, 4
 
 
-def measure(backend: str, rounds: int) -> dict:
-    pre = Pinned(0, ["--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", backend,
-                     "--disaggregation-bootstrap-port", str(40000 + random.randrange(20000))])
-    dec = Pinned(1, ["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", backend])
+def measure(backend: str, rounds: int, wire: str = "auto") -> dict:
+    both = ["--disaggregation-transfer-backend", backend, "--disaggregation-wire-dtype", wire]
+    pre = Pinned(0, ["--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port",
+                     str(40000 + random.randrange(20000)), *both])
+    dec = Pinned(1, ["--disaggregation-mode", "decode", *both])
     try:
         pre.ready(), dec.ready()
         port = pre.info()["disaggregation"]["bootstrap_port"]
@@ -40,6 +41,7 @@ def measure(backend: str, rounds: int) -> dict:
             after = dec.info()["disaggregation"]
             rates.append((after["bytes"] - before["bytes"], after["transfer_seconds"] - before["transfer_seconds"]))
         nbytes = statistics.median(b for b, _ in rates)
+        assert dec.info()["disaggregation"]["fallbacks"] == 0, "a hand-off fell back: the figures would lie"
         return {"backend": backend, "plain": statistics.median(plain), "pair": statistics.median(paired),
                 "bytes_per_token": nbytes / PROMPT, "gbps": nbytes / statistics.median(s for _, s in rates) / 1e9,
                 "transfer_ms": statistics.median(s for _, s in rates) * 1e3}
@@ -50,14 +52,15 @@ def measure(backend: str, rounds: int) -> dict:
 
 def main() -> None:
     rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 7
-    backends = sys.argv[2:] or ["local", "tcp", "mooncake"]
-    print(f"SmolLM2-135M, {PROMPT}-token prompts, float32 KV, prefill core 0 / decode core 1, "
+    rows = sys.argv[2:] or ["local", "tcp", "mooncake"]         # BACKEND or BACKEND:WIRE (int8, fp8_e4m3)
+    print(f"SmolLM2-135M, {PROMPT}-token prompts, float32 pools, prefill core 0 / decode core 1, "
           f"median of {rounds} rounds")
-    print(f"{'backend':9} {'plain TTFT':>11} {'pair TTFT':>10} {'ratio':>6} {'bytes/token':>12} "
+    print(f"{'backend:wire':18} {'plain TTFT':>11} {'pair TTFT':>10} {'ratio':>6} {'bytes/token':>12} "
           f"{'transfer ms':>12} {'GB/s':>6}")
-    for backend in backends:
-        r = measure(backend, rounds)
-        print(f"{backend:9} {r['plain'] * 1e3:9.0f}ms {r['pair'] * 1e3:8.0f}ms {r['pair'] / r['plain']:6.3f} "
+    for row in rows:
+        backend, _, wire = row.partition(":")
+        r = measure(backend, rounds, wire or "auto")
+        print(f"{row:18} {r['plain'] * 1e3:9.0f}ms {r['pair'] * 1e3:8.0f}ms {r['pair'] / r['plain']:6.3f} "
               f"{r['bytes_per_token']:12.0f} {r['transfer_ms']:12.1f} {r['gbps']:6.2f}", flush=True)
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from polychip.dtypes import KV_CACHE_DTYPES, MODEL_DTYPES, QUANTIZATION_DTYPES
+from polychip.dtypes import KV_CACHE_DTYPES, KV_WIRE_DTYPES, MODEL_DTYPES, QUANTIZATION_DTYPES
 from polychip.errors import ConfigError
 
 # Names owned here; the scheduler and the reasoning-parser table are keyed by them (tests/test_config.py).
@@ -210,6 +210,11 @@ class EngineConfig(_FromKwargs):
                                                           "request to its ack; then both sides give up (the "
                                                           "decode side prefills the request itself)",
                                                     group=PD_GROUP)
+    disaggregation_wire_dtype: str = option("auto", "KV on the wire: auto (the pools' dtypes), int8 or fp8_e4m3 "
+                                                   "(a scale per token and head; about 4x fewer bytes than "
+                                                   "float32). A prefill side offers it, a decode side asks "
+                                                   "for it; both must declare the same",
+                                            group=PD_GROUP, choices=tuple(KV_WIRE_DTYPES))
     disaggregation_buffer_mb: int = option(64, "MiB of host memory for the prefill side's staging and each "
                                                "decode side's receive ring", group=PD_GROUP)
 
@@ -281,6 +286,10 @@ class EngineConfig(_FromKwargs):
         _check_choice("disaggregation_transfer_backend", self.disaggregation_transfer_backend, TRANSFER_BACKENDS)
         if not 0 <= self.disaggregation_bootstrap_port < 65536:
             raise ConfigError(f"disaggregation_bootstrap_port must be in 0..65535, got {self.disaggregation_bootstrap_port}")
+        _check_choice("disaggregation_wire_dtype", self.disaggregation_wire_dtype, tuple(KV_WIRE_DTYPES))
+        if self.disaggregation_wire_dtype != "auto" and self.disaggregation_mode == "null":
+            raise ConfigError(f"disaggregation_wire_dtype {self.disaggregation_wire_dtype} needs a prefill or "
+                              "decode side (disaggregation_mode)")
         _check_min(self, ("disaggregation_tcp_connections", "disaggregation_buffer_mb"), 1)
         if not self.disaggregation_transfer_timeout > 0:
             raise ConfigError(f"disaggregation_transfer_timeout must be > 0 seconds, got "

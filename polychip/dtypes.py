@@ -22,6 +22,10 @@ def quantization_dtype(scheme: str | None) -> str | None:
     return QUANTIZATION_DTYPES.get(scheme, scheme) if scheme else None
 
 
+#: --disaggregation-wire-dtype -> the torch dtype a prefill/decode hand-off quantises the KV to on the wire
+#: (a float32 scale per token and head; engine/disagg/wire_quant); "auto" moves the pools' own dtypes.
+KV_WIRE_DTYPES = {"auto": None, "int8": "int8", "fp8_e4m3": "float8_e4m3fn"}
+
 #: --kv-cache-dtype (vLLM's and SGLang's names) -> the torch dtype name the KV pool is stored in;
 #: "auto" is the model's compute dtype. Every float and fp8 dtype a plugin may declare in
 #: ``kv_cache_dtypes`` has a name here (the torch names are accepted too), so each is selectable.

@@ -39,9 +39,9 @@ def _decode(model) -> ServerProcess:
     return ServerProcess(["--model-path", model, "--device", "cpu", *COMMON, "--disaggregation-mode", "decode"])
 
 
-def _prefill(model, spec, port: int | None = None) -> tuple[ServerProcess, int]:
+def _prefill(model, spec, port: int | None = None, *extra: str) -> tuple[ServerProcess, int]:
     port = port or free_port("127.0.0.1")
-    return ServerProcess(["--model-path", model, "--device", "simxpu", "--device-config", spec, *COMMON,
+    return ServerProcess(["--model-path", model, "--device", "simxpu", "--device-config", spec, *COMMON, *extra,
                           "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(port)]), port
 
 
@@ -122,7 +122,9 @@ def test_the_connection_dropped_mid_layer(decode, model, slow_spec):
 
 
 def test_the_decode_side_killed_mid_stream(decode, model, slow_spec):
-    pre, port = _prefill(model, slow_spec)
+    # small chunks: /server_info answers between steps, so the hand-off seen under way has chunks to go
+    # when the kill comes (with two, it could be seen only once Done was sent, and be acked first)
+    pre, port = _prefill(model, slow_spec, None, "--chunked-prefill-size", "128")
     with pre:
         victim = _decode(model).wait_ready()
         try:

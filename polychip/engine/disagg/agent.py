@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from polychip.engine.disagg import wire_quant
 from polychip.engine.disagg.kv_format import PoolFormat, SideInfo
 from polychip.engine.disagg.ring import ByteRing
 from polychip.errors import PolychipError
@@ -33,6 +34,7 @@ class DisaggSettings:
     transfer_timeout: float = 60.0  # seconds from the decode side's request to the ack
     staging_bytes: int = 64 << 20   # the prefill side's staging ring
     ring_bytes: int = 64 << 20      # the decode side's receive ring (tcp: one for all; else per peer)
+    wire_dtype: str | None = None   # int8 / float8_e4m3fn: quantised KV on the wire (``wire_quant``)
 
 
 class Link:
@@ -105,7 +107,10 @@ class Agent:
         return ByteRing(nbytes, what), buf
 
     def new_scratch(self) -> torch.Tensor:
-        buf = torch.empty(self.max_chunk, dtype=torch.uint8)
+        """A sender's buffer for a converted chunk: as large as the largest payload (a 1-byte pool's
+        staged chunk quantised, its row scales added)."""
+        buf = torch.empty(self.max_chunk + -(-self.max_chunk * wire_quant.SCALE.itemsize // self.head_dim),
+                          dtype=torch.uint8)
         self.backend.registered(buf)
         return buf
 
@@ -146,7 +151,7 @@ class Agent:
 
     def status(self) -> dict:
         c = self.counters
-        return {"mode": self.role, "transfer_backend": self.settings.backend,
+        return {"mode": self.role, "transfer_backend": self.settings.backend, "wire_dtype": self.side.wire_dtype,
                 "bootstrap_port": self.bootstrap_port if self.role == "prefill" else None,
                 "side": self.side.describe(), "peers": [link.peer for link in list(self.links)],
                 "transfers_in_flight": self.open_transfers(),

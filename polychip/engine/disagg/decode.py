@@ -113,7 +113,7 @@ class DecodeAgent(Agent):
                 continue
             try:
                 link = self._link(ib.address)
-                ib.link, ib.wire = link, wire_format(link.side.pool, self.side.pool)
+                ib.link, ib.wire = link, wire_format(link.side.pool, self.side.pool, self.side.wire_dtype)
                 link.inbounds[ib.room] = ib
                 if not ib.open:         # aborted while connecting: the prefill side never hears of it
                     link.inbounds.pop(ib.room, None)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 
+from polychip.dtypes import KV_WIRE_DTYPES
 from polychip.engine.disagg.agent import DisaggSettings
 from polychip.engine.disagg.kv_format import (ModelIdentity, PoolFormat, SideInfo, fingerprint_files,
                                               fingerprint_text)
@@ -36,7 +37,23 @@ def side_info(engine, settings: DisaggSettings, name: str) -> SideInfo:
     scales = tuple(tuple(map(float, s)) for s in pool.scales) if pool.scales is not None else None
     return SideInfo(role=settings.mode, name=name, device=f"{engine.plugin.name}:{engine.plugin.index}",
                     model=model, pool=PoolFormat(page_size=pool.page_size, dtype=dtype_name(pool.dtype),
-                                                 scales=scales), transfer_backend=settings.backend)
+                                                 scales=scales), transfer_backend=settings.backend,
+                    wire_dtype=declared_wire_dtype(engine, settings.wire_dtype))
+
+
+def declared_wire_dtype(engine, wire_dtype: str | None) -> str | None:
+    """The quantised wire dtype this side declares; fp8 only where its plugin declares fp8 KV
+    (``kv_cache_dtypes``), else a ConfigError naming the plugin."""
+    if wire_dtype is None or wire_dtype == "int8":
+        return wire_dtype
+    from polychip.devices import boundary
+    plugin, compute = engine.plugin, dtype_name(engine.loaded.dtype)
+    declared = boundary.kv_cache_dtypes(plugin, compute)
+    if wire_dtype not in declared:
+        raise ConfigError(f"--disaggregation-wire-dtype: device {plugin.name}:{plugin.index} does not declare "
+                          f"{wire_dtype} among its KV dtypes for a {compute} model (plugin {plugin.name!r} "
+                          f"declares {sorted(set(declared))}); use int8 or auto")
+    return wire_dtype
 
 
 def open_disaggregation(engine, config) -> "Disaggregation | None":
@@ -51,7 +68,8 @@ def open_disaggregation(engine, config) -> "Disaggregation | None":
                               connections=config.disaggregation_tcp_connections,
                               transfer_timeout=config.disaggregation_transfer_timeout,
                               staging_bytes=config.disaggregation_buffer_mb << 20,
-                              ring_bytes=config.disaggregation_buffer_mb << 20)
+                              ring_bytes=config.disaggregation_buffer_mb << 20,
+                              wire_dtype=KV_WIRE_DTYPES[config.disaggregation_wire_dtype])
     return Disaggregation(engine, settings)
 
 

@@ -2,7 +2,7 @@
 
 Its pages were reserved by the scheduler before the prefill side was asked (``Scheduler.reserve``).
 Link threads check each chunk (its range, size and checksum) and post ``write`` to the engine thread,
-which converts it to the pool's format, copies it in through the plugin and frees the bytes; once the
+which converts it to the pool's format (dequantising a quantised wire), copies it in through the plugin and frees the bytes; once the
 Done message came and every chunk is written, ``maybe_land`` books the first token and the request
 decodes. ``fall_back`` (after any failure) gives the pages back and queues the request as a plain one.
 """
@@ -14,8 +14,8 @@ import time
 import numpy as np
 import torch
 
-from polychip.engine.disagg import pages
-from polychip.engine.disagg.kv_format import checksum, convert
+from polychip.engine.disagg import pages, wire_quant
+from polychip.engine.disagg.kv_format import WireFormat, checksum, convert
 from polychip.engine.disagg.params import logprob_from_wire
 
 
@@ -53,7 +53,7 @@ class Inbound:
         if not (0 <= header.token_start < header.token_end <= self.prompt_len):
             return f"chunk tokens [{header.token_start}, {header.token_end}) outside the prompt's {self.prompt_len}"
         shape = header.shape(self.agent.heads, self.agent.head_dim)
-        want = int(np.prod(shape)) * getattr(torch, self.wire.dtype).itemsize
+        want = self.wire.nbytes(shape)
         if header.nbytes != want:
             return f"chunk of {header.nbytes} bytes; its ranges in {self.wire.dtype} make {want}"
         if checksum(data) != header.checksum:
@@ -72,11 +72,16 @@ class Inbound:
             agent = self.agent
             shape = header.shape(agent.heads, agent.head_dim)
             layers = range(header.layer_start, header.layer_end)
-            src = torch.from_numpy(data).view(getattr(torch, self.wire.dtype)).view(shape)
             pool = engine.pool
-            if src.dtype != pool.dtype or self.wire.scales != agent.pool_format.scales:
+            if self.wire.row_scales:
+                src = wire_quant.dequantise(data, self.wire.dtype, shape)
+                src_fmt = WireFormat(dtype="float32")
+            else:
+                src = torch.from_numpy(data).view(getattr(torch, self.wire.dtype)).view(shape)
+                src_fmt = self.wire
+            if src.dtype != pool.dtype or src_fmt.scales != agent.pool_format.scales:
                 host = torch.empty(shape, dtype=pool.dtype)
-                convert(src, self.wire, host, agent.pool_format, layers)
+                convert(src, src_fmt, host, agent.pool_format, layers)
                 src = host
             pages.stage_in(engine.plugin, pool, self.pages, header.token_start, header.token_end, layers, src)
             event = engine.plugin.event()

@@ -9,7 +9,8 @@ A chunk on the wire is one request's tokens ``[token_start, token_end)`` of laye
 ``[layer_start, layer_end)``, laid out token-major, ``[layers, 2 (K, V), tokens, kv_heads, head_dim]``
 ("NHD", whatever the pools' page sizes), in the wire dtype with its scales, and a CRC-32 of its bytes
 (``ChunkHeader``). The wire dtype is the narrower of the two pools' (``wire_format``): the sender
-converts into it, the receiver out of it, so a bfloat16 pool and a float32 pool work together.
+converts into it, the receiver out of it, so a bfloat16 pool and a float32 pool work together; or,
+where both sides declare it, int8 / fp8 with a scale per row (``wire_quant``).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from polychip.engine.disagg import wire_quant
 from polychip.errors import KVMismatchError
 
 LAYOUT = "NHD"          # token-major: [tokens, kv_heads, head_dim] per layer and K/V
@@ -64,6 +66,7 @@ class SideInfo(_Frozen):
     model: ModelIdentity
     pool: PoolFormat
     transfer_backend: str
+    wire_dtype: str | None = None   # quantised KV on the wire it declares (prefill: offers, decode: asks)
 
     def describe(self) -> str:
         return f"{self.role} {self.name} ({self.device}, {self.pool.dtype} pool, page {self.pool.page_size})"
@@ -76,17 +79,32 @@ def check_compatible(local: SideInfo, remote: SideInfo) -> None:
         why.append(f"transfer backend {local.transfer_backend!r} vs {remote.transfer_backend!r}")
     if local.role == remote.role:
         why.append(f"both are {local.role} sides")
+    else:
+        decode, prefill = (local, remote) if local.role == "decode" else (remote, local)
+        if decode.wire_dtype is not None and decode.wire_dtype != prefill.wire_dtype:
+            why.append(f"the decode side asks for {decode.wire_dtype} KV on the wire and the prefill side "
+                       f"{prefill.name} declares {prefill.wire_dtype or 'none'} (--disaggregation-wire-dtype)")
     if why:
         raise KVMismatchError(f"{local.describe()} and {remote.describe()} cannot exchange KV: " + "; ".join(why))
 
 
 class WireFormat(_Frozen):
     dtype: str
-    scales: tuple[tuple[float, float], ...] | None = None
+    scales: tuple[tuple[float, float], ...] | None = None     # a pool's static per-layer scales
+    row_scales: bool = False        # quantised on the wire with a scale per row (``wire_quant``)
+
+    def nbytes(self, shape: tuple[int, ...]) -> int:
+        """Bytes on the wire of a chunk of ``shape`` ([layers, 2, tokens, heads, dim])."""
+        if self.row_scales:
+            return wire_quant.payload_nbytes(self.dtype, shape)
+        return int(torch.Size(shape).numel()) * getattr(torch, self.dtype).itemsize
 
 
-def wire_format(a: PoolFormat, b: PoolFormat) -> WireFormat:
-    """The narrower pool's dtype and scales (``a``'s on a tie): the bytes the hand-off moves."""
+def wire_format(a: PoolFormat, b: PoolFormat, quantised: str | None = None) -> WireFormat:
+    """``quantised`` (int8 / float8_e4m3fn with row scales) where the decode side asks for it, else
+    the narrower pool's dtype and scales (``a``'s on a tie): the bytes the hand-off moves."""
+    if quantised is not None:
+        return WireFormat(dtype=quantised, row_scales=True)
     narrow = b if getattr(torch, b.dtype).itemsize < getattr(torch, a.dtype).itemsize else a
     return WireFormat(dtype=narrow.dtype, scales=narrow.scales)
 

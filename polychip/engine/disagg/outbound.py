@@ -3,7 +3,7 @@
 The engine thread stages each computed range (``stage``: one layer at a time while the forward runs,
 or a whole step's layers) into the prefill side's host staging ring through the plugin, records an
 event, and queues a ``ChunkJob``; the link's sender threads wait for the event, convert to the wire
-format, checksum and send (``encode_chunk``). ``finish`` queues the Done message once the first token
+format (quantising it where the decode side asked: ``wire_quant``), checksum and send (``encode_chunk``). ``finish`` queues the Done message once the first token
 is sampled. The request's pages stay held by the scheduler until ``Ack`` (or an abort, a failure,
 the deadline).
 """
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from polychip.engine.disagg import pages
+from polychip.engine.disagg import pages, wire_quant
 from polychip.engine.disagg.kv_format import ChunkHeader, PoolFormat, WireFormat, checksum, convert
 from polychip.engine.disagg.ring import ByteRing
 
@@ -86,12 +86,18 @@ def encode_chunk(job: ChunkJob, staging: torch.Tensor, ring: ByteRing, pool_fmt:
     phys = ring.physical(job.region)
     staged = staging[phys:phys + n * dtype.itemsize].view(dtype).view(shape)
     wire_dtype = getattr(torch, ob.wire.dtype)
-    if wire_dtype == dtype and ob.wire.scales == pool_fmt.scales:
+    if ob.wire.row_scales:
+        values = staged
+        if staged.dtype != torch.float32 or pool_fmt.scales is not None:
+            values = torch.empty(shape, dtype=torch.float32)
+            convert(staged, pool_fmt, values, WireFormat(dtype="float32"), job.layers)
+        data = wire_quant.quantise(values, ob.wire.dtype, scratch)
+    elif wire_dtype == dtype and ob.wire.scales == pool_fmt.scales:
         data = staged
     else:
         data = scratch[:n * wire_dtype.itemsize].view(wire_dtype).view(shape)
         convert(staged, pool_fmt, data, ob.wire, job.layers)
     header = ChunkHeader(room=ob.room, layer_start=job.layers.start, layer_end=job.layers.stop,
-                         token_start=job.start, token_end=job.end, nbytes=n * wire_dtype.itemsize,
+                         token_start=job.start, token_end=job.end, nbytes=ob.wire.nbytes(shape),
                          checksum=checksum(data))
     return header, data

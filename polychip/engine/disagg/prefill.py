@@ -142,6 +142,9 @@ class PrefillAgent(Agent):
         """A decode side reserved its pages and asks for this prompt's KV (a link thread)."""
         try:
             params = params_from_wire(msg.params)
+            if msg.wire.row_scales and msg.wire.dtype != self.side.wire_dtype:
+                raise KVTransferError(f"{link.peer} asks for {msg.wire.dtype} KV on the wire; this prefill side "
+                                      f"declares {self.side.wire_dtype or 'none'}")
         except PolychipError as e:
             self.safe_send(link, wire.Refused(room=msg.room, reason=str(e)))
             return
