@@ -1,7 +1,9 @@
 """Request migration under a SIGKILL: 100 greedy streams at concurrency 16 over two real ``polychip
 serve`` replicas (a tiny random-weight model) behind ``polychip router``; one replica is killed
 mid-stream. Counts the streams that complete (``[DONE]``, no error event, every token) and those
-token-identical to the same requests in a run with no kill.
+token-identical to the same requests in a run with no kill. Then the same with non-streamed (JSON)
+requests, which the router relays as streams so that they migrate too (the killed replica is started
+again first; the kill comes once the first answer is back, the others being mid-answer).
 
     WHO=NAME /work/bin/quiet .venv/bin/python benchmarks/router_migration.py
 """
@@ -42,9 +44,17 @@ def wait_ok(url: str, timeout: float = 180) -> None:
     raise TimeoutError(url)
 
 
-async def one(client, url, i, max_tokens, kill_after=None):
+async def one(client, url, i, max_tokens, kill_after=None, stream=True):
     body = {"model": "tiny", "prompt": f"request {i}: the room of unequal chips", "max_tokens": max_tokens,
-            "temperature": 0, "ignore_eos": True, "stream": True, "return_token_ids": True}
+            "temperature": 0, "ignore_eos": True, "stream": stream, "return_token_ids": True}
+    if not stream:
+        resp = await client.post(url + "/v1/completions", json=body)
+        if kill_after is not None:
+            kill_after.set()
+        where = resp.headers.get("x-polychip-replica")
+        if resp.status_code != 200:
+            return i, None, True, where
+        return i, resp.json()["choices"][0].get("token_ids"), False, where
     ids, error, done = [], False, False
     async with client.stream("POST", url + "/v1/completions", json=body) as resp:
         if resp.status_code != 200:
@@ -63,17 +73,17 @@ async def one(client, url, i, max_tokens, kill_after=None):
     return i, ids if done else None, error, where
 
 
-async def run(url, n, concurrency, max_tokens, victim=None):
+async def run(url, n, concurrency, max_tokens, victim=None, stream=True, delay=0.5):
     sem = asyncio.Semaphore(concurrency)
     midway = asyncio.Event()
 
     async def guarded(i):
         async with sem:
-            return await one(client, url, i, max_tokens, midway if victim else None)
+            return await one(client, url, i, max_tokens, midway if victim else None, stream)
 
     async def killer():
         await midway.wait()
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(delay)
         os.kill(victim.pid, signal.SIGKILL)
 
     async with httpx.AsyncClient(timeout=300) as client:
@@ -83,6 +93,40 @@ async def run(url, n, concurrency, max_tokens, victim=None):
         if k:
             await k
     return out
+
+
+def migrations(url: str) -> float:
+    metrics = httpx.get(url + "/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+               if line.startswith("polychip_router_migrations_total"))
+
+
+def wait_until_up(url: str, n: int, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while sum(r.get("up", False) for r in httpx.get(url + "/admin/replicas", timeout=5).json()["replicas"]) < n:
+        if time.monotonic() > deadline:
+            raise TimeoutError("replicas up")
+        time.sleep(0.3)
+
+
+def measure(url, a, victim, stream: bool) -> None:
+    what = "streams" if stream else "JSON requests"
+    t0 = time.perf_counter()
+    base = asyncio.run(run(url, a.requests, a.concurrency, a.max_tokens, stream=stream))
+    # JSON: the kill comes half a wave after the first answer (the next wave is then mid-answer)
+    delay = 0.5 if stream else (time.perf_counter() - t0) * a.concurrency / a.requests / 2
+    before = migrations(url)
+    t0 = time.perf_counter()
+    killed = asyncio.run(run(url, a.requests, a.concurrency, a.max_tokens, victim=victim, stream=stream,
+                             delay=delay))
+    took = time.perf_counter() - t0
+    ref = {i: ids for i, ids, _, _ in base}
+    complete = sum(1 for _, ids, err, _ in killed if ids is not None and not err and len(ids) == a.max_tokens)
+    same = sum(1 for i, ids, err, _ in killed if ids is not None and not err and ids == ref[i])
+    base_ok = sum(1 for _, ids, err, _ in base if ids is not None and not err and len(ids) == a.max_tokens)
+    print(f"{what}, no kill: {base_ok}/{a.requests} complete")
+    print(f"{what}, SIGKILL of one replica mid-run: {complete}/{a.requests} complete, {same}/{a.requests} "
+          f"token-identical to the no-kill run, {migrations(url) - before:.0f} migrated, {took:.1f}s")
 
 
 def main() -> None:
@@ -104,20 +148,12 @@ def main() -> None:
         for p in ports:
             wait_ok(f"http://127.0.0.1:{p}/health")
         wait_ok(url + "/health")
-        base = asyncio.run(run(url, a.requests, a.concurrency, a.max_tokens))
-        t0 = time.perf_counter()
-        killed = asyncio.run(run(url, a.requests, a.concurrency, a.max_tokens, victim=replicas[1]))
-        took = time.perf_counter() - t0
-        ref = {i: ids for i, ids, _, _ in base}
-        complete = sum(1 for _, ids, err, _ in killed if ids is not None and not err and len(ids) == a.max_tokens)
-        same = sum(1 for i, ids, err, _ in killed if ids is not None and not err and ids == ref[i])
-        metrics = httpx.get(url + "/metrics", timeout=10).text
-        migrations = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
-                         if line.startswith("polychip_router_migrations_total"))
-        base_ok = sum(1 for _, ids, err, _ in base if ids is not None and not err and len(ids) == a.max_tokens)
-        print(f"no kill: {base_ok}/{a.requests} complete")
-        print(f"SIGKILL of one replica mid-run: {complete}/{a.requests} complete, {same}/{a.requests} "
-              f"token-identical to the no-kill run, {migrations:.0f} streams migrated, {took:.1f}s")
+        for stream in (True, False):
+            if not stream:          # the killed replica again, on its port, and the router sees it up
+                replicas[1] = start(["serve", *serve, "--port", str(ports[1])])
+                wait_ok(f"http://127.0.0.1:{ports[1]}/health")
+                wait_until_up(url, 2)
+            measure(url, a, replicas[1], stream)
     finally:
         for p in (router, *replicas):
             if p.poll() is None:

@@ -136,7 +136,9 @@ class FakeReplica:
                         if self.mode == "die_mid_stream":
                             raise ConnectionError("replica died")
                     yield _sse({"choices": [{"index": 0, "finish_reason": "length",
-                                             **({"delta": {}} if chat else {"text": ""})}], "usage": usage})
+                                             **({"delta": {}} if chat else {"text": ""})}]})
+                    if (body.get("stream_options") or {}).get("include_usage"):    # as polychip serve
+                        yield _sse({"choices": [], "usage": usage})
                     yield "data: [DONE]\n\n"
                     self.served += 1
                     await asyncio.sleep(self.tail)

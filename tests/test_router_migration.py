@@ -134,3 +134,58 @@ def test_migration_limit_is_honoured(router_stack, limit):
     assert sorted(b["max_tokens"] for b in bodies) == sorted(4 - k for k in range(limit + 1))
     assert lines[-1] == "data: [DONE]" and '"error"' in lines[-2]
     assert "".join(json.loads(x[6:])["choices"][0]["text"] for x in lines[:-2]) == "x" * (1 + limit)
+
+
+@pytest.mark.parametrize("path", list(BODIES))
+def test_a_json_request_survives_its_replica_and_matches_an_uninterrupted_run(pair, path, monkeypatch):
+    """A non-streamed request: the router relays it as a stream, the replica is SIGKILLed after 5
+    tokens, the rest comes from the other replica; the client gets one JSON body, the same as the
+    replica's own uninterrupted answer (text, finish reason, usage once)."""
+    from polychip.router.routing.migration import Migration
+    body = {"model": "tiny", **BODIES[path], "max_tokens": 48, "temperature": 0, "ignore_eos": True}
+    live = pair.live()
+    expected = httpx.post(live[0][1] + path, json=body, timeout=60).json()
+    fast = HealthConfig(interval=0.3, timeout=2, failure_threshold=2, success_threshold=1)
+    srv, router = start_router(RouterConfig(health=fast, max_retries=0), [u for _, u in live])
+    killed = []
+    see = Migration.see
+
+    def see_and_kill(self, event):                # after the 5th token: SIGKILL the replica serving it
+        out = see(self, event)
+        if len(self.delivered) >= 5 and not killed:
+            victim = next(w for w in router.registry.up() if w.jobs)
+            proc = next(p for p, u in live if u == victim.url)
+            os.kill(proc.pid, signal.SIGKILL)
+            killed.append(victim.name)
+        return out
+    monkeypatch.setattr(Migration, "see", see_and_kill)
+    try:
+        wait_for(lambda: len(router.registry.up()) == 2, 30, "replicas up")
+        r = httpx.post(srv.url + path, json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        got = r.json()
+        assert killed and router.metrics.migrations._metrics, "the replica was not killed mid-answer"
+        assert got["choices"][0].get("message") == expected["choices"][0].get("message")
+        assert got["choices"][0].get("text") == expected["choices"][0].get("text")
+        assert got["choices"][0]["finish_reason"] == expected["choices"][0]["finish_reason"] == "length"
+        assert "token_ids" not in got["choices"][0]
+        assert got["usage"]["completion_tokens"] == 48
+        assert got["usage"]["prompt_tokens"] == expected["usage"]["prompt_tokens"]
+        assert got["object"] == expected["object"]
+    finally:
+        srv.stop()
+
+
+def test_a_stream_without_usage_teaches_tpot_and_the_client_gets_no_usage(router_stack):
+    """The router asks the replica for usage itself: the replica's TPOT estimate is learnt from a
+    stream that did not ask for it, and the client's stream carries no usage event."""
+    from router_helpers import FakeReplica
+    fake = FakeReplica(tokens=6, delay=0.01)
+    url, router = router_stack([fake])
+    with httpx.stream("POST", url + "/v1/completions", timeout=30,
+                      json={"model": "tiny", "prompt": "hi", "max_tokens": 6, "stream": True, "n": 2}) as resp:
+        lines = [x for x in resp.iter_lines() if x.startswith("data: ")]
+    assert fake.bodies[0]["stream_options"] == {"include_usage": True}
+    assert lines[-1] == "data: [DONE]" and not [x for x in lines if '"usage"' in x and '"choices": []' in x]
+    speed = httpx.get(url + "/admin/replicas").json()["replicas"][0]["speed"]
+    assert speed["tpot_ms"] is not None and speed["answers"] >= 1, speed

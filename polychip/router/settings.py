@@ -135,8 +135,8 @@ class RouterConfig(_Settings):
     breaker: BreakerConfig = setting(default_factory=BreakerConfig, alias="circuit_breaker")
     batch: BatchConfig = setting(default_factory=BatchConfig)
     max_retries: int = setting(2, "other replicas tried when one fails before the first token", ge=0)
-    migration_limit: int = setting(1, "times a stream whose replica fails after the first token goes on, "
-                                   "spliced, on another replica (0: the stream ends with an error)", ge=0)
+    migration_limit: int = setting(1, "times an answer (streamed or not) whose replica fails after the first "
+                                   "token goes on, spliced, on another replica (0: it ends with an error)", ge=0)
     max_inflight_per_replica: int | None = setting(
         None, "requests in flight per replica before the router queues (default: its max running)", ge=1)
     max_queue: int = setting(1024, "requests waiting in the router, all classes together, before 503", ge=0)

@@ -108,7 +108,7 @@ async def _stream_events(state, req, stream, meta, echoes, prompt_tokens, contin
     for i in range(count):
         if echoes[i // n]:
             yield chunks.choice(i, echoes[i // n])
-    completion_tokens = 0
+    completion_tokens, cached = 0, 0
     async for i, out in stream:
         o = out.outputs[0]
         lp = None
@@ -122,7 +122,8 @@ async def _stream_events(state, req, stream, meta, echoes, prompt_tokens, contin
             yield chunks.choice(i, o.delta_text, logprobs=lp, token_ids=ids, usage=so_far)
         if out.finished:
             completion_tokens += len(o.token_ids) + continued
+            cached += out.num_cached_tokens if i % n == 0 else 0      # per prompt, as the JSON answer counts
             yield chunks.choice(i, "", o.finish_reason, stop_reason=o.stop_reason, usage=so_far)
     if chunks.include_usage:
-        yield chunks.usage(usage(prompt_tokens, completion_tokens))
+        yield chunks.usage(usage(prompt_tokens, completion_tokens, cached))
     yield sse("[DONE]")

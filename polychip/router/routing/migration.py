@@ -6,7 +6,10 @@ resent elsewhere with those ids as ``continue_token_ids`` (the model reads them 
 detokenizer replays them, so the text goes on with nothing repeated or missing), ``max_tokens`` reduced
 by them and a given ``seed`` advanced by them; the new stream's opening role chunk is dropped and the
 rest is spliced into the client's stream. The replica counts usage once (the continued tokens are
-completion tokens). Streams of one choice only (n > 1 would need one continuation per choice).
+completion tokens). Requests of one choice only (n > 1 would need one continuation per choice). A
+non-streamed one is asked for as a stream and gathered (routing/gather.py); its migration is the same.
+A continued sampled answer gets ``seed + delivered``: reproducible, but not the uninterrupted run's
+text (the replica's generator would have to be advanced by the draws already made).
 """
 from __future__ import annotations
 
@@ -21,40 +24,65 @@ TOKEN_IDS = re.compile(rb',\s*"token_ids"\s*:\s*\[[\d,\s]*\]|"token_ids"\s*:\s*\
 
 
 class Migration:
-    """One streamed request's delivered tokens, and the body that continues it."""
+    """What the router asks a replica for a request it relays as a stream, and what the client gets.
 
-    def __init__(self, body: dict, limit: int):
+    Every stream asks for usage (the router learns each replica's TPOT from it; the usage event is
+    dropped when the client did not ask for it). A migratable request (one choice) also asks for token
+    ids (kept, and cut from the events unless the client asked for them) and can be continued
+    elsewhere. A non-streamed migratable request (``whole``) is asked for as a stream too; the router
+    gathers it into one JSON body (routing/gather.py)."""
+
+    def __init__(self, body: dict, limit: int, migratable: bool):
         self.original = body
+        self.whole = not body.get("stream")
+        opts = body.get("stream_options")
+        self.client_usage = isinstance(opts, dict) and bool(opts.get("include_usage"))
         self.client_wants_ids = bool(body.get("return_token_ids"))
-        self.left = limit
+        self.left = limit if migratable else 0
+        self.migratable = migratable
         self.delivered: list[int] = []
         self.finished = False                 # a finish_reason was delivered: nothing left to generate
 
     @staticmethod
-    def for_call(raw: bytes, limit: int) -> "Migration | None":
-        """A migration for a stream of one choice (None: not migratable, or the limit is 0)."""
-        if limit <= 0:
-            return None
+    def for_call(raw: bytes, limit: int, stream: bool) -> "Migration | None":
+        """The stream's view (None: not JSON, or a non-streamed request the router passes on as is)."""
         try:
             body = json.loads(raw)
         except ValueError:
             return None
-        if not isinstance(body, dict) or not body.get("stream") or body.get("n", 1) != 1 \
-                or body.get("best_of") not in (None, 1) or body.get("echo"):
+        if not isinstance(body, dict) or bool(body.get("stream")) != stream:
             return None
-        if not isinstance(body.get("prompt", ""), (str, list)):
-            return None
-        return Migration(body, limit)
+        one = limit > 0 and body.get("n", 1) == 1 and body.get("best_of") in (None, 1) and not body.get("echo") \
+            and isinstance(body.get("prompt", ""), (str, list))
+        if not stream:        # gathered from a stream: only what the gatherer rebuilds exactly
+            if not one or body.get("logprobs") not in (None, False) or body.get("tools") \
+                    or body.get("tool_choice") not in (None, "none"):
+                return None
+        return Migration(body, limit, one)
+
+    def _upstream(self, **extra) -> bytes:
+        body = {**self.original, "stream": True, **extra}
+        if not self.client_usage:
+            body["stream_options"] = {"include_usage": True}
+        if self.migratable:
+            body["return_token_ids"] = True
+        return json.dumps(body).encode()
 
     def first_body(self) -> bytes:
-        return json.dumps({**self.original, "return_token_ids": True}).encode()
+        return self._upstream()
 
     def see(self, event: bytes) -> bytes:
-        """Record the tokens an event delivers; the event as the client gets it."""
-        if b'"token_ids"' not in event and b'"finish_reason"' not in event:
+        """Record the tokens an event delivers; the event as the client gets it (b"": none)."""
+        wanted = (b'"token_ids"' in event or b'"finish_reason"' in event) if self.migratable else False
+        extra_usage = not self.client_usage and not self.whole and b'"usage"' in event   # JSON: it needs it
+        if not wanted and not extra_usage:
             return event
         msg = parse_event(event)
         if not isinstance(msg, dict):
+            return event
+        if extra_usage and msg.get("usage") and not msg.get("choices"):
+            return b""                         # the usage event the router asked for itself
+        if not self.migratable:
             return event
         for choice in msg.get("choices") or ():
             ids = choice.get("token_ids")
@@ -70,14 +98,13 @@ class Migration:
     def next_body(self) -> bytes:
         """The body that continues the answer from the tokens delivered so far."""
         self.left -= 1
-        body = {**self.original, "return_token_ids": True,
-                "continue_token_ids": list(self.original.get("continue_token_ids") or []) + self.delivered}
+        extra = {"continue_token_ids": list(self.original.get("continue_token_ids") or []) + self.delivered}
         for key in ("max_tokens", "max_completion_tokens"):
-            if isinstance(body.get(key), int):
-                body[key] = max(1, self.original[key] - len(self.delivered))
+            if isinstance(self.original.get(key), int):
+                extra[key] = max(1, self.original[key] - len(self.delivered))
         if isinstance(self.original.get("seed"), int):
-            body["seed"] = self.original["seed"] + len(self.delivered)
-        return json.dumps(body).encode()
+            extra["seed"] = self.original["seed"] + len(self.delivered)
+        return self._upstream(**extra)
 
 
 def is_opening(event: bytes) -> bool:

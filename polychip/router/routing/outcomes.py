@@ -57,6 +57,7 @@ class Outcomes:
         good = ok and status == 200
         replica.job_ended(call.serial, call.t0 + ttft if good and ttft is not None else None,
                           now if good else None, tokens)        # a good answer teaches its speed
+        ttft = ttft if call.stream else None   # a JSON answer relayed as a stream: the client saw no first token
         if replica.first_ttft is None and ok and status < 400:    # a non-streamed answer: its first token is its end
             replica.first_ttft = ttft if ttft is not None else e2e
             replica.first_token_at = time.time() - e2e + replica.first_ttft

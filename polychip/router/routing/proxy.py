@@ -12,6 +12,9 @@ an immediate 503 saying why. Stream events are held back until the first one car
 so a retry is invisible to the client; after that, a failure ends the stream with an
 OpenAI-shaped error event and ``[DONE]`` unless the stream can migrate (routing/migration.py: it
 goes on, spliced, on another replica, up to ``migration_limit`` times); no client is left hanging.
+A non-streamed request that can migrate (one choice, no logprobs or tools) is relayed as a stream
+too and gathered into one JSON body (routing/gather.py); every stream asks its replica for usage,
+so that each answer teaches the replica's TPOT estimate (the client gets usage only if it asked).
 
 Every attempt's outcome feeds the replica's circuit breaker and the canary guard (against the
 version that served it).
@@ -37,6 +40,7 @@ from polychip.router.routing.call import Call, Final, Retry
 from polychip.router.fleet.client import ReplicaClient
 from polychip.router.routing.dispatch import Dispatcher, NoReplicaError, QueueFullError, TargetMissError, Ticket
 from polychip.router.routing.outcomes import Outcomes
+from polychip.router.routing.gather import gather
 from polychip.router.routing.migration import Migration
 from polychip.router.routing.relay import StreamRelay
 from polychip.router.routing.pd import Pairing
@@ -80,8 +84,9 @@ class Proxy(StreamRelay):
         ticket = call.ticket = Ticket(call.model, call.version, call.priority, call.preferred, call.prompt,
                                       cost=call.cost, key=call.serial, arrived=call.t0,
                                       prompt_tokens=call.prompt_tokens, max_tokens=call.max_tokens, slo=call.slo)
-        call.migration = Migration.for_call(call.body, self.cfg.migration_limit) if call.stream else None
+        call.migration = Migration.for_call(call.body, self.cfg.migration_limit, call.stream)
         sent = call.migration.first_body() if call.migration is not None else call.body
+        as_stream = call.migration is not None or call.stream
         self.budget.request()
         tried: list[str] = []
         retries = 0
@@ -104,7 +109,7 @@ class Proxy(StreamRelay):
                 self.metrics.retries.labels(call.model, replica.name, replica.device_type).inc()
             body, prefill = self.pairing.body_for(sent, replica)
             try:
-                return await (self._stream(call, replica, body) if call.stream else self._json(call, replica, body))
+                answer = await (self._stream(call, replica, body) if as_stream else self._json(call, replica, body))
             except Final as f:
                 return f.response
             except Retry as r:
@@ -119,12 +124,19 @@ class Proxy(StreamRelay):
                                                 f"({what}); last error: {r.reason}", "all_attempts_failed",
                                                 retry_after=None)
                 retries += 1
+                continue
             except asyncio.CancelledError:          # the client left before the first token
                 self.d.release(replica)
                 self.outcomes.finish(call, replica, 499, None, ok=True, kind="client_gone")
                 raise
             finally:
                 self.pairing.done(prefill)          # the first token came, or the attempt is over
+            if call.stream or not isinstance(answer, StreamingResponse):
+                return answer
+            # a JSON request relayed as a stream (to migrate): gathered into one body; the relay owns
+            # the replica's slot and the outcome from here, whatever happens (the client leaving too)
+            return await gather(answer.body_iterator, {k: v for k, v in answer.headers.items() if k.startswith("x-")},
+                                chat=call.path.endswith("/chat/completions"))
 
     def _deadline_text(self, call: Call, tried: list[str]) -> str:
         which = (f"first_token_timeout {self.cfg.first_token_timeout:g}s" if call.stream
@@ -187,9 +199,10 @@ class Proxy(StreamRelay):
                         headers=Outcomes.where(replica, call))
 
     async def _stream(self, call: Call, replica: Worker, body: bytes) -> Response:
-        limit = min(call.left(self.cfg.first_token_timeout), call.left(self.cfg.total_timeout))
+        first = self.cfg.first_token_timeout if call.stream else None     # JSON: only the total counts
+        limit = min(call.left(first), call.left(self.cfg.total_timeout))
         try:
-            async with asyncio.timeout(limit):
+            async with asyncio.timeout(None if math.isinf(limit) else limit):
                 resp, events, held = await self._until_first_token(call, replica, body)
         except TimeoutError as e:
             raise self._timed_out(call, replica, e) from None
