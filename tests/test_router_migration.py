@@ -81,10 +81,16 @@ BODIES = {"/v1/completions": {"prompt": "The room of unequal chips"},
           "/v1/chat/completions": {"messages": [{"role": "user", "content": "Say something long"}]}}
 
 
+SAMPLING = {"greedy": {"temperature": 0}, "seeded": {"temperature": 0.9, "seed": 1234}}
+
+
+@pytest.mark.parametrize("sampling", list(SAMPLING))
 @pytest.mark.parametrize("path", list(BODIES))
-def test_a_stream_survives_its_replica_and_matches_an_uninterrupted_run(pair, path):
+def test_a_stream_survives_its_replica_and_matches_an_uninterrupted_run(pair, path, sampling):
+    """Greedy, and sampled with a seed: the replica that continues skips the draws the delivered tokens
+    took, so the spliced text is the uninterrupted run's."""
     chat = path.startswith("/v1/chat")
-    body = {"model": "tiny", **BODIES[path], "max_tokens": 48, "temperature": 0, "ignore_eos": True,
+    body = {"model": "tiny", **BODIES[path], "max_tokens": 48, **SAMPLING[sampling], "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     live = pair.live()
     whole = httpx.post(live[0][1] + path, json={**body, "return_token_ids": True}, timeout=60)

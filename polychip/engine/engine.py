@@ -182,6 +182,8 @@ class Engine:
             detok.add(token)
         detok.text = ""
         req = Request(rid, ids, params, detok, priority, gen, arrival)
+        if gen is not None:
+            req.skip_draws = len(continuation)     # a seeded answer goes on with the draws it would have had
         req.matcher = matcher
         if self.proposer is not None and speculable(req):
             req.spec = SpecState()

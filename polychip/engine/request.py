@@ -51,6 +51,7 @@ class Request:
         self.params = params
         self.priority = priority
         self.generator = generator
+        self.skip_draws = 0                 # draws a continued answer's earlier tokens took (sampler)
         self.detok = detokenizer
         self.status = Status.WAITING
         self.finish_reason: str | None = None

@@ -109,6 +109,9 @@ class Sampler:
             noise = torch.empty_like(probs)
             for j, i in enumerate(rand):
                 gen = reqs[i].generator or self.generator
+                for _ in range(reqs[i].skip_draws):       # a continued answer: the draws its tokens took
+                    noise[j].exponential_(generator=gen)
+                reqs[i].skip_draws = 0
                 noise[j].exponential_(generator=gen)
             tokens[rows] = (probs / noise).argmax(-1)
         self.computed.record()

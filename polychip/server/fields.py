@@ -142,7 +142,7 @@ FIELDS: tuple[Field, ...] = (
     Field("bad_words", BOTH, REFUSED, "use logit_bias or a grammar", _set),
     Field("return_tokens_as_token_ids", BOTH, REFUSED, "", _true),
     Field("continue_token_ids", BOTH, HONOURED, "polychip: tokens an earlier attempt generated; the answer "
-          "continues them, usage counts them as completion tokens (n=1 only)"),
+          "continues them, usage counts them as completion tokens, a seed goes on as if they were drawn (n=1 only)"),
     Field("return_token_ids", BOTH, HONOURED, "polychip: each choice (each chunk) carries its new token ids"),
     Field("structured_outputs", BOTH, REFUSED, "use response_format, regex, ebnf or choice", _set),
     Field("guided_decoding_backend", BOTH, REFUSED, "xgrammar is the one backend", _set),

@@ -4,12 +4,13 @@ The router asks each replica for the token ids of every chunk (``return_token_id
 extension) and keeps those delivered to the client. When the replica fails mid-stream, the request is
 resent elsewhere with those ids as ``continue_token_ids`` (the model reads them after the prompt, the
 detokenizer replays them, so the text goes on with nothing repeated or missing), ``max_tokens`` reduced
-by them and a given ``seed`` advanced by them; the new stream's opening role chunk is dropped and the
+by them and a given ``seed`` sent as it came; the new stream's opening role chunk is dropped and the
 rest is spliced into the client's stream. The replica counts usage once (the continued tokens are
 completion tokens). Requests of one choice only (n > 1 would need one continuation per choice). A
 non-streamed one is asked for as a stream and gathered (routing/gather.py); its migration is the same.
-A continued sampled answer gets ``seed + delivered``: reproducible, but not the uninterrupted run's
-text (the replica's generator would have to be advanced by the draws already made).
+A seeded sampled answer goes on as the uninterrupted run would: the replica skips the random draws the
+continued tokens took (one per token; the engine's sampler does it), so the text is the same; with
+speculative decoding on the replica the draws per token vary and the continuation is only reproducible.
 """
 from __future__ import annotations
 
@@ -102,8 +103,6 @@ class Migration:
         for key in ("max_tokens", "max_completion_tokens"):
             if isinstance(self.original.get(key), int):
                 extra[key] = max(1, self.original[key] - len(self.delivered))
-        if isinstance(self.original.get("seed"), int):
-            extra["seed"] = self.original["seed"] + len(self.delivered)
         return self._upstream(**extra)
 
 
