@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 MIN_SAMPLES = 3          # answers before a fitted line is trusted (until then: declared figures, peers)
+OUTLIER = 4.0            # once trusted, one answer counts as at most this many times what the line predicts
 
 
 class LinearFit:
@@ -53,6 +54,14 @@ class LinearFit:
         a, b = self.line()
         return a + b * x
 
+    def add_bounded(self, x: float, y: float) -> None:
+        """``add``, with ``y`` capped at ``OUTLIER`` times the prediction once the line is trusted: one
+        stalled answer (a pause in the replica or the router) moves the estimate a step, not ten times;
+        a replica that really slowed down is still learnt within a few answers."""
+        if self.n >= MIN_SAMPLES:
+            y = min(y, OUTLIER * max(self.predict(x), 1e-6))
+        self.add(x, y)
+
 
 @dataclass
 class Job:
@@ -91,12 +100,12 @@ class Speed:
         ``tokens`` generated; ``batch_now``: requests in flight there as it ended."""
         batch = (job.batch + max(batch_now, 1)) / 2
         if ttft is not None:
-            self.prefill.add(job.prefill_tokens, ttft)
+            self.prefill.add_bounded(job.prefill_tokens, ttft)
             if tokens and tokens > 1:
-                self.decode.add(batch, max(e2e - ttft, 0.0) / (tokens - 1))
+                self.decode.add_bounded(batch, max(e2e - ttft, 0.0) / (tokens - 1))
         elif tokens:      # a JSON answer: the prefill is what the fitted line says (none yet: all decode)
             prefill = self.prefill.predict(job.prefill_tokens) if self.prefill.n else 0.0
-            self.decode.add(batch, max(e2e - prefill, 0.0) / tokens)
+            self.decode.add_bounded(batch, max(e2e - prefill, 0.0) / tokens)
         self.measured_at = time.time()
 
     def prefill_tokens_per_s(self) -> float | None:
