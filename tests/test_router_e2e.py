@@ -251,6 +251,12 @@ def test_serve_dp_size_is_a_router_over_local_replicas(model_factory, tmp_path):
             # both serve; the exact split follows least_load's reported KV usage, which a health check may
             # refresh between two of these requests
             assert set(seen) == {"dp0", "dp1"}, seen
+            # the replicas are the front's deployment replicas, booked in its device ledger like any workload
+            booked = {w["id"]: (w["kind"], w["devices"], w["status"]) for w in
+                      client.get(url + "/admin/workloads", headers=auth).json()["data"]}
+            assert booked == {f"dp{i}": ("deployment replica", ["cpu:0"], "ready") for i in (0, 1)}, booked
+            held = client.get(url + "/admin/devices", headers=auth).json()["hosts"][0]["devices"]
+            assert next(d for d in held if d["device"] == "cpu:0")["workloads"] == ["dp0", "dp1"], held
             for rep in client.get(url + "/admin/replicas", headers=auth).json()["replicas"]:
                 # a replica answers only to the front's own key, never to the client's or none
                 for headers in ({}, auth):

@@ -3,8 +3,8 @@ random-weight model), driven through the operator's CLI (``polychip workload ...
 
 submit onto simxpu and (declared in the deployment file) the CPU, list, describe, logs --tail,
 a chat completion routed to the workload, refusals (busy 409, incapable 422), delete freeing the
-device for a second submit, a reload that keeps the submitted workload, and a router restart
-that relaunches it."""
+device for a second submit, a reload that keeps the submitted workload, a router restart
+that relaunches it, and the deployment's own replica holding its simxpu card in the same ledger."""
 from __future__ import annotations
 
 import json
@@ -49,13 +49,18 @@ def setup(model_factory, tmp_path_factory):
     deploy.write_text(textwrap.dedent(f"""
         workloads:
           - {{id: decl-cpu, model: {model}, name: tiny-cpu, device: cpu, serve_args: {json.dumps(SERVE)}}}
+        models:
+          - {{name: tiny-dep, versions: {{v1: 1}}}}
+        replicas:
+          - {{name: dep-sim, model: tiny-dep, version: v1, device: "simxpu:1", model_path: {model},
+             args: {json.dumps(SERVE)}}}
     """))
     args = ["--deployment", str(deploy), "--state-dir", str(state), "--api-key", KEY,
             "--health-check-interval", "0.5", "--drain-timeout", "10"]
     routers = [RouterProcess(args)]
     ROUTER["url"] = routers[0].url
     try:
-        routers[0].wait_ready(1)
+        routers[0].wait_ready(2)
         yield {"model": model, "args": args, "routers": routers, "state": state}
     finally:
         pids = _pids(routers[-1])
@@ -177,7 +182,7 @@ def test_a_submitted_workload_survives_a_reload_and_a_router_restart(setup, caps
     new = RouterProcess(setup["args"])
     setup["routers"].append(new)
     ROUTER["url"] = new.url
-    new.wait_ready(2)
+    new.wait_ready(3)                      # decl-cpu, the submitted one, dep-sim
     d = describe(second)
     assert d["status"] == "ready" and d["version"] == "v2" and d["devices"] == ["simxpu:0"]
     kinds = [e["event"] for e in d["events"]]
@@ -205,3 +210,26 @@ def _seconds(d: dict, event: str) -> float:
     import datetime
     at = next(e["at"] for e in d["events"] if e["event"] == event)
     return datetime.datetime.fromisoformat(at.replace("Z", "+00:00")).timestamp()
+
+
+def test_a_deployment_replica_holds_its_card_in_the_ledger_workloads_book(setup, capsys):
+    """One ledger: the deployment file's replica on simxpu:1 (launched by the router, relaunched by the
+    restarted one) holds its card, so a submit for that card is refused naming it, and a submit by device
+    type is placed on a card nobody holds."""
+    rc, out, _ = cli(capsys, "list")
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[1:]}
+    assert rows["dep-sim"][4:6] == ["simxpu:1", "ready"], out
+    assert describe("dep-sim")["kind"] == "deployment replica"
+    assert chat("tiny-dep").headers["x-polychip-device"] == "simxpu:1"
+    rc, _, err = cli(capsys, "submit", "--model", setup["model"], "--device", "simxpu:1")
+    assert rc == 1 and "HTTP 409" in err and "simxpu:1 is held by workload dep-sim" in err, err
+    rc, out, err = cli(capsys, "submit", "--model", setup["model"], "--name", "tiny-any", "--device-type", "simxpu",
+                       "--", *SERVE)
+    assert rc == 0, err
+    placed = out.split()[2:]
+    assert not any(d in ("simxpu:0", "simxpu:1") for d in placed) and any(d.startswith("simxpu:") for d in placed), out
+    dev = httpx.get(ROUTER["url"] + "/admin/devices", headers=AUTH, timeout=30).json()["hosts"][0]
+    held = {x["device"]: x["workloads"] for x in dev["devices"]}
+    assert held["simxpu:1"] == ["dep-sim"] and held["simxpu:0"] == [setup["second"]], held
+    rc, out, _ = cli(capsys, "delete", out.split()[0], "--wait")
+    assert rc == 0
