@@ -149,7 +149,7 @@ class TaskSupervisor:
         for t in spawned:
             t.cancel()
         tasks = [e.task for e in entries]
-        done, left = await asyncio.wait(tasks, timeout=timeout) if tasks else (set(), set())
+        _, left = await asyncio.wait(tasks, timeout=timeout) if tasks else (set(), set())
         for t in left:
             t.cancel()
         await asyncio.gather(*tasks, *spawned, return_exceptions=True)
