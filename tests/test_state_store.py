@@ -271,7 +271,7 @@ def test_a_write_in_an_ended_term_fails_and_changes_nothing(store):
     a.start()
     b.start()
     try:
-        assert a.is_leader and a.term == store.get("leader").revision
+        assert a.is_leader and a.term == store.leader().revision
         term = a.term
         store.put("models/m", {"by": "a"}, term=term)
         assert store.compare_and_set("batches/b", {"by": "a"}, expect=0, term=term)
@@ -288,7 +288,40 @@ def test_a_write_in_an_ended_term_fails_and_changes_nothing(store):
         with pytest.raises(Deposed):
             store.delete("models/m", term=term)
         assert store.get("models/m").value == {"by": "a"} and store.get("models/x").value == {"by": "b"}
-        assert store.get("leader").value == "router-b"
+        assert store.leader().value == "router-b"
     finally:
         a.close()
         b.close()
+
+
+def test_on_etcd_the_leader_is_what_etcds_own_election_api_says(etcd1):
+    """The routers campaign with etcd's election API (v3election), so any client of that API sees who
+    leads, and a candidate of another program waits behind the router that leads."""
+    import base64
+    store = open_store(etcd1.spec)
+    for e in store.list("")[0]:
+        store.delete(e.key)
+    gateway = f"http://{etcd1.endpoints[0]}/v3/election"
+    name = base64.b64encode(b"/polychip/leader").decode()
+
+    def leader() -> tuple[str, int]:
+        kv = httpx.post(gateway + "/leader", json={"name": name}, timeout=5).json()["kv"]
+        return base64.b64decode(kv["value"]).decode(), int(kv["create_revision"])
+
+    a, b = Session(store, "router-a", ttl=2), Session(store, "router-b", ttl=2)
+    a.start()
+    b.start()
+    try:
+        assert a.is_leader and not b.is_leader
+        assert leader() == ("router-a", a.term)
+        lease = httpx.post(f"http://{etcd1.endpoints[0]}/v3/lease/grant", json={"TTL": 30}, timeout=5).json()["ID"]
+        with pytest.raises(httpx.ReadTimeout):      # another program's candidate waits in line
+            httpx.post(gateway + "/campaign", json={"name": name, "lease": lease,
+                                                    "value": base64.b64encode(b"other").decode()}, timeout=1)
+        a.close()                                   # router-a leaves: its key goes with its lease
+        assert wait_for(lambda: b.is_leader), "router-b leads"
+        assert leader() == ("router-b", b.term) and b.term > a.term
+    finally:
+        a.close()
+        b.close()
+        store.close()

@@ -8,7 +8,7 @@ from typing import Any, Callable
 from polychip.errors import PolychipError
 
 
-LEADER_KEY = "leader"       # the elected router's node id, under its lease (session.py)
+LEADER_KEY = "leader"       # the election: the elected router's node id under its lease (session.py)
 
 
 class StoreError(PolychipError):
@@ -77,8 +77,9 @@ class StateStore(ABC):
     @abstractmethod
     def get(self, key: str) -> Entry | None: ...
 
-    # ``term``: a leader's write. It applies only while ``LEADER_KEY`` still has that revision, checked
-    # in the same transaction as the write; otherwise Deposed is raised and nothing changes.
+    # ``term``: a leader's write. It applies only while the leader key the term was won with still has
+    # that revision, checked in the same transaction as the write; otherwise Deposed is raised and
+    # nothing changes.
 
     @abstractmethod
     def put(self, key: str, value: Any, lease: int | None = None, term: int | None = None) -> int:
@@ -115,6 +116,15 @@ class StateStore(ABC):
     @abstractmethod
     def revoke_lease(self, lease: int) -> None:
         """End the lease now and remove its keys."""
+
+    # the election (session.py); etcd overrides both with its own election API
+    def campaign(self, node_id: str, lease: int) -> int:
+        """Stand for leader under ``lease``: the term (a revision) if this router leads now, else 0."""
+        return self.compare_and_set(LEADER_KEY, node_id, expect=0, lease=lease)
+
+    def leader(self) -> Entry | None:
+        """Who leads: its node id (``value``) and term (``revision``); None while nobody does."""
+        return self.get(LEADER_KEY)
 
     @abstractmethod
     def describe(self) -> dict:

@@ -5,7 +5,9 @@ is on in every etcd >= 3.4 at the client port. It talks to one member per client
 one client per endpoint (etcd_conn.Member: TLS, authentication) and moves to the next member when
 one refuses or times out, so the loss of one member of three costs a reconnect, not an error. Keys
 live under ``/polychip/`` (``namespace``). Every failure leaves as a StoreError naming the member and
-the cause. A leader's write (``term``) is one etcd transaction that compares the leader key's revision.
+the cause. The leader is etcd's own election (the v3election API through the gateway: each router's
+candidate key under ``leader/`` on its lease, the earliest created leads); a leader's write (``term``,
+its key's creation revision) is one etcd transaction that compares that key's creation revision.
 """
 from __future__ import annotations
 
@@ -21,11 +23,12 @@ from etcd3gw import exceptions as etcd_errors
 from etcd3gw.utils import _decode, _encode, _increment_last_byte
 
 from polychip.router.state.base import LEADER_KEY, CompactedError, Deposed, Entry, StateStore, StoreError, Watch
-from polychip.router.state.etcd_conn import TRANSIENT, Member, is_tls_failure
+from polychip.router.state.etcd_conn import TRANSIENT, Member, cause, is_tls_failure, value_of
 from polychip.router.state.etcd_watch import WatchRunner
 
 log = logging.getLogger("polychip.router.state")
 FAILOVER_WINDOW = 10.0       # seconds a call keeps trying members (an etcd leader election takes ~1-2 s)
+CAMPAIGN_WAIT = 0.5          # seconds a campaign waits behind a leader; then withdrawn (etcd resigns it)
 SCHEMES = {"etcd://": "http", "etcds://": "https"}
 
 
@@ -55,6 +58,7 @@ class EtcdStore(StateStore):
         self.members = [Member(h, p, scheme, access, timeout) for h, p in endpoints]
         self._current = 0
         self._watches: list[WatchRunner] = []
+        self._terms: dict[int, str] = {}       # term -> the election key (encoded) it was won with
         # fail at start, naming the member and the cause: reach it (TLS), and read our keys (the user)
         self._call(lambda c: c.status(), "read its status")
         self._post("/kv/range", {"key": _encode(self.ns), "range_end": _encode(_increment_last_byte(self.ns)),
@@ -90,26 +94,70 @@ class EtcdStore(StateStore):
 
     def _entry(self, kv: dict) -> Entry:
         key = _decode(kv["key"]).decode()[len(self.ns):]
-        value = json.loads(_decode(kv.get("value", "")) or b"null")
+        value = value_of(kv)
         lease = int(kv["lease"]) if kv.get("lease") else None
         return Entry(key, value, int(kv["mod_revision"]), lease)
 
     def _txn(self, key: str, compare: list, success: list, term: int | None) -> dict | None:
-        """One transaction; with ``term`` the leader key must still have that revision (else Deposed).
-        None when a compare other than the term's failed."""
+        """One transaction; with ``term`` the election key it was won with must still exist with that
+        creation revision (else Deposed: it is gone with its lease). None when another compare failed."""
+        failure = []
         if term is not None:
-            compare = compare + [{"key": self._k(LEADER_KEY), "result": "EQUAL", "target": "MOD",
-                                  "mod_revision": term}]
-        failure = [{"request_range": {"key": self._k(LEADER_KEY)}}] if term is not None else []
+            won_with = self._terms.get(term)
+            if won_with is None:                       # a term this store never saw won
+                raise Deposed(key, term)
+            compare = compare + [{"key": won_with, "result": "EQUAL", "target": "CREATE", "create_revision": term}]
+            failure = [{"request_range": {"key": won_with}}]
         got = self._call(lambda c: c.transaction({"compare": compare, "success": success, "failure": failure}),
                          f"write {key!r}")
         if got.get("succeeded"):
             return got
         if term is not None:
             kvs = got["responses"][0]["response_range"].get("kvs") or []
-            if not kvs or int(kvs[0]["mod_revision"]) != term:
+            if not kvs or int(kvs[0]["create_revision"]) != term:
                 raise Deposed(key, term)
         return None
+
+    # the election: etcd's own (v3election), through the gateway
+    def campaign(self, node_id: str, lease: int) -> int:
+        """Campaign with etcd's election API: it answers at once when this router's key is the earliest
+        (it leads; the term is the key's creation revision); behind a leader it waits, and after
+        CAMPAIGN_WAIT the call ends and etcd withdraws the candidacy (the next change campaigns again)."""
+        body = {"name": self._k(LEADER_KEY), "lease": lease, "value": _encode(node_id)}    # as etcdctl elect shows it
+
+        def ask(c):
+            try:
+                r = c.session.post(c.get_url("/election/campaign"), json=body, timeout=(c.timeout, CAMPAIGN_WAIT))
+            except requests.ReadTimeout:
+                return None                              # another router leads
+            except requests.Timeout as e:
+                raise etcd_errors.ConnectionTimeoutError(str(e)) from None
+            except requests.ConnectionError as e:
+                raise etcd_errors.ConnectionFailedError(str(e)) from None
+            if r.status_code != 200:
+                raise (etcd_errors.InternalServerError if r.status_code >= 500 else etcd_errors.Etcd3Exception)(
+                    r.text, r.reason)
+            return r.json()["leader"]
+        won = self._call(ask, "campaign for leader")
+        if won is None:
+            return 0
+        self._terms[int(won["rev"])] = won["key"]
+        return int(won["rev"])
+
+    def leader(self) -> Entry | None:
+        def ask(c):
+            try:
+                return c.post(c.get_url("/election/leader"), json={"name": self._k(LEADER_KEY)})["kv"]
+            except etcd_errors.Etcd3Exception as e:
+                if "election: no leader" in cause(e):
+                    return None
+                raise
+        kv = self._call(ask, "read who leads")
+        if kv is None:
+            return None
+        term = int(kv["create_revision"])
+        self._terms[term] = kv["key"]
+        return Entry(LEADER_KEY, self._entry(kv).value, term, int(kv["lease"]) if kv.get("lease") else None)
 
     def get(self, key: str) -> Entry | None:
         kvs = self._post("/kv/range", {"key": self._k(key)}, f"read {key!r}").get("kvs") or []

@@ -17,6 +17,7 @@ from typing import Any, Callable
 import requests
 from etcd3gw import exceptions as etcd_errors
 from etcd3gw.client import Etcd3Client
+from etcd3gw.utils import _decode
 
 from polychip.router.state.base import StoreError
 
@@ -32,6 +33,16 @@ TLS_CAUSES = (
     ("WRONG_VERSION_NUMBER", "it does not speak TLS: use etcd://"),
     ("UNEXPECTED_EOF", "it closed the TLS handshake: does it serve TLS? (use etcd:// if not)"),
 )
+
+
+def value_of(kv: dict) -> Any:
+    """A stored value: JSON as the routers write it; another writer's bytes (the election's candidate
+    values, a program beside us) as their text, for the typed readers to judge."""
+    raw = _decode(kv.get("value", ""))
+    try:
+        return json.loads(raw or b"null")
+    except ValueError:
+        return raw.decode("utf-8", "replace")
 
 
 def cause(e: BaseException) -> str:

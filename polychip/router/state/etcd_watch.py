@@ -10,6 +10,7 @@ import requests
 from etcd3gw.utils import _decode, _encode, _increment_last_byte
 
 from polychip.router.state.base import CompactedError, Event, StoreError
+from polychip.router.state.etcd_conn import value_of
 from polychip.router.state.loops import ThreadLoop
 
 log = logging.getLogger("polychip.router.state")
@@ -63,7 +64,7 @@ class WatchRunner:
         if raw.get("type") == "DELETE":
             ev = Event("delete", key, None, rev)
         else:
-            ev = Event("put", key, json.loads(_decode(kv.get("value", "")) or b"null"), rev)
+            ev = Event("put", key, value_of(kv), rev)
         self.next_rev = rev + 1
         self._deliver(ev)
 

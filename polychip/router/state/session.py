@@ -61,9 +61,8 @@ class Session:
 
     def start(self) -> None:
         self._grant()
-        entries, rev = self.store.list(LEADER_KEY)
-        entry = next((e for e in entries if e.key == LEADER_KEY), None)
-        self._set_leader(entry.value if entry else None, entry.revision if entry else None)
+        _, rev = self.store.list(LEADER_KEY)
+        self._show_leader()
         self._watch = self.store.watch(LEADER_KEY, self._on_leader_event, rev + 1)
         self.campaign()
         for loop in self._loops:
@@ -89,24 +88,28 @@ class Session:
             self.store.delete(key)
 
     def campaign(self) -> bool:
-        won = self.store.compare_and_set(LEADER_KEY, self.node_id, expect=0, lease=self.lease)
+        won = self.store.campaign(self.node_id, self.lease)
         if won:
             log.warning("state: router %s is the leader now (term %d)", self.node_id, won)
             self._set_leader(self.node_id, won)
-        elif self.leader is None:       # someone holds it: maybe this router, fenced while cut off
-            entry = self.store.get(LEADER_KEY)
-            self._set_leader(entry.value if entry else None, entry.revision if entry else None)
+        elif self.leader is None:       # someone leads: maybe this router, fenced while cut off
+            self._show_leader()
         return bool(won)
 
+    def _show_leader(self) -> None:
+        entry = self.store.leader()
+        self._set_leader(entry.value if entry else None, entry.revision if entry else None)
+
     def _on_leader_event(self, ev: Event) -> None:
-        if ev.key != LEADER_KEY:
-            return
-        self._set_leader(ev.value, ev.revision if ev.kind == "put" else None)
-        if ev.kind == "delete" and not self._stop.is_set():
-            try:
+        """A change under the election's key (etcd: a candidate joined or left the line): ask who leads
+        now, and campaign when nobody does."""
+        try:
+            self._show_leader()
+            if self.leader is None and ev.kind == "delete" and not self._stop.is_set():
                 self.campaign()
-            except StoreError as e:
-                log.warning("state: campaign after the leader left failed: %s", e)
+        except StoreError as e:       # unknown until the keep-alive loop campaigns again: lead nothing
+            log.warning("state: the election changed and the store did not say who leads: %s", e)
+            self._set_leader(None)
 
     def _set_leader(self, leader: str | None, revision: int | None = None) -> None:
         if leader == self.node_id and revision is not None:
