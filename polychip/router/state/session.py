@@ -16,17 +16,18 @@ MEMBERS = "members/"
 
 class Session:
     """``start()`` grants the lease, writes ``members/NODE`` and campaigns; a loop refreshes the lease
-    every ttl/3. The leader is whoever created ``leader`` under a live lease: when its lease ends the
-    key goes, every session sees the delete and campaigns, and compare-and-set lets exactly one win.
+    every ttl/3. The election is the store's (``campaign``/``leader``: etcd's own election API; elsewhere
+    compare-and-set on ``leader`` under the lease): when the leader's lease ends its key goes, every
+    session sees the delete and campaigns, and exactly one wins.
 
     Fencing: a lease lives at least ttl after the last refresh the store confirmed (counted from when
     the refresh was sent). A leader that has not had one confirmed by ttl x 4/5 after it stops leading
     (``is_leader`` is False and ``on_leader(None)`` runs), so before the store can let another router
     win; it leads again only if the store, once reached, still names it.
 
-    Term: the revision of the leader key that names this router (the key is written once, when a
-    campaign wins). A leader's write carries it (``put(..., term=)``), and the store applies it only
-    while the leader key still has that revision: a deposed leader's late writes fail, never overwrite.
+    Term: the creation revision of the key this router's campaign won with. A leader's write carries
+    it (``put(..., term=)``), and the store applies it only while that key still has that revision: a
+    deposed leader's late writes fail, never overwrite.
     The term outlives fencing, so what was decided under it stays marked with it."""
 
     def __init__(self, store: StateStore, node_id: str, ttl: float, info: dict | None = None,
