@@ -1,4 +1,5 @@
 """The CPU plugin's C++ kernels against the native PyTorch ops they replace."""
+import os
 import pytest
 import torch
 import torch.nn.functional as F
@@ -225,7 +226,8 @@ def test_linear_blocks_matches_f_linear(m, n, k):
 
 @pytest.mark.parametrize("n,k", [(3072, 576), (576, 1536), (37, 100), (50, 33), (13, 17), (5, 7), (9, 16), (8, 1)])
 def test_linear_tiles_matches_f_linear(n, k):
-    """Every M up to 70 (tile tails in M), N off the tile and chunk sizes, K off the vector width."""
+    """Every M up to 70 (tile tails in M), prefill-sized M (x in blocks of rows, the last one short), N
+    off the tile and chunk sizes, K off the vector width."""
     torch.manual_seed(n + k)
     w, b = torch.randn(n, k), torch.randn(n)
     tol = dict(atol=1e-4 * (k / 100) ** 0.5, rtol=1e-5)          # fp32 sums of k products of N(0, 1)
@@ -233,12 +235,28 @@ def test_linear_tiles_matches_f_linear(n, k):
     try:
         for threads in (1, 2):                                    # one thread: no chunks handed out
             torch.set_num_threads(threads)
-            for m in range(1, 71) if n * k < 10**5 else (1, 2, 3, 4, 5, 7, 16, 17, 64, 70):
+            for m in [*(range(1, 71) if n * k < 10**5 else (1, 2, 3, 4, 5, 7, 16, 17, 64, 70)), 150, 301]:
                 x = torch.randn(m, k)
                 torch.testing.assert_close(kernels.linear_tiles(x, w, b), F.linear(x, w, b), **tol)
                 torch.testing.assert_close(kernels.linear_tiles(x, w, None), F.linear(x, w), **tol)
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.skipif("avx512f" not in open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else True,
+                    reason="AVX2 and portable builds use BLAS blocks at prefill sizes")
+def test_plugin_linears_give_a_row_the_same_bits_at_prefill_size():
+    """float32 and int8 weights tile at every M on AVX-512 builds: a row of a prefill chunk (or a decode row
+    in a mixed step) gets the bits it would get alone (BLAS, used above 64 rows before, gives others)."""
+    from polychip.quant.int8 import quantize_int8
+    ops = cpu_ops.make_ops(kernels, NATIVE.native) | cpu_ops.make_int8_ops(kernels, NATIVE.native)
+    torch.manual_seed(0)
+    x, w = torch.randn(300, 576), torch.randn(960, 576)
+    q, s = quantize_int8(w)
+    with torch.inference_mode():
+        for m in (65, 300):
+            assert torch.equal(ops["linear"](x[:m], w)[-1], ops["linear"](x[m - 1:m], w)[0]), m
+            assert torch.equal(ops["linear_int8"](x[:m], q, s)[-1], ops["linear_int8"](x[m - 1:m], q, s)[0]), m
 
 
 def test_linear_tiles_empty_sizes():

@@ -7,15 +7,16 @@ PyTorch ops, the native ops everywhere else.
   prefill chunks, all of a batch's in one call (``paged_prefill_attention``: register-tiled
   flash attention that loads each K/V row once for the query heads sharing it, 174-186 GFLOP/s
   of causal FLOPs on 2 cores against SDPA's 62-116, benchmarks/prefill_attention_kernel.py);
-* ``linear``: up to ``TILES_MAX_M`` rows (decode), ``linear_tiles``: AVX-512 register tiles
-  of x rows by weight rows, each weight tile read from memory once and reused from L1 for all
-  rows (MKL's gemm and gemv reach about half its speed here); with more rows (prefill), blocks of
-  weight rows handed out dynamically to the intra-op threads, one single-threaded BLAS call each.
+* ``linear``: ``linear_tiles``, AVX-512 register tiles of x rows by weight rows, each weight tile
+  read from memory once and reused from L1 for all rows, at every M: torch's BLAS (MKL runs its
+  AVX2 code on this AMD CPU) reaches about half its speed at decode and at prefill sizes
+  (benchmarks/linear_kernels.py --ms 512); AVX2 builds tile up to 64 rows, then blocks of weight
+  rows, one single-threaded BLAS call each (``linear_blocks``).
   Both hand out work dynamically: multi-threaded BLAS splits the matrix statically and stalls
   for whole scheduler time slices (12-16 ms a call at batch 16) whenever another process
   holds a core; quiet, it is ~3-5% faster on an 800-token prefill (A/B in one process).
-* ``linear_int8`` (int8 weights, per-row scales, float32 x): the same split, with the tiles
-  widening int8 to float32 in registers and the blocks dequantising a block of rows before BLAS;
+* ``linear_int8`` (int8 weights, per-row scales, float32 x): the same, with the tiles widening
+  int8 to float32 in registers (AVX2 builds' blocks dequantise a block of rows before BLAS);
   torch's own int8 kernel (the native op) is vectorised only for bfloat16/float16 input here
   (benchmarks/linear_int8_kernels.py has the measured ratios);
 * the row ops of ``row_ops`` (rms_norm, add_rms_norm, silu_mul, rotary_embedding).
@@ -32,7 +33,7 @@ import torch.nn.functional as F
 from polychip.devices.cpu import kernels as cpu_kernels, row_ops
 from polychip.devices.ops import AttentionMetadata, OpRegistrar
 
-TILES_MAX_M = 64       # rows up to which linear_tiles beats BLAS (benchmarks/linear_kernels.py)
+TILES_MAX_M = 64       # rows up to which the scheme ops (quant_ops) run their dequantising tiles
 BLOCK_ROWS_PREFILL = 256    # 576-row outputs split evenly across 2 threads; 512 left one thread idle for 64 rows
 
 
@@ -86,9 +87,7 @@ def make_ops(kernels, native: Callable[[str], Callable]) -> dict:
         x, weight = x.contiguous(), weight.contiguous()
         if bias is not None:
             bias = bias.contiguous()
-        if x.shape[0] <= TILES_MAX_M:
-            return kernels.linear_tiles(x, weight, bias)
-        return kernels.linear_blocks(x, weight, bias, BLOCK_ROWS_PREFILL)
+        return kernels.linear_tiles(x, weight, bias)      # any M (AVX2 builds: BLAS blocks above 64 rows)
 
     attention = functools.partial(native("attention"), decode_fn=decode_attention, prefill_fn=prefill_attention)
     return {"attention": attention, "linear": linear}
@@ -108,10 +107,7 @@ def make_int8_ops(kernels, native: Callable[[str], Callable]) -> dict:
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
         qweight, scales = qweight.contiguous(), scales.contiguous()
         bias = None if bias is None else bias.contiguous()
-        if x2.shape[0] <= TILES_MAX_M:
-            out = kernels.linear_int8_tiles(x2, qweight, scales, bias)
-        else:
-            out = kernels.linear_int8_blocks(x2, qweight, scales, bias, BLOCK_ROWS_PREFILL)
+        out = kernels.linear_int8_tiles(x2, qweight, scales, bias)   # any M, as linear_tiles
         return out.reshape(*lead, qweight.shape[0])
 
     return {"linear_int8": linear_int8}

@@ -1,7 +1,9 @@
 // Linear kernels (float32 x), y = x w^T (+ b), weight [N, K] row-major (nn.Linear's layout):
-// linear_tiles: decode-sized M (1..64). Register tiles of MR x rows by NR weight rows (dot-product
-//   form: MR*NR vector accumulators, horizontal sums at the end); chunks of weight rows handed out
-//   dynamically to the intra-op threads. AVX-512 (AVX2 builds: narrower tiles); elsewhere BLAS.
+// linear_tiles: register tiles of MR x rows by NR weight rows (dot-product form: MR*NR vector
+//   accumulators, horizontal sums at the end); chunks of weight rows handed out dynamically to the
+//   intra-op threads, x in L2-sized blocks of rows above decode-sized M. AVX-512: any M (about twice
+//   torch's BLAS at prefill M on Zen, where BLAS runs AVX2 code); AVX2 builds: narrower tiles up to
+//   M = 64, BLAS blocks above; elsewhere BLAS. A row's result never depends on M.
 // linear_blocks: blocks of weight rows on the intra-op threads, one single-threaded BLAS call each.
 // linear_int8_tiles / linear_int8_blocks: the same with int8 weights and one float32 scale per
 //   weight row (y = (x q^T) * scale (+ b)): the tiles widen int8 to float32 in registers (decode
@@ -15,6 +17,8 @@ torch::Tensor linear_int8_blocks(torch::Tensor x, torch::Tensor w, torch::Tensor
                                  c10::optional<torch::Tensor> bias, int64_t block);
 
 namespace {
+
+constexpr int64_t kPrefillBlockRows = 256;   // AVX2 builds' BLAS blocks above decode-sized M (as the plugin's)
 
 void check_int8_weight(const torch::Tensor& w, const torch::Tensor& scales) {
   TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == torch::kInt8 && w.is_contiguous(),
@@ -147,6 +151,7 @@ struct Tiles {
 static_assert(Vec::MR <= 4 && Vec::NR <= 8 && Vec::NR1 <= 8, "tile shapes beyond Tiles::fns");
 
 constexpr int64_t kAhead = 2;   // tiles of weight rows prefetched ahead
+constexpr int64_t kTilesOneBlockM = 64;   // up to this M, all rows of x in one block
 
 // all M rows of x against weight rows [n0, n1), NR rows at a time. The first of the M/MR passes
 // over a tile loads it into L1; the passes share prefetching the tile kAhead tiles on.
@@ -188,8 +193,14 @@ torch::Tensor tiles(const torch::Tensor& x, const WT* wp, const float* scale, co
   const int64_t chunk_bytes = M == 1 ? 65536 : 524288;
   int64_t rows = std::max<int64_t>(NR, (chunk_bytes / static_cast<int64_t>(sizeof(WT)) / K) / NR * NR);
   rows = std::min(rows, std::max<int64_t>(NR, (N / (4 * threads)) / NR * NR));
+  // prefill-sized M: x in blocks of rows (~256 KiB) that share L2 with the chunk's weight rows, each
+  // block run against the whole chunk before the next (without blocks, every tile of weight rows
+  // streamed all of x from L3); decode-sized M: one block
+  const int64_t mb = M <= kTilesOneBlockM ? M : std::max<int64_t>(16, (262144 / 4 / K) / Vec::MR * Vec::MR);
   for_each_chunk((N + rows - 1) / rows, [&](int64_t c) {
-    tile_rows<WT>(xp, wp, yp, bp, scale, M, N, K, c * rows, std::min(N, (c + 1) * rows), MR, NR);
+    for (int64_t m0 = 0; m0 < M; m0 += mb)
+      tile_rows<WT>(xp + m0 * K, wp, yp + m0 * N, bp, scale, std::min(mb, M - m0), N, K, c * rows,
+                    std::min(N, (c + 1) * rows), MR, NR);
   });
   return y;
 }
@@ -201,6 +212,9 @@ torch::Tensor linear_tiles(torch::Tensor x, torch::Tensor w, c10::optional<torch
   check_f32(w, "weight");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x [M, K], weight [N, K]");
   const int64_t N = w.size(0);
+#ifndef __AVX512F__
+  if (x.size(0) > kTilesOneBlockM) return linear_blocks(x, w, bias, kPrefillBlockRows);   // AVX2 tiles: measured at decode M only
+#endif
   return tiles<float>(x, w.data_ptr<float>(), nullptr, bias_ptr(bias, N), N, bias);
 }
 
@@ -210,6 +224,9 @@ torch::Tensor linear_int8_tiles(torch::Tensor x, torch::Tensor w, torch::Tensor 
   check_int8_weight(w, scales);
   TORCH_CHECK(x.dim() == 2 && x.size(1) == w.size(1), "x [M, K], weight [N, K]");
   const int64_t N = w.size(0);
+#ifndef __AVX512F__
+  if (x.size(0) > kTilesOneBlockM) return linear_int8_blocks(x, w, scales, bias, kPrefillBlockRows);
+#endif
   return tiles<int8_t>(x, w.data_ptr<int8_t>(), scales.data_ptr<float>(), bias_ptr(bias, N), N, bias);
 }
 #else
