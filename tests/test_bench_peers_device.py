@@ -23,12 +23,19 @@ def test_peers_cli_rejects_an_unknown_device_before_running(monkeypatch, capsys)
 
 
 class CountingPlugin:
-    """The two plugin calls the roofline uses, with the clock reads' synchronisations counted."""
+    """The plugin calls the roofline uses, with the clock reads' synchronisations counted."""
 
     name, index = "counting", 0
 
     def __init__(self):
         self.syncs = 0
+        self.linear_calls = 0
+
+    def register_ops(self, registry):          # its own linear: the roofline times it beside F.linear
+        def linear(x, weight, bias=None):
+            self.linear_calls += 1
+            return torch.nn.functional.linear(x, weight, bias)
+        registry.register("linear", 1, "float32", linear)
 
     def device_handle(self):
         return torch.device("cpu")
@@ -41,7 +48,9 @@ def test_roofline_syncs_the_plugin_before_each_clock_read():
     p = CountingPlugin()
     read, copy = roofline.measure_bandwidth(mib=1, reps=2, plugin=p)
     assert read > 0 and copy > 0 and p.syncs == 2 * 3           # warm-up + 2 reps, for read and copy
-    assert roofline.measure_matmul(SHAPE, tokens=4, reps=2, plugin=p) > 0 and p.syncs == 9
+    assert roofline.measure_matmul(SHAPE, tokens=4, reps=2, plugin=p) > 0
+    assert p.syncs == 6 + 2 * 3                                   # F.linear's and the plugin's, 3 each
+    assert p.linear_calls == 3 * len(SHAPE.layer_matmuls())      # the plugin's own linear is timed too
 
 
 def test_roofline_on_the_cpu_plugin_records_its_device():
