@@ -37,7 +37,9 @@ def format_plan(plan, model: str) -> str:
     fmt = lambda vals: "  ".join(v.ljust(w) for v, w in zip(vals, widths)).rstrip()   # noqa: E731
     lines += [fmt(cols), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows]
     b = plan.bottleneck
-    lines.append(f"bottleneck: stage {b.index} ({b.device}), {_ms(b.round_seconds, plan.known)} busy per round")
+    lines.append(f"bottleneck: stage {b.index} ({b.device}), {_ms(b.round_seconds, plan.known)} busy per round; "
+                 f"round trips (every stage's work and sends) {_ms(sum(s.trip_seconds for s in plan.stages), plan.known)}"
+                 f" over {plan.micro_batches} micro-batch(es); round {_ms(plan.round_seconds, plan.known)}")
     tput = plan.throughput()
     lines.append("predicted throughput: " + (f"{tput[0]:.1f} output tokens/s ({tput[1]:.1f} tokens/s in all)"
                                              if tput else "unknown (no device declares its speed; --calibrate)"))
@@ -59,6 +61,7 @@ def plan_json(plan) -> dict:
             "stages": [{"stage": s.index, "device": s.device, "layers": [s.start, s.end], "memory": s.memory,
                         "need": s.need, "have": s.have, "kv_tokens": s.kv_tokens, "decode_seconds": s.decode_seconds,
                         "prefill_seconds": s.prefill_seconds, "round_seconds": s.round_seconds,
+                        "trip_seconds": s.trip_seconds,
                         "figures": s.figures.source, "measured": s.figures.measured} for s in plan.stages]}
 
 
