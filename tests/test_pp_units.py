@@ -261,3 +261,28 @@ def test_calibrate_measures_each_device_and_moves_layers_off_a_slowed_card(model
     assert all(slowed > 2 * unslowed for unslowed, slowed in ratio.values()), ratio
     assert slow["counts"][1] < plain["counts"][1] and slow["counts"][1] < declared["counts"][1], \
         (declared["counts"], plain["counts"], slow["counts"])
+
+
+def test_serve_plans_from_measured_figures_with_calibrate(model_factory, tmp_path):
+    """``serve --calibrate`` (config.pp_calibrate) measures each stage's device before the group plans, as
+    ``polychip plan --calibrate`` does: a card slowed 4x gets fewer layers than its declared figures give it.
+    One node only: node 0 cannot open another node's devices."""
+    from polychip.commands.common import engine_config_from_args
+    from polychip.commands.serve_flags import build_parser
+    path = model_factory("llama", False, 8, intermediate_size=1024)
+    spec = tmp_path / "simxpu-x4.yaml"
+    spec.write_text("device_type: simxpu\ndevice_ids: [0]\nmemory: {total: 4GiB}\nsupported_dtypes: [float32]\n"
+                    "custom_attributes: {slowdown: 4}\n")
+    argv = ["--model-path", path, "--dtype", "float32", "--pp-size", "2", "--pp-devices", "cpu:0,simxpu:0",
+            "--device-config", str(spec), "--num-threads", "1"]
+    declared = plan_pipeline(engine_config_from_args(build_parser().parse_args(argv)))
+    cfg = engine_config_from_args(build_parser().parse_args(argv + ["--calibrate"]))
+    assert cfg.pp_calibrate
+    measured = plan_pipeline(cfg)
+    assert [s.figures.source for s in measured.stages] == ["measured (--calibrate)"] * 2
+    assert measured.counts[1] < declared.counts[1], (declared.counts, measured.counts)
+    with pytest.raises(ConfigError, match="pp_calibrate .* cannot open another node's devices"):
+        EngineConfig(model_path=path, pp_size=2, pp_devices="cpu:0,simxpu:0", nnodes=2, pp_calibrate=True,
+                     dist_init_addr="127.0.0.1:5000")
+    with pytest.raises(ConfigError, match="pp_calibrate need pp_size > 1"):
+        EngineConfig(model_path=path, pp_calibrate=True)

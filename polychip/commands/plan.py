@@ -69,8 +69,6 @@ def main(argv: list[str]) -> int:
     p = Parser(prog="polychip plan", description=__doc__)
     add_engine_args(p)
     p.add_argument("--model", dest="model_path", default=None, help="the same as --model-path")
-    p.add_argument("--calibrate", action="store_true", help="measure one layer on each device instead of "
-                   "trusting the declared figures")
     p.add_argument("--streams", type=int, default=16, help="reference workload: requests running together")
     p.add_argument("--input-len", type=int, default=800, help="reference workload: prompt tokens")
     p.add_argument("--output-len", type=int, default=128, help="reference workload: generated tokens")
@@ -78,9 +76,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     args = p.parse_args(argv)
     setup_logging(args.log_level)
-    from polychip.engine.pipeline.calibrate import calibrate
     from polychip.engine.pipeline.cost import Workload
-    from polychip.engine.pipeline.plan import plan_pipeline, setting
+    from polychip.engine.pipeline.plan import plan_pipeline
     try:
         if min(args.streams, args.input_len, args.output_len) < 1:
             raise ConfigError("--streams, --input-len and --output-len must be >= 1")
@@ -89,11 +86,7 @@ def main(argv: list[str]) -> int:
             raise ConfigError("polychip plan splits a model over pipeline stages: give --pp-size N (N >= 2) and "
                               "--pp-devices")
         workload = Workload(args.streams, args.input_len, args.output_len)
-        measured = None
-        if args.calibrate:
-            st = setting(config, workload)
-            measured = calibrate(config, str(st.dtype).removeprefix("torch."), st.shapes)
-        plan = plan_pipeline(config, workload, measured)
+        plan = plan_pipeline(config, workload)      # --calibrate (config.pp_calibrate): measured first
     except PolychipError as e:
         return fail(e)
     print(json.dumps(plan_json(plan), indent=2) if args.json else format_plan(plan, config.model_path or "SmolLM2"))

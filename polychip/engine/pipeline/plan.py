@@ -241,7 +241,13 @@ def setting(config: EngineConfig, workload: Workload | None = None, figures: dic
 
 def plan_pipeline(config: EngineConfig, workload: Workload | None = None, figures: dict | None = None) -> Plan:
     """The plan for ``config``'s stages: ``--pp-layer-split`` if given, else the best split that fits.
-    Raises DeviceOutOfMemoryError (naming stage, device, need and have) when the split cannot fit."""
+    ``figures``: measured seconds per device; with none given and ``pp_calibrate``, measured here first
+    (calibrate.py). Raises DeviceOutOfMemoryError (naming stage, device, need and have) when the split
+    cannot fit."""
+    if figures is None and config.pp_calibrate:
+        from polychip.engine.pipeline.calibrate import calibrate     # loads model layers: only when asked
+        st = setting(config, workload)
+        figures = calibrate(config, str(st.dtype).removeprefix("torch."), st.shapes)
     st = setting(config, workload, figures)
     n, total = len(st.devices), st.cost.num_layers
     if total < n:
