@@ -6,9 +6,10 @@
    the best of the full sweep in docs/pipeline-parallel.md; the planned count is added when outside),
    each served and measured.
 2. Pipeline efficiency (pp_efficiency.py's setting: two equal stages cpu:0,cpu:1 pinned to cores 0 and 1
-   against two plain replicas pinned to the same cores, 16 streams of 800 + 128 tokens): both started
-   once (an idle server takes no CPU), then --rounds rounds of dp then pp (ABAB), so drift in the load
-   hits both; each round's pp/dp ratio and the median.
+   against two plain replicas pinned to the same cores, 16 streams of 800 + 128 tokens): the replicas,
+   the group on the calibrated plan's split and the group on the even split all started once (an idle
+   server takes no CPU), then --rounds rounds of dp, pp, pp even in turn (ABAB), so drift in the load
+   hits all; each round's pp/dp ratios and the medians.
 
     WHO=pp /work/bin/quiet .venv/bin/python benchmarks/pp_planner_efficiency.py [--rounds 3]
 """
@@ -41,9 +42,10 @@ def planner_vs_best(splits: list[int], wl: tuple[int, int]) -> dict:
     even = layers // 2
     print(f"planner (calibrated): {plan['counts']}; even {even},{layers - even}", flush=True)
     sweep = sorted(set(splits) | {planned, even})
-    results = {n: pp_uneven.throughput(n, layers, wl)["tok_s"] for n in sweep}
+    runs = {n: pp_uneven.throughput(n, layers, wl) for n in sweep}
+    results = {n: r["tok_s"] for n, r in runs.items()}
     best = max(results, key=results.get)
-    out = {"plan": plan, "tok_s": results, "best": best, "planned": planned, "planned_vs_best": results[planned] /
+    out = {"plan": plan, "tok_s": results, "stages": {n: r["stages"] for n, r in runs.items()}, "best": best, "planned": planned, "planned_vs_best": results[planned] /
            results[best], "planned_vs_even": results[planned] / results[even]}
     print(f"planned {planned}: {out['planned_vs_best']:.3f}x the best ({best}), {out['planned_vs_even']:.2f}x the "
           f"even split", flush=True)
@@ -55,30 +57,35 @@ def efficiency(rounds: int) -> dict:
                                  "--output-len", str(OUTPUT), "--num-threads", "1", "--dtype", "float32",
                                  "--chunked-prefill-size", "512"])
     split = ",".join(map(str, plan["counts"]))
-    dp = [Pinned(0, COMMON), Pinned(1, COMMON)]
-    pp = [PinnedGroup([0, 1], COMMON + PP_EQUAL + ["--pp-layer-split", split, "--pp-micro-batches", "2"])]
+    layers = sum(plan["counts"])
+    splits = {"pp": split, "pp_even": f"{layers // 2},{layers - layers // 2}"}
+    if splits["pp_even"] == split:
+        del splits["pp_even"]
+    servers = {"dp": [Pinned(0, COMMON), Pinned(1, COMMON)]}
+    servers |= {k: [PinnedGroup([0, 1], COMMON + PP_EQUAL + ["--pp-layer-split", v, "--pp-micro-batches", "2"])]
+                for k, v in splits.items()}
     try:
-        urls = {"dp": [s.ready().url for s in dp], "pp": [s.ready().url for s in pp]}
+        urls = {k: [s.ready().url for s in group] for k, group in servers.items()}
         for u in urls.values():
             run_streams(u, 2, 64, 8, 1, seed=99)                 # warm: first touches, allocator
         table = []
         for r in range(rounds):
             row = {}
-            for name in ("dp", "pp"):
-                res = run_streams(urls[name], STREAMS, INPUT, OUTPUT, 1, seed=r)
-                row[name] = res["output_tok_s"]
-            row["ratio"] = row["pp"] / row["dp"]
-            print(f"round {r + 1}: dp {row['dp']:.1f}  pp {split} {row['pp']:.1f} output tok/s  pp/dp "
-                  f"{row['ratio']:.3f}", flush=True)
+            for name in urls:                                    # dp, pp, pp_even, dp, pp, pp_even, ...
+                row[name] = run_streams(urls[name], STREAMS, INPUT, OUTPUT, 1, seed=r)["output_tok_s"]
+            for k in splits:
+                row[f"{k}/dp"] = row[k] / row["dp"]
+            print(f"round {r + 1}: " + "  ".join(f"{k} {v:.3f}" for k, v in row.items()), flush=True)
             table.append(row)
-        stages = [{k: s[k] for k in ("device", "layers", "step_seconds", "busy_seconds")}
-                  for s in pp[0].info()["pipeline"]["stages"]]
+        stages = {k: [{f: s[f] for f in ("device", "layers", "step_seconds", "busy_seconds")}
+                      for s in servers[k][0].info()["pipeline"]["stages"]] for k in splits}
     finally:
-        for s in dp + pp:
-            s.stop()
-    med = {k: statistics.median(row[k] for row in table) for k in ("dp", "pp", "ratio")}
-    print(f"median: dp {med['dp']:.1f}  pp {med['pp']:.1f}  pp/dp {med['ratio']:.3f}", flush=True)
-    return {"split": split, "rounds": table, "median": med, "stages": stages}
+        for group in servers.values():
+            for s in group:
+                s.stop()
+    med = {k: statistics.median(row[k] for row in table) for k in table[0]}
+    print("median: " + "  ".join(f"{k} {v:.3f}" for k, v in med.items()), flush=True)
+    return {"splits": splits, "rounds": table, "median": med, "stages": stages}
 
 
 def main() -> int:
