@@ -190,6 +190,9 @@ class EngineConfig(_FromKwargs):
                                                 flag="--pp-device-config")
     pp_micro_batches: int | None = option(None, "micro-batches in flight between the stages (default: one per "
                                                 "stage; 1: the stages take turns)", group=PP_GROUP)
+    pp_calibrate: bool = option(False, "plan the stages from one layer measured on each stage's device (a few "
+                                       "seconds before loading) instead of the declared figures", group=PP_GROUP,
+                                flag="--calibrate")
     # prefill/decode disaggregation (SGLang's flags; engine/disagg)
     disaggregation_mode: str = option("null", "null: plain serving; prefill: run prompts for decode sides and hand "
                                               "their KV over; decode: take requests whose prompt a prefill side "
@@ -257,9 +260,14 @@ class EngineConfig(_FromKwargs):
         if not isinstance(self.pp_device_configs, tuple):
             raise ConfigError("pp_device_configs must be a tuple of device spec files")
         if self.pp_size == 1:
-            if self.pp_devices is not None or self.pp_layer_split is not None or self.pp_device_configs:
-                raise ConfigError("pp_devices, pp_layer_split and pp_device_configs need pp_size > 1")
+            if self.pp_devices is not None or self.pp_layer_split is not None or self.pp_device_configs \
+                    or self.pp_calibrate:
+                raise ConfigError("pp_devices, pp_layer_split, pp_device_configs and pp_calibrate need pp_size > 1")
             return
+        if self.pp_calibrate and self.nnodes > 1:
+            raise ConfigError("pp_calibrate (--calibrate) measures every stage's device from node 0, which cannot "
+                              "open another node's devices: plan a multi-node group from declared figures (the "
+                              "specs' compute) or name the split with pp_layer_split")
         stages = [d.strip() for d in (self.pp_devices or "").split(",") if d.strip()]
         if len(stages) != self.pp_size:
             raise ConfigError(f"pp_size {self.pp_size} needs pp_devices naming {self.pp_size} devices in stage "

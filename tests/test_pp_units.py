@@ -12,6 +12,7 @@ import torch
 from polychip.config import EngineConfig
 from polychip.engine.kv_pool import PageAllocator
 from polychip.engine.page_manager import PageManager
+from polychip.engine.pipeline import cost
 from polychip.engine.pipeline.cost import Workload
 from polychip.engine.pipeline.plan import plan_pipeline, setting
 from polychip.engine.scheduler import Scheduler
@@ -87,10 +88,9 @@ def test_the_planner_gives_the_slower_card_fewer_layers_and_beats_every_other_sp
     assert plan.chosen_by == "planner" and plan.known and not plan.notes
     assert plan.counts[0] > plan.counts[1], plan.counts
     st = setting(cfg, wl)
-    worst = {c: max(st.times(s)[2] for s in spans(list(c))) for c in
-             ((n, 12 - n) for n in range(1, 12))}
-    assert plan.round_seconds == pytest.approx(min(worst.values()))
-    assert plan.throughput()[0] > 0 and plan.bottleneck.round_seconds == plan.round_seconds
+    rounds = {c: st.split_seconds(list(c)) for c in ((n, 12 - n) for n in range(1, 12))}
+    assert plan.round_seconds == pytest.approx(min(rounds.values()))
+    assert plan.throughput()[0] > 0 and plan.bottleneck.round_seconds <= plan.round_seconds
     even = plan_pipeline(config(path, device_config=slow_card(tmp_path, 0.025),
                                 pp_device_configs=(cpu_spec(tmp_path, 0.075),), pp_layer_split="6,6"), wl)
     assert even.chosen_by == "--pp-layer-split" and even.round_seconds > plan.round_seconds
@@ -107,9 +107,42 @@ def test_three_stages_best_split_is_the_brute_force_one(model_factory, tmp_path)
                        device_config=os.path.join(ROOT, "examples", "specs", "simxpu-2.yaml"),
                        pp_device_configs=(cpu_spec(tmp_path, 3),), chunked_prefill_size=64)
     st = setting(cfg)
-    best = min(max(st.times(s)[2] for s in spans(list(c)))
-               for c in itertools.product(range(1, 6), repeat=3) if sum(c) == 7)
+    best = min(st.split_seconds(list(c)) for c in itertools.product(range(1, 6), repeat=3) if sum(c) == 7)
     assert plan_pipeline(cfg).round_seconds == pytest.approx(best)
+
+
+def test_stage_0s_per_micro_batch_work_moves_layers_off_it_and_counts_in_the_round(model_factory, tmp_path,
+                                                                                    monkeypatch):
+    """Stage 0 also schedules, embeds and samples every micro-batch: when that host work is heavy, stage 0
+    gets fewer layers than when it is free, and the round prices it."""
+    path = model_factory("llama", False, 12, intermediate_size=2048)
+    cfg = config(path, device_config=slow_card(tmp_path, 0.025), pp_device_configs=(cpu_spec(tmp_path, 0.025),))
+    wl = Workload(16, 800, 16)
+    monkeypatch.setattr(cost, "SCHEDULE_OVERHEAD", 0.0)
+    free = plan_pipeline(cfg, wl)
+    monkeypatch.setattr(cost, "SCHEDULE_OVERHEAD", 0.02)        # 20 ms of Python per micro-batch on stage 0
+    heavy = plan_pipeline(cfg, wl)
+    assert heavy.counts[0] < free.counts[0], (heavy.counts, free.counts)
+    st = setting(cfg, wl)
+    assert st.times(spans(heavy.counts)[0])[0] >= 0.02 and st.times(spans(heavy.counts)[1])[0] < 0.02
+    assert heavy.round_seconds == pytest.approx(min(st.split_seconds([n, 12 - n]) for n in range(1, 12)))
+
+
+def test_the_transfers_between_stages_count_in_the_round_and_move_layers_to_the_faster_stage(
+        model_factory, tmp_path, monkeypatch):
+    """Each micro-batch's hidden states cross the link twice per round trip: over a slow link the round
+    trips, not the busiest stage, bound the round, and the faster stage takes more layers to shorten them."""
+    path = model_factory("llama", False, 12, intermediate_size=2048)
+    cfg = config(path, device_config=slow_card(tmp_path, 0.025), pp_device_configs=(cpu_spec(tmp_path, 0.075),))
+    wl = Workload(16, 800, 16)
+    monkeypatch.setattr(cost, "HOST_LINK", 1e12)
+    fast = plan_pipeline(cfg, wl)
+    monkeypatch.setattr(cost, "HOST_LINK", 2e6)                 # 2 MB/s between the cpu and the card
+    slow = plan_pipeline(cfg, wl)
+    assert slow.counts[0] > fast.counts[0], (slow.counts, fast.counts)
+    trips = sum(s.trip_seconds for s in slow.stages)
+    assert trips - sum(s.round_seconds for s in slow.stages) > 0.5 * slow.round_seconds
+    assert slow.round_seconds == pytest.approx(trips / slow.micro_batches) and slow.round_seconds > fast.round_seconds
 
 
 def card(tmp_path, total: str) -> str:
@@ -228,3 +261,28 @@ def test_calibrate_measures_each_device_and_moves_layers_off_a_slowed_card(model
     assert all(slowed > 2 * unslowed for unslowed, slowed in ratio.values()), ratio
     assert slow["counts"][1] < plain["counts"][1] and slow["counts"][1] < declared["counts"][1], \
         (declared["counts"], plain["counts"], slow["counts"])
+
+
+def test_serve_plans_from_measured_figures_with_calibrate(model_factory, tmp_path):
+    """``serve --calibrate`` (config.pp_calibrate) measures each stage's device before the group plans, as
+    ``polychip plan --calibrate`` does: a card slowed 4x gets fewer layers than its declared figures give it.
+    One node only: node 0 cannot open another node's devices."""
+    from polychip.commands.common import engine_config_from_args
+    from polychip.commands.serve_flags import build_parser
+    path = model_factory("llama", False, 8, intermediate_size=1024)
+    spec = tmp_path / "simxpu-x4.yaml"
+    spec.write_text("device_type: simxpu\ndevice_ids: [0]\nmemory: {total: 4GiB}\nsupported_dtypes: [float32]\n"
+                    "custom_attributes: {slowdown: 4}\n")
+    argv = ["--model-path", path, "--dtype", "float32", "--pp-size", "2", "--pp-devices", "cpu:0,simxpu:0",
+            "--device-config", str(spec), "--num-threads", "1"]
+    declared = plan_pipeline(engine_config_from_args(build_parser().parse_args(argv)))
+    cfg = engine_config_from_args(build_parser().parse_args(argv + ["--calibrate"]))
+    assert cfg.pp_calibrate
+    measured = plan_pipeline(cfg)
+    assert [s.figures.source for s in measured.stages] == ["measured (--calibrate)"] * 2
+    assert measured.counts[1] < declared.counts[1], (declared.counts, measured.counts)
+    with pytest.raises(ConfigError, match="pp_calibrate .* cannot open another node's devices"):
+        EngineConfig(model_path=path, pp_size=2, pp_devices="cpu:0,simxpu:0", nnodes=2, pp_calibrate=True,
+                     dist_init_addr="127.0.0.1:5000")
+    with pytest.raises(ConfigError, match="pp_calibrate need pp_size > 1"):
+        EngineConfig(model_path=path, pp_calibrate=True)

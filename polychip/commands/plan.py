@@ -37,7 +37,9 @@ def format_plan(plan, model: str) -> str:
     fmt = lambda vals: "  ".join(v.ljust(w) for v, w in zip(vals, widths)).rstrip()   # noqa: E731
     lines += [fmt(cols), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows]
     b = plan.bottleneck
-    lines.append(f"bottleneck: stage {b.index} ({b.device}), {_ms(b.round_seconds, plan.known)} busy per round")
+    lines.append(f"bottleneck: stage {b.index} ({b.device}), {_ms(b.round_seconds, plan.known)} busy per round; "
+                 f"round trips (every stage's work and sends) {_ms(sum(s.trip_seconds for s in plan.stages), plan.known)}"
+                 f" over {plan.micro_batches} micro-batch(es); round {_ms(plan.round_seconds, plan.known)}")
     tput = plan.throughput()
     lines.append("predicted throughput: " + (f"{tput[0]:.1f} output tokens/s ({tput[1]:.1f} tokens/s in all)"
                                              if tput else "unknown (no device declares its speed; --calibrate)"))
@@ -59,6 +61,7 @@ def plan_json(plan) -> dict:
             "stages": [{"stage": s.index, "device": s.device, "layers": [s.start, s.end], "memory": s.memory,
                         "need": s.need, "have": s.have, "kv_tokens": s.kv_tokens, "decode_seconds": s.decode_seconds,
                         "prefill_seconds": s.prefill_seconds, "round_seconds": s.round_seconds,
+                        "trip_seconds": s.trip_seconds,
                         "figures": s.figures.source, "measured": s.figures.measured} for s in plan.stages]}
 
 
@@ -66,8 +69,6 @@ def main(argv: list[str]) -> int:
     p = Parser(prog="polychip plan", description=__doc__)
     add_engine_args(p)
     p.add_argument("--model", dest="model_path", default=None, help="the same as --model-path")
-    p.add_argument("--calibrate", action="store_true", help="measure one layer on each device instead of "
-                   "trusting the declared figures")
     p.add_argument("--streams", type=int, default=16, help="reference workload: requests running together")
     p.add_argument("--input-len", type=int, default=800, help="reference workload: prompt tokens")
     p.add_argument("--output-len", type=int, default=128, help="reference workload: generated tokens")
@@ -75,9 +76,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     args = p.parse_args(argv)
     setup_logging(args.log_level)
-    from polychip.engine.pipeline.calibrate import calibrate
     from polychip.engine.pipeline.cost import Workload
-    from polychip.engine.pipeline.plan import plan_pipeline, setting
+    from polychip.engine.pipeline.plan import plan_pipeline
     try:
         if min(args.streams, args.input_len, args.output_len) < 1:
             raise ConfigError("--streams, --input-len and --output-len must be >= 1")
@@ -86,11 +86,7 @@ def main(argv: list[str]) -> int:
             raise ConfigError("polychip plan splits a model over pipeline stages: give --pp-size N (N >= 2) and "
                               "--pp-devices")
         workload = Workload(args.streams, args.input_len, args.output_len)
-        measured = None
-        if args.calibrate:
-            st = setting(config, workload)
-            measured = calibrate(config, str(st.dtype).removeprefix("torch."), st.shapes)
-        plan = plan_pipeline(config, workload, measured)
+        plan = plan_pipeline(config, workload)      # --calibrate (config.pp_calibrate): measured first
     except PolychipError as e:
         return fail(e)
     print(json.dumps(plan_json(plan), indent=2) if args.json else format_plan(plan, config.model_path or "SmolLM2"))

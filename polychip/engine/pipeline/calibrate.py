@@ -84,13 +84,19 @@ def measure(config: EngineConfig, device: str, dtype: str, shapes: Shapes, first
                            ("prefill", _prefill_batch(tokens, page))):
             n = len(host.input_ids)
             payload = plugin.to_device(torch.randn(2, n, mc.hidden_size).to(loaded.dtype))
-            out[f"{name}_layer"] = _median_seconds(plugin, lambda: runner.forward(runner.to_device(host), payload),
-                                                   repeats)
+            batch = runner.to_device(host)
+            out[f"{name}_layer"] = _median_seconds(plugin, lambda: runner.forward(batch, payload), repeats)
+            out[f"{name}_step"] = _median_seconds(plugin, lambda: runner.to_device(host), repeats)   # per micro-batch
             rows = shapes.decode_rows if name == "decode" else shapes.prefill_rows
-            with torch.inference_mode():
-                out[f"{name}_head"] = _median_seconds(
-                    plugin, lambda: stage_model.head(loaded.model, payload[0, :rows], payload[1, :rows]),
-                    repeats) if first else 0.0
+            if first:
+                with torch.inference_mode():
+                    out[f"{name}_head"] = _median_seconds(
+                        plugin, lambda: stage_model.head(loaded.model, payload[0, :rows], payload[1, :rows]), repeats)
+                    logits = stage_model.head(loaded.model, payload[0, :rows], payload[1, :rows])
+                    out[f"{name}_step"] += _median_seconds(       # sampling: logprobs and the greedy pick
+                        plugin, lambda: torch.log_softmax(logits.float(), -1).max(-1), repeats)
+            else:
+                out[f"{name}_head"] = 0.0
         pool.release()
         log.info("calibrated %s: %s", device, ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in out.items()))
         return out

@@ -23,6 +23,8 @@ from polychip.quant import int8
 DTYPE_KEYS = {"float32": "tflops_fp32", "bfloat16": "tflops_bf16", "float16": "tflops_fp16"}
 HOST_LINK = 1e9             # bytes/s assumed between stages whose devices declare no link bandwidth
 MESSAGE_LATENCY = 2e-4      # seconds per stage-to-stage message (three per micro-batch and hop)
+STEP_OVERHEAD = 1e-3        # host seconds per micro-batch on every stage: receive, prepare the batch, send on
+SCHEDULE_OVERHEAD = 3e-3    # stage 0's host seconds per micro-batch: schedule, book the tokens, detokenize
 _LAYER = re.compile(r"^layers\.(\d+)\.")
 
 
@@ -175,8 +177,27 @@ def head_seconds(cost: ModelCost, fig: DeviceFigures, shapes: Shapes) -> tuple[f
             _roofline(flops_per_row * shapes.prefill_rows, cost.lm_head_bytes, fig))
 
 
+def step_seconds(cost: ModelCost, fig: DeviceFigures, shapes: Shapes, first: bool) -> tuple[float, float]:
+    """(decode, prefill) seconds of a stage's per-micro-batch work outside its layers and head: preparing
+    the batch, and on stage 0 also the embedding, sampling the rows and the scheduler's booking."""
+    if not fig.known:
+        return 0.0, 0.0
+    if fig.measured:                   # calibrate.py measures the batch preparation and the sampling
+        dec, pre = fig.measured.get("decode_step", STEP_OVERHEAD), fig.measured.get("prefill_step", STEP_OVERHEAD)
+        return (dec + SCHEDULE_OVERHEAD, pre + SCHEDULE_OVERHEAD) if first else (dec, pre)
+
+    def one(tokens: int, rows: int) -> float:
+        if not first:
+            return STEP_OVERHEAD
+        touched = tokens * cost.hidden * cost.dtype_bytes + 3 * rows * cost.vocab * 4   # embed; logits read 3x
+        return STEP_OVERHEAD + SCHEDULE_OVERHEAD + _roofline(0.0, touched, fig)
+    return one(shapes.decode_rows, shapes.decode_rows), one(shapes.prefill_tokens, shapes.prefill_rows)
+
+
 def send_seconds(cost: ModelCost, fig: DeviceFigures, tokens: int) -> float:
-    """One micro-batch's hidden states and residual to the next stage."""
+    """One micro-batch's hidden states and residual to the next stage over the link the spec declares
+    (``topology.bandwidth_gbps``, else HOST_LINK): part of a micro-batch's round trip, not of a stage's
+    busy time (the sends are asynchronous)."""
     if not fig.known:
         return 0.0
     return 3 * MESSAGE_LATENCY + 2 * tokens * cost.hidden * cost.dtype_bytes / (fig.link or HOST_LINK)

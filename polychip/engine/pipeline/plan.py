@@ -21,7 +21,7 @@ from polychip.engine.kv_pool import KVPool, resolve_kv_dtype
 from polychip.engine.memory_plan import activation_bytes
 from polychip.engine.model_runner import StepLimits
 from polychip.engine.pipeline.cost import (DeviceFigures, ModelCost, Shapes, Workload, head_seconds, layer_seconds,
-                                           send_seconds)
+                                           send_seconds, step_seconds)
 from polychip.engine.pipeline.probe import StageDevice, probe_devices
 from polychip.errors import ConfigError, DeviceOutOfMemoryError
 from polychip.models.loader import read_config, resolve_model_dir
@@ -37,10 +37,11 @@ class StagePlan:
     memory: dict[str, int]            # what the stage needs, by part (weights, buffers, ...)
     have: int                         # bytes its device has for it
     kv_tokens: int                    # tokens of KV its memory would hold
-    decode_seconds: float             # one decode micro-batch through its layers
+    decode_seconds: float             # one decode micro-batch through its layers (and its per-micro-batch work)
     prefill_seconds: float            # one prefill chunk
     round_seconds: float              # its busy time in one round of the workload
     figures: DeviceFigures
+    trip_seconds: float = 0.0         # its part of the micro-batches' round trips in a round: busy plus sends
 
     @property
     def need(self) -> int:
@@ -71,10 +72,9 @@ class Plan:
 
     @property
     def round_seconds(self) -> float:
-        """One round of the workload: the bottleneck's busy time when micro-batches overlap the stages,
-        else every stage's in turn."""
-        busy = [s.round_seconds for s in self.stages]
-        return max(busy) if self.micro_batches > 1 else sum(busy)
+        """One round of the workload (round_seconds below)."""
+        return round_seconds([s.round_seconds for s in self.stages], [s.trip_seconds for s in self.stages],
+                             self.micro_batches)
 
     @property
     def kv_tokens(self) -> int:
@@ -87,6 +87,13 @@ class Plan:
         wl = self.workload
         return wl.streams * wl.output_len / self.round_seconds, \
             wl.streams * (wl.input_len + wl.output_len) / self.round_seconds
+
+
+def round_seconds(busy: list[float], trips: list[float], depth: int) -> float:
+    """A round of the workload: each micro-batch goes round the ring (every stage's work and every send),
+    ``depth`` of them in flight, so a round takes at least the round trips over ``depth`` and at least
+    the busiest stage's time; with one micro-batch the stages take turns."""
+    return max(max(busy), sum(trips) / depth) if depth > 1 else sum(trips)
 
 
 @dataclass(frozen=True)
@@ -131,53 +138,81 @@ class _Setting:
         frac = self.config.mem_fraction_static or dev.mem_fraction
         return max(0, int((dev.have - fixed) * frac)) // self.page_bytes(span) * self.limits.page_size
 
-    def times(self, span: StageSpan) -> tuple[float, float, float]:
-        """(decode micro-batch, prefill chunk, round) seconds of ``span`` on its device."""
+    def times(self, span: StageSpan) -> tuple[float, float, float, float]:
+        """(decode micro-batch, prefill chunk, round busy, round trip part) seconds of ``span`` on its device."""
         fig, sh = self.devices[span.index].figures, self.shapes
-        dec = pre = 0.0
+        dec, pre = step_seconds(self.cost, fig, sh, span.first)
         for layer in range(span.start, span.end):
             d, p = layer_seconds(self.cost, fig, layer, sh)
             dec, pre = dec + d, pre + p
         if span.first:
             d, p = head_seconds(self.cost, fig, sh)
             dec, pre = dec + d, pre + p
-        rows_back = span.last
-        dec += send_seconds(self.cost, fig, sh.decode_rows)
-        pre += send_seconds(self.cost, fig, 1 if rows_back else sh.prefill_tokens)
-        return dec, pre, sh.decode_steps * dec + sh.prefill_chunks * pre
+        busy = sh.decode_steps * dec + sh.prefill_chunks * pre
+        sends = (sh.decode_steps * send_seconds(self.cost, fig, sh.decode_rows)
+                 + sh.prefill_chunks * send_seconds(self.cost, fig, 1 if span.last else sh.prefill_tokens))
+        return dec, pre, busy, busy + sends
+
+    def split_seconds(self, counts: list[int]) -> float:
+        """One round of the workload on the split ``counts``."""
+        t = [self.times(s) for s in spans(counts)]
+        return round_seconds([x[2] for x in t], [x[3] for x in t], self.depth)
 
     def stage(self, span: StageSpan) -> StagePlan:
         memory = self.memory(span)
-        dec, pre, busy = self.times(span)
+        dec, pre, busy, trip = self.times(span)
         dev = self.devices[span.index]
         return StagePlan(span.index, dev.device, span.start, span.end, memory, dev.have,
-                         self.kv_tokens(span, memory), dec, pre, busy, dev.figures)
+                         self.kv_tokens(span, memory), dec, pre, busy, dev.figures, trip)
 
 
 def _best_split(st: _Setting) -> list[int] | None:
-    """The split that fits with the smallest bottleneck (ties: the earlier stage takes fewer layers)."""
+    """The split that fits with the shortest round: the larger of the busiest stage's time and the round
+    trips over the micro-batches in flight (round_seconds). For a cap T on every stage's busy time, a
+    dynamic programme over (stage, first layer) finds the split with the least round trip time S(T);
+    the round is max(T, S(T) / depth), smallest where the two cross, found by bisection over the caps."""
     n, total = len(st.devices), st.cost.num_layers
-    best: dict[tuple[int, int], tuple[float, list[int]] | None] = {}
-    for s in range(n - 1, -1, -1):
-        for start in range(total - (n - s) + 1):
-            choice = None
-            last = total if s == n - 1 else total - (n - s - 1)
-            for end in range(start + 1, last + 1):
-                if s == n - 1 and end != total:
-                    continue
+    spans_of: dict[tuple[int, int], list[tuple[int, float, float]]] = {}   # (stage, start) -> (end, busy, trip)
+    for s in range(n):
+        for start in ([0] if s == 0 else range(s, total - (n - s) + 1)):
+            row = []
+            for end in ([total] if s == n - 1 else range(start + 1, total - (n - s - 1) + 1)):
                 span = StageSpan(s, n, start, end, total)
                 if sum(st.memory(span).values()) > st.devices[s].have:
                     break                     # more layers only need more
-                here = st.times(span)[2]
-                rest = (0.0, []) if s == n - 1 else best.get((s + 1, end))
-                if rest is None:
-                    continue
-                worst = max(here, rest[0])
-                if choice is None or worst < choice[0] - 1e-12:
-                    choice = (worst, [end - start] + rest[1])
-            best[(s, start)] = choice
-    found = best.get((0, 0))
-    return None if found is None else found[1]
+                row.append((end, *st.times(span)[2:]))
+            spans_of[(s, start)] = row
+
+    def least_trip(cap: float) -> tuple[float, list[int]] | None:
+        best: dict[tuple[int, int], tuple[float, list[int]] | None] = {}
+        for s in range(n - 1, -1, -1):
+            for start in ([0] if s == 0 else range(s, total - (n - s) + 1)):
+                choice = None
+                for end, busy, trip in spans_of[(s, start)]:
+                    if busy > cap:
+                        break                 # more layers only take longer
+                    rest = (0.0, []) if s == n - 1 else best.get((s + 1, end))
+                    if rest is not None and (choice is None or trip + rest[0] < choice[0] - 1e-15):
+                        choice = (trip + rest[0], [end - start] + rest[1])
+                best[(s, start)] = choice
+        return best[(0, 0)]
+
+    caps = sorted({busy for row in spans_of.values() for _, busy, _ in row})
+    if not caps or least_trip(caps[-1]) is None:
+        return None
+    if st.depth <= 1:                         # the stages take turns: the round is the round trip
+        return least_trip(caps[-1])[1]
+    depth = st.depth
+    lo, hi = 0, len(caps) - 1                 # the first cap at or above its least round trip over depth
+    while lo < hi:
+        mid = (lo + hi) // 2
+        found = least_trip(caps[mid])
+        if found is not None and caps[mid] >= found[0] / depth:
+            hi = mid
+        else:
+            lo = mid + 1
+    found = [f[1] for f in (least_trip(caps[i]) for i in {max(0, lo - 1), lo}) if f is not None]
+    return min(found, key=lambda c: (st.split_seconds(c), c))
 
 
 def _refuse(plan_stages: list[StagePlan], head: str) -> DeviceOutOfMemoryError:
@@ -206,7 +241,13 @@ def setting(config: EngineConfig, workload: Workload | None = None, figures: dic
 
 def plan_pipeline(config: EngineConfig, workload: Workload | None = None, figures: dict | None = None) -> Plan:
     """The plan for ``config``'s stages: ``--pp-layer-split`` if given, else the best split that fits.
-    Raises DeviceOutOfMemoryError (naming stage, device, need and have) when the split cannot fit."""
+    ``figures``: measured seconds per device; with none given and ``pp_calibrate``, measured here first
+    (calibrate.py). Raises DeviceOutOfMemoryError (naming stage, device, need and have) when the split
+    cannot fit."""
+    if figures is None and config.pp_calibrate:
+        from polychip.engine.pipeline.calibrate import calibrate     # loads model layers: only when asked
+        st = setting(config, workload)
+        figures = calibrate(config, str(st.dtype).removeprefix("torch."), st.shapes)
     st = setting(config, workload, figures)
     n, total = len(st.devices), st.cost.num_layers
     if total < n:
