@@ -67,10 +67,10 @@ def cpu_seconds(pid: int) -> float:
     return total
 
 
-def start_router(replica_urls: list[str]):
+def start_router(replica_urls: list[str], extra: tuple[str, ...] = ()):
     port = free_port()
     cmd = [sys.executable, "-m", "polychip.cli", "router", "--port", str(port), "--log-level", "warning",
-           "--policy", "least_load"]
+           "--policy", "least_load", *extra]
     for u in replica_urls:
         cmd += ["--replica", u]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -145,10 +145,15 @@ def echo_app():
     async def completions(request: Request):
         body = await request.json()
         n = int(body.get("max_tokens") or 16)
+        usage = {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1}
+        if not body.get("stream"):
+            return {"id": "echo", "object": "text_completion", "model": "echo", "usage": usage,
+                    "choices": [{"index": 0, "text": "x" * n, "finish_reason": "length"}]}
 
         async def events():
+            ids = ',"token_ids":[1]' if body.get("return_token_ids") else ""     # as polychip serve sends them
             for _ in range(n):
-                yield 'data: {"choices":[{"index":0,"text":"x","finish_reason":null}]}\n\n'
+                yield f'data: {{"choices":[{{"index":0,"text":"x","finish_reason":null{ids}}}]}}\n\n'
             yield ('data: {"choices":[{"index":0,"text":"","finish_reason":"length"}],'
                    f'"usage":{{"prompt_tokens":1,"completion_tokens":{n},"total_tokens":{n + 1}}}}}\n\n')
             yield "data: [DONE]\n\n"

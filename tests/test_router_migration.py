@@ -142,13 +142,36 @@ def test_migration_limit_is_honoured(router_stack, limit):
     assert "".join(json.loads(x[6:])["choices"][0]["text"] for x in lines[:-2]) == "x" * (1 + limit)
 
 
+# the logprobs a request asks for, per route: none, or the chosen tokens' and 2 top logprobs each
+LOGPROBS = {"/v1/completions": {"logprobs": 2}, "/v1/chat/completions": {"logprobs": True, "top_logprobs": 2}}
+
+
+def _same_logprobs(got, want) -> None:
+    """The gathered logprobs are the uninterrupted answer's: the same shape, tokens and text offsets, each
+    figure within 1e-3 (the continuing replica computes its first ones in a prefill)."""
+    def split(x, floats: list):
+        if isinstance(x, dict):
+            return {k: split(x[k], floats) for k in sorted(x)}
+        if isinstance(x, list):
+            return [split(v, floats) for v in x]
+        if isinstance(x, float):
+            floats.append(x)
+            return None
+        return x
+    g, w = [], []
+    assert got is not None and split(got, g) == split(want, w)
+    assert len(w) >= 48 and all(abs(a - b) <= 1e-3 for a, b in zip(g, w)), list(zip(g, w))
+
+
+@pytest.mark.parametrize("logprobs", ["no_logprobs", "logprobs"])
 @pytest.mark.parametrize("path", list(BODIES))
-def test_a_json_request_survives_its_replica_and_matches_an_uninterrupted_run(pair, path, monkeypatch):
+def test_a_json_request_survives_its_replica_and_matches_an_uninterrupted_run(pair, path, logprobs, monkeypatch):
     """A non-streamed request: the router relays it as a stream, the replica is SIGKILLed after 5
     tokens, the rest comes from the other replica; the client gets one JSON body, the same as the
-    replica's own uninterrupted answer (text, finish reason, usage once)."""
+    replica's own uninterrupted answer (text, finish reason, logprobs when asked, usage once)."""
     from polychip.router.routing.migration import Migration
-    body = {"model": "tiny", **BODIES[path], "max_tokens": 48, "temperature": 0, "ignore_eos": True}
+    body = {"model": "tiny", **BODIES[path], "max_tokens": 48, "temperature": 0, "ignore_eos": True,
+            **(LOGPROBS[path] if logprobs == "logprobs" else {})}
     live = pair.live()
     expected = httpx.post(live[0][1] + path, json=body, timeout=60).json()
     fast = HealthConfig(interval=0.3, timeout=2, failure_threshold=2, success_threshold=1)
@@ -175,6 +198,10 @@ def test_a_json_request_survives_its_replica_and_matches_an_uninterrupted_run(pa
         assert got["choices"][0].get("text") == expected["choices"][0].get("text")
         assert got["choices"][0]["finish_reason"] == expected["choices"][0]["finish_reason"] == "length"
         assert "token_ids" not in got["choices"][0]
+        if logprobs == "logprobs":
+            _same_logprobs(got["choices"][0]["logprobs"], expected["choices"][0]["logprobs"])
+        else:
+            assert got["choices"][0]["logprobs"] is None is expected["choices"][0]["logprobs"]
         assert got["usage"]["completion_tokens"] == 48
         assert got["usage"]["prompt_tokens"] == expected["usage"]["prompt_tokens"]
         assert got["object"] == expected["object"]

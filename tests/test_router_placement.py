@@ -93,7 +93,7 @@ def test_slo_defaults_are_validated_and_apply_per_class_and_model(tmp_path):
 
 def test_a_hot_device_loses_weight_and_its_traffic_comes_back_when_cool(router_stack):
     hot, cool = FakeReplica(delay=0.005), FakeReplica(delay=0.005)
-    url, router = router_stack([hot, cool])
+    url, router = router_stack([hot, cool], policy="least_load")      # equal replicas that take turns when cool
     hot.extra_info = {"device_health": [{"device": "simxpu:0", "temperature_c": 91.0, "thermal_limit_c": 85.0,
                                          "throttling": True}]}
     wait_for(lambda: router.registry["r0"].weight()[0] < 1, 5, "the hot device seen")

@@ -44,7 +44,9 @@ def test_traffic_leaves_a_hot_simxpu_card_and_comes_back_when_it_cools(model_fac
     cool = ServerProcess(["--model-path", model, "--device", "simxpu:1", *ARGS])
     with hot, cool:
         health = HealthConfig(interval=0.2, timeout=5, failure_threshold=3, success_threshold=1)
-        server, router = start_router(RouterConfig(health=health), [hot.url, cool.url])
+        # least_load: equal cards share the traffic, so its moving away and back shows (fastest sends it all
+        # to the card measured faster)
+        server, router = start_router(RouterConfig(health=health, policy="least_load"), [hot.url, cool.url])
         try:
             wait_for(lambda: all(w.up for w in router.registry), 30, "both replicas up")
             hot_w = router.registry["r0"]

@@ -1,6 +1,6 @@
 """polychip router: one OpenAI endpoint over many replicas.
 
-  polychip router --replica http://h1:30000 --replica http://h2:30000 [--policy least_load]
+  polychip router --replica http://h1:30000 --replica http://h2:30000 [--policy fastest]
   polychip router --deployment deploy.yaml          (launches and supervises the replicas)
   polychip router --state-dir DIR                   (no replicas yet: `polychip workload submit` adds them)
   polychip router rollout status [--url URL]

@@ -124,7 +124,7 @@ class RouterConfig(_Settings):
     timeout_request_body: float = setting(60.0, "seconds a request body may take to arrive; then 408", live=False,
                                           gt=0)
     # routing
-    policy: str = setting("least_load", f"how a replica is picked: {', '.join(POLICY_NAMES)}")
+    policy: str = setting("fastest", f"how a replica is picked: {', '.join(POLICY_NAMES)}")
     priority_weights: dict[str, Annotated[float, Field(gt=0)]] = setting(
         help="WFQ weights per priority class, e.g. high=3,normal=1,low=1",
         default_factory=lambda: dict(DEFAULT_PRIORITY_WEIGHTS))

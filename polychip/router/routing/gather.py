@@ -1,7 +1,9 @@
 """A non-streamed request the router relayed as a stream (so that it can migrate, routing/migration.py),
 gathered back into the one JSON body the client asked for: the text (and reasoning) of every chunk,
-the finish and stop reasons, the token ids when asked, the usage once. An error event (the stream broke
-and could not go on, or passed the deadline) becomes the error answer it names."""
+the finish and stop reasons, the token ids when asked, the per-token logprobs when asked (chat's
+``content`` entries, or completions' tokens, logprobs and top logprobs, whose text offsets are counted
+again over the whole text: a continuation's replica counts from its own start), the usage once. An error
+event (the stream broke and could not go on, or passed the deadline) becomes the error answer it names."""
 from __future__ import annotations
 
 import contextlib
@@ -15,9 +17,12 @@ _TEXT_FIELDS = ("content", "reasoning_content")
 
 
 class Gathered:
-    def __init__(self, chat: bool) -> None:
+    def __init__(self, chat: bool, logprobs: bool = False) -> None:
         self.head: dict = {}
         self.chat = chat
+        # the answer's logprobs as the replica's JSON answer shapes them (None: not asked)
+        self.logprobs: dict | None = None if not logprobs else {"content": []} if chat else \
+            {"tokens": [], "token_logprobs": [], "top_logprobs": []}
         self.texts: dict[str, list[str]] = {}
         self.ids: list[int] | None = None
         self.finish_reason = self.stop_reason = None
@@ -46,6 +51,9 @@ class Gathered:
             for key in _TEXT_FIELDS:
                 if isinstance(part.get(key), str):
                     self.texts.setdefault(key, []).append(part[key])
+            if self.logprobs is not None and isinstance(choice.get("logprobs"), dict):
+                for key, seen in self.logprobs.items():
+                    seen.extend(choice["logprobs"].get(key) or ())
             if isinstance(choice.get("token_ids"), list):
                 self.ids = (self.ids or []) + choice["token_ids"]
             if choice.get("finish_reason"):
@@ -64,7 +72,7 @@ class Gathered:
                                     if "reasoning_content" in text else {})}
         else:
             choice["text"] = text.get("content", "")
-        choice.update(finish_reason=self.finish_reason, stop_reason=self.stop_reason, logprobs=None)
+        choice.update(finish_reason=self.finish_reason, stop_reason=self.stop_reason, logprobs=self._logprobs())
         if self.ids is not None:
             choice["token_ids"] = self.ids
         body = {**self.head, "object": "chat.completion" if self.chat else "text_completion",
@@ -72,9 +80,20 @@ class Gathered:
         return Response(json.dumps(body), status_code=200, media_type="application/json", headers=headers)
 
 
-async def gather(relay, headers: dict, chat: bool) -> Response:
-    """The relayed stream ``relay`` (its events' bytes) read to its end, as one JSON answer."""
-    g = Gathered(chat)
+    def _logprobs(self) -> dict | None:
+        if self.logprobs is None or self.chat:
+            return self.logprobs
+        offsets, at = [], 0
+        for token in self.logprobs["tokens"]:
+            offsets.append(at)
+            at += len(token)
+        return {**self.logprobs, "text_offset": offsets}
+
+
+async def gather(relay, headers: dict, chat: bool, logprobs: bool = False) -> Response:
+    """The relayed stream ``relay`` (its events' bytes) read to its end, as one JSON answer (``logprobs``:
+    the client asked for them)."""
+    g = Gathered(chat, logprobs)
     async with contextlib.aclosing(relay):
         async for piece in relay:
             g.feed(piece)

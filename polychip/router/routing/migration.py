@@ -39,6 +39,8 @@ class Migration:
         opts = body.get("stream_options")
         self.client_usage = isinstance(opts, dict) and bool(opts.get("include_usage"))
         self.client_wants_ids = bool(body.get("return_token_ids"))
+        # chat: logprobs true; completions: a number of top logprobs (0: the chosen tokens' only)
+        self.client_wants_logprobs = body.get("logprobs") is not None and body.get("logprobs") is not False
         self.left = limit if migratable else 0
         self.migratable = migratable
         self.delivered: list[int] = []
@@ -56,8 +58,7 @@ class Migration:
         one = limit > 0 and body.get("n", 1) == 1 and body.get("best_of") in (None, 1) and not body.get("echo") \
             and isinstance(body.get("prompt", ""), (str, list))
         if not stream:        # gathered from a stream: only what the gatherer rebuilds exactly
-            if not one or body.get("logprobs") not in (None, False) or body.get("tools") \
-                    or body.get("tool_choice") not in (None, "none"):
+            if not one or body.get("tools") or body.get("tool_choice") not in (None, "none"):
                 return None
         return Migration(body, limit, one)
 

@@ -12,7 +12,7 @@ an immediate 503 saying why. Stream events are held back until the first one car
 so a retry is invisible to the client; after that, a failure ends the stream with an
 OpenAI-shaped error event and ``[DONE]`` unless the stream can migrate (routing/migration.py: it
 goes on, spliced, on another replica, up to ``migration_limit`` times); no client is left hanging.
-A non-streamed request that can migrate (one choice, no logprobs or tools) is relayed as a stream
+A non-streamed request that can migrate (one choice, no tools) is relayed as a stream
 too and gathered into one JSON body (routing/gather.py); every stream asks its replica for usage,
 so that each answer teaches the replica's TPOT estimate (the client gets usage only if it asked).
 
@@ -136,7 +136,8 @@ class Proxy(StreamRelay):
             # a JSON request relayed as a stream (to migrate): gathered into one body; the relay owns
             # the replica's slot and the outcome from here, whatever happens (the client leaving too)
             return await gather(answer.body_iterator, {k: v for k, v in answer.headers.items() if k.startswith("x-")},
-                                chat=call.path.endswith("/chat/completions"))
+                                chat=call.path.endswith("/chat/completions"),
+                                logprobs=call.migration.client_wants_logprobs)
 
     def _deadline_text(self, call: Call, tried: list[str]) -> str:
         which = (f"first_token_timeout {self.cfg.first_token_timeout:g}s" if call.stream
