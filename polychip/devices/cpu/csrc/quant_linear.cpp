@@ -205,16 +205,17 @@ void w4_tile(const float* __restrict x, const W4& p, int64_t n0, float* __restri
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 // 4-bit groups through VNNI (u8 x s8 -> int32, 64 weights per instruction). Each row of x is split into
-// three int8 levels, x = s * (q0 + q1 / 256 + q2 / 65536) (s = max|x| / 127), a 24-bit mantissa like
-// float32's, so the result matches the float path to float32 rounding. The nibbles of 64 inputs (32 bytes)
+// three int8 levels, x = s * (q0 + q1 / 128 + q2 / 16384) (s = max|x| / 127; each residual needs at most
+// 64 of a level's 127 steps, so no level clips), about 22 bits of max|x| like
+// float32's: the result matches the float path to float32 rounding. The nibbles of 64 inputs (32 bytes)
 // unpack with one masked shift and one and; x's levels are stored in the order they come out
 // (16-input blocks 0, 2, 1, 3 of each 64). Per group: the three int32 sums combined, then one FMA by
 // the group's scale; the zero points subtracted in int32 before the scale (no cancellation in float).
-constexpr int64_t W4_VNNI_MAX_GROUP = 256;   // (group / 16) * 15 * 127 * 65536 stays within int32
+constexpr int64_t W4_VNNI_MAX_GROUP = 256;   // (group / 16) * 15 * 127 * 16513 stays within int32
 
 bool w4_vnni_fits(const W4& p) { return p.seg % 64 == 0 && p.K % p.seg == 0 && p.seg <= W4_VNNI_MAX_GROUP; }
 
-// rows of x -> levels [M][3][K] (permuted), per-row s / 65536, and per group [M][G] the levels' sums in
+// rows of x -> levels [M][3][K] (permuted), per-row s / 16384, and per group [M][G] the levels' sums in
 // the dpbusd lanes, combined as the tile combines its sums (what the zero points multiply, exact in int32)
 void w4_vnni_quantize(const float* x, int64_t M, const W4& p, int8_t* q, float* s, __m512i* xsum) {
   const int64_t K = p.K;
@@ -223,9 +224,9 @@ void w4_vnni_quantize(const float* x, int64_t M, const W4& p, int8_t* q, float* 
     __m512 amax = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(xr + k)));
     const float a = _mm512_reduce_max_ps(amax), s0 = a > 0.f ? a / 127.f : 1.f;
-    s[m] = s0 / 65536.f;
-    const __m512 sc[3] = {_mm512_set1_ps(s0), _mm512_set1_ps(s0 / 256.f), _mm512_set1_ps(s0 / 65536.f)};
-    const __m512 inv[3] = {_mm512_set1_ps(1.f / s0), _mm512_set1_ps(256.f / s0), _mm512_set1_ps(65536.f / s0)};
+    s[m] = s0 / 16384.f;
+    const __m512 sc[3] = {_mm512_set1_ps(s0), _mm512_set1_ps(s0 / 128.f), _mm512_set1_ps(s0 / 16384.f)};
+    const __m512 inv[3] = {_mm512_set1_ps(1.f / s0), _mm512_set1_ps(128.f / s0), _mm512_set1_ps(16384.f / s0)};
     const __m512 lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
     int8_t* qr = q + m * 3 * K;
     for (int64_t k = 0; k < K; k += 16) {
@@ -246,7 +247,7 @@ void w4_vnni_quantize(const float* x, int64_t M, const W4& p, int8_t* q, float* 
         for (int64_t k = g * p.seg; k < (g + 1) * p.seg; k += 64)
           t[l] = _mm512_dpbusd_epi32(t[l], ones, _mm512_loadu_si512(qr + l * K + k));
       }
-      xsum[m * p.G + g] = _mm512_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(t[0], 16), _mm512_slli_epi32(t[1], 8)), t[2]);
+      xsum[m * p.G + g] = _mm512_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(t[0], 14), _mm512_slli_epi32(t[1], 7)), t[2]);
     }
   }
 }
@@ -280,8 +281,8 @@ void w4_vnni_tile(const int8_t* __restrict q, const float* s, const W4& p, int64
       const __m512 sc = _mm512_set1_ps(p.s[(n0 + j) * p.G + g]);
       const __m512i z = _mm512_set1_epi32(p.z[(n0 + j) * p.G + g]);
       for (int i = 0; i < MR; ++i) {
-        __m512i t = _mm512_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(a[0][i][j], 16),
-                                                      _mm512_slli_epi32(a[1][i][j], 8)), a[2][i][j]);
+        __m512i t = _mm512_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(a[0][i][j], 14),
+                                                      _mm512_slli_epi32(a[1][i][j], 7)), a[2][i][j]);
         t = _mm512_sub_epi32(t, _mm512_mullo_epi32(z, xsum[i * p.G + g]));   // sum x (q - zero), exact
         acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), sc, acc[i][j]);
       }
