@@ -76,6 +76,7 @@ def test_cpu_w8a8_kernel_matches_native(cpu_ops, m, n, k):
 
 
 @pytest.mark.parametrize("m,n,k,group", [(1, 96, 64, 32), (3, 130, 128, 64), (17, 64, 576, 128), (80, 100, 256, 32),
+                                         (1, 70, 576, 64), (2, 33, 512, 128), (5, 9, 512, 256),
                                          (2, 48, 96, 96)])
 def test_cpu_w4a16_kernel_matches_native(cpu_ops, m, n, k, group):
     op = cpu_ops("linear_w4a16")

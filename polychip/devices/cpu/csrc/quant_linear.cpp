@@ -203,6 +203,128 @@ void w4_tile(const float* __restrict x, const W4& p, int64_t n0, float* __restri
       y[i * N + n0 + j] = _mm512_reduce_add_ps(acc[i][j]) - corr[i][j] + (b ? b[n0 + j] : 0.f);
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// 4-bit groups through VNNI (u8 x s8 -> int32, 64 weights per instruction). Each row of x is split into
+// three int8 levels, x = s * (q0 + q1 / 128 + q2 / 16384) (s = max|x| / 127; each residual needs at most
+// 64 of a level's 127 steps, so no level clips), about 22 bits of max|x| like
+// float32's: the result matches the float path to float32 rounding. The nibbles of 64 inputs (32 bytes)
+// unpack with one masked shift and one and; x's levels are stored in the order they come out
+// (16-input blocks 0, 2, 1, 3 of each 64). Per group: the three int32 sums combined, then one FMA by
+// the group's scale; the zero points subtracted in int32 before the scale (no cancellation in float).
+constexpr int64_t W4_VNNI_MAX_GROUP = 256;   // (group / 16) * 15 * 127 * 16513 stays within int32
+
+bool w4_vnni_fits(const W4& p) { return p.seg % 64 == 0 && p.K % p.seg == 0 && p.seg <= W4_VNNI_MAX_GROUP; }
+
+// rows of x -> levels [M][3][K] (permuted), per-row s / 16384, and per group [M][G] the levels' sums in
+// the dpbusd lanes, combined as the tile combines its sums (what the zero points multiply, exact in int32)
+void w4_vnni_quantize(const float* x, int64_t M, const W4& p, int8_t* q, float* s, __m512i* xsum) {
+  const int64_t K = p.K;
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xr = x + m * K;
+    __m512 amax = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(xr + k)));
+    const float a = _mm512_reduce_max_ps(amax), s0 = a > 0.f ? a / 127.f : 1.f;
+    s[m] = s0 / 16384.f;
+    const __m512 sc[3] = {_mm512_set1_ps(s0), _mm512_set1_ps(s0 / 128.f), _mm512_set1_ps(s0 / 16384.f)};
+    const __m512 inv[3] = {_mm512_set1_ps(1.f / s0), _mm512_set1_ps(128.f / s0), _mm512_set1_ps(16384.f / s0)};
+    const __m512 lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+    int8_t* qr = q + m * 3 * K;
+    for (int64_t k = 0; k < K; k += 16) {
+      const int64_t blk = (k / 16) % 4, dst = k - 16 * blk + 16 * (blk == 1 ? 2 : blk == 2 ? 1 : blk);
+      __m512 r = _mm512_loadu_ps(xr + k);
+      for (int l = 0; l < 3; ++l) {
+        __m512 v = _mm512_roundscale_ps(_mm512_mul_ps(r, inv[l]), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        v = _mm512_min_ps(_mm512_max_ps(v, lo), hi);
+        r = _mm512_fnmadd_ps(v, sc[l], r);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(qr + l * K + dst), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v)));
+      }
+    }
+    const __m512i ones = _mm512_set1_epi8(1);
+    for (int64_t g = 0; g < p.G; ++g) {
+      __m512i t[3];
+      for (int l = 0; l < 3; ++l) {
+        t[l] = _mm512_setzero_si512();
+        for (int64_t k = g * p.seg; k < (g + 1) * p.seg; k += 64)
+          t[l] = _mm512_dpbusd_epi32(t[l], ones, _mm512_loadu_si512(qr + l * K + k));
+      }
+      xsum[m * p.G + g] = _mm512_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(t[0], 14), _mm512_slli_epi32(t[1], 7)), t[2]);
+    }
+  }
+}
+
+template <int MR, int NR>
+void w4_vnni_tile(const int8_t* __restrict q, const float* s, const W4& p, int64_t n0, float* __restrict y,
+                  const float* b, int64_t N, const __m512i* xsum) {
+  const int64_t K = p.K;
+  __m512 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  const __m512i mask = _mm512_set1_epi8(15);
+  const uint8_t* rows[NR];
+  for (int j = 0; j < NR; ++j) rows[j] = p.q + (n0 + j) * (K / 2);
+  for (int64_t g = 0, k0 = 0; k0 < K; ++g, k0 += p.seg) {
+    __m512i a[3][MR][NR];
+    for (int l = 0; l < 3; ++l)
+      for (int i = 0; i < MR; ++i)
+        for (int j = 0; j < NR; ++j) a[l][i][j] = _mm512_setzero_si512();
+    for (int64_t k = k0; k < k0 + p.seg; k += 64) {
+      for (int j = 0; j < NR; ++j) {
+        _mm_prefetch(reinterpret_cast<const char*>(rows[j] + k / 2 + 512), _MM_HINT_T0);
+        __m512i w = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[j] + k / 2)));
+        w = _mm512_and_si512(_mm512_mask_srli_epi16(w, 0xFFFF0000u, w, 4), mask);
+        for (int i = 0; i < MR; ++i)
+          for (int l = 0; l < 3; ++l)
+            a[l][i][j] = _mm512_dpbusd_epi32(a[l][i][j], w, _mm512_loadu_si512(q + (i * 3 + l) * K + k));
+      }
+    }
+    for (int j = 0; j < NR; ++j) {
+      const __m512 sc = _mm512_set1_ps(p.s[(n0 + j) * p.G + g]);
+      const __m512i z = _mm512_set1_epi32(p.z[(n0 + j) * p.G + g]);
+      for (int i = 0; i < MR; ++i) {
+        __m512i t = _mm512_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(a[0][i][j], 14),
+                                                      _mm512_slli_epi32(a[1][i][j], 7)), a[2][i][j]);
+        t = _mm512_sub_epi32(t, _mm512_mullo_epi32(z, xsum[i * p.G + g]));   // sum x (q - zero), exact
+        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), sc, acc[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j)
+      y[i * N + n0 + j] = _mm512_reduce_add_ps(acc[i][j]) * s[i] + (b ? b[n0 + j] : 0.f);
+}
+
+torch::Tensor w4_vnni_tiles(const torch::Tensor& x, const W4& p, int64_t N, const float* bp) {
+  using Fn = void (*)(const int8_t*, const float*, const W4&, int64_t, float*, const float*, int64_t, const __m512i*);
+#define POLYCHIP_W4V(MR) {w4_vnni_tile<MR, 1>, w4_vnni_tile<MR, 2>, w4_vnni_tile<MR, 3>, w4_vnni_tile<MR, 4>}
+  static constexpr Fn fns[4][4] = {POLYCHIP_W4V(1), POLYCHIP_W4V(2), POLYCHIP_W4V(3), POLYCHIP_W4V(4)};
+#undef POLYCHIP_W4V
+  const int64_t M = x.size(0), K = x.size(1);
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  std::vector<int8_t> q(M * 3 * K);
+  std::vector<float> s(M);
+  std::vector<__m512i> xsum(M * p.G);
+  w4_vnni_quantize(x.data_ptr<float>(), M, p, q.data(), s.data(), xsum.data());
+  float* yp = y.data_ptr<float>();
+  const int MR = static_cast<int>(std::min<int64_t>(M, 4));
+  const int NR = M == 1 ? 4 : (MR <= 2 ? 2 : 1);    // registers: 3 * MR*NR int32 sums + MR*NR floats
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  int64_t rows = std::max<int64_t>(NR, (N / (4 * threads)) / NR * NR);
+  rows = std::min<int64_t>(rows, std::max<int64_t>(NR, 256 / NR * NR));
+  for_each_chunk((N + rows - 1) / rows, [&](int64_t c) {
+    const int64_t r1 = std::min(N, (c + 1) * rows);
+    for (int64_t n = c * rows; n < r1; n += NR) {
+      const int nr = static_cast<int>(std::min<int64_t>(NR, r1 - n));
+      for (int64_t m = 0; m < M; m += MR) {
+        const int mr = static_cast<int>(std::min<int64_t>(MR, M - m));
+        fns[mr - 1][nr - 1](q.data() + m * 3 * K, s.data() + m, p, n, yp + m * N, bp, N, xsum.data() + m * p.G);
+      }
+    }
+  });
+  return y;
+}
+#endif
+
 template <class P>
 struct DqTiles {
   using Fn = void (*)(const float*, const P&, int64_t, float*, const float*, int64_t, int64_t, const float*);
@@ -299,6 +421,11 @@ torch::Tensor dq_linear(const torch::Tensor& x, const P& p, int64_t N, const c10
   TORCH_CHECK(x.size(1) % P::STEP == 0 && p.seg % P::STEP == 0, "K and the scale segment must be multiples of ",
               P::STEP);
 #ifdef __AVX512F__
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  if constexpr (std::is_same_v<P, W4>) {
+    if (x.size(0) <= tiles_max_m && w4_vnni_fits(p)) return w4_vnni_tiles(x, p, N, opt_bias(bias, N));
+  }
+#endif
   if (x.size(0) <= tiles_max_m) return dq_tiles(x, p, N, opt_bias(bias, N));
 #endif
   return dq_blocks(x, p, N, bias, block);
