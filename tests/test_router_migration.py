@@ -81,7 +81,8 @@ BODIES = {"/v1/completions": {"prompt": "The room of unequal chips"},
           "/v1/chat/completions": {"messages": [{"role": "user", "content": "Say something long"}]}}
 
 
-SAMPLING = {"greedy": {"temperature": 0}, "seeded": {"temperature": 0.9, "seed": 1234}}
+SAMPLING = {"greedy": {"temperature": 0}, "seeded": {"temperature": 0.9, "seed": 1234},
+            "logprobs": {"temperature": 0, "logprobs": 1}}      # chat: logprobs true, top_logprobs 1
 
 
 @pytest.mark.parametrize("sampling", list(SAMPLING))
@@ -92,6 +93,8 @@ def test_a_stream_survives_its_replica_and_matches_an_uninterrupted_run(pair, pa
     chat = path.startswith("/v1/chat")
     body = {"model": "tiny", **BODIES[path], "max_tokens": 48, **SAMPLING[sampling], "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
+    if chat and "logprobs" in body:
+        body.update(logprobs=True, top_logprobs=1)
     live = pair.live()
     whole = httpx.post(live[0][1] + path, json={**body, "return_token_ids": True}, timeout=60)
     expected = _events(whole)
@@ -120,8 +123,22 @@ def test_a_stream_survives_its_replica_and_matches_an_uninterrupted_run(pair, pa
         assert len(usage) == 1 and usage[0]["completion_tokens"] == 48
         assert usage[0]["prompt_tokens"] == [e["usage"] for e in expected if e.get("usage")][0]["prompt_tokens"]
         assert router.metrics.migrations._metrics, "no migration was counted"
+        if "logprobs" in body:    # the same tokens with their logprobs; completions' offsets run on over the splice
+            assert _logprobs(events, chat)[0] == _logprobs(expected, chat)[0]
+            assert _logprobs(events, chat)[1] == pytest.approx(_logprobs(expected, chat)[1], abs=1e-3)
+            assert chat or _logprobs(events, chat)[2] == _logprobs(expected, chat)[2]
     finally:
         srv.stop()
+
+
+def _logprobs(events, chat) -> tuple[list, list, list]:
+    """(tokens, their logprobs, completions' text offsets) over a stream's events."""
+    lps = [c["logprobs"] for e in events for c in e.get("choices") or () if c.get("logprobs")]
+    if chat:
+        entries = [x for lp in lps for x in lp.get("content") or ()]
+        return [x["token"] for x in entries], [x["logprob"] for x in entries], []
+    return ([t for lp in lps for t in lp["tokens"]], [x for lp in lps for x in lp["token_logprobs"]],
+            [o for lp in lps for o in lp["text_offset"]])
 
 
 @pytest.mark.parametrize("limit", [0, 1, 2])

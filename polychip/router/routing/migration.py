@@ -45,6 +45,8 @@ class Migration:
         self.migratable = migratable
         self.delivered: list[int] = []
         self.finished = False                 # a finish_reason was delivered: nothing left to generate
+        self.next_offset = 0                  # completions logprobs: where the next token's text_offset is
+        self.offset_base = 0                  # added to a continuation's text_offset (it counts from 0 again)
 
     @staticmethod
     def for_call(raw: bytes, limit: int, stream: bool) -> "Migration | None":
@@ -86,13 +88,33 @@ class Migration:
             return b""                         # the usage event the router asked for itself
         if not self.migratable:
             return event
+        shifted = False
         for choice in msg.get("choices") or ():
             ids = choice.get("token_ids")
             if isinstance(ids, list):
                 self.delivered.extend(i for i in ids if isinstance(i, int))
             if choice.get("finish_reason"):
                 self.finished = True
+            shifted |= self._offsets(choice)
+        if shifted:                           # a continuation's completion logprobs: offsets in the whole text
+            if not self.client_wants_ids:
+                for choice in msg["choices"]:
+                    choice.pop("token_ids", None)
+            return b"data: " + json.dumps(msg, separators=(",", ":")).encode() + b"\n\n"
         return event if self.client_wants_ids else TOKEN_IDS.sub(b"", event)
+
+    def _offsets(self, choice: dict) -> bool:
+        """A completion's logprobs: a continuation's offsets moved on by what came before (True if
+        changed); remembers where the next token starts, as the server counts (its tokens' lengths)."""
+        lp = choice.get("logprobs")
+        offsets, tokens = (lp.get("text_offset"), lp.get("tokens")) if isinstance(lp, dict) else (None, None)
+        if not isinstance(offsets, list) or not offsets or not all(isinstance(o, int) for o in offsets):
+            return False
+        if self.offset_base:
+            lp["text_offset"] = offsets = [o + self.offset_base for o in offsets]
+        if isinstance(tokens, list) and len(tokens) == len(offsets) and isinstance(tokens[-1], str):
+            self.next_offset = offsets[-1] + len(tokens[-1])
+        return bool(self.offset_base)
 
     def can_go_on(self) -> bool:
         return self.left > 0 and not self.finished and bool(self.delivered)
@@ -100,6 +122,7 @@ class Migration:
     def next_body(self) -> bytes:
         """The body that continues the answer from the tokens delivered so far."""
         self.left -= 1
+        self.offset_base = self.next_offset
         extra = {"continue_token_ids": list(self.original.get("continue_token_ids") or []) + self.delivered}
         for key in ("max_tokens", "max_completion_tokens"):
             if isinstance(self.original.get(key), int):
