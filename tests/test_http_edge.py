@@ -87,6 +87,25 @@ def test_a_50_mb_body_is_the_same_413(server, router):
     assert [r.split(b"\r\n\r\n", 1)[1] for r in replies][0] == [r.split(b"\r\n\r\n", 1)[1] for r in replies][1]
 
 
+def test_a_refused_body_is_drained_so_the_connection_ends_cleanly_not_reset(edge):
+    """1 MB of a declared 50 MB, then read: the 413 arrives and the connection ends with a clean close.
+    Answered at once and closed with that megabyte unread, the kernel resets the connection instead (the
+    reset that, on a real network, can overtake the answer: a client still sending gets ReadError)."""
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {FIFTY_MB}\r\n\r\n").encode()
+    with socket.create_connection(host_port(edge)) as s:
+        s.sendall(head + b"{" + b" " * (1024 * 1024))
+        s.settimeout(15)
+        reply, reset = b"", False
+        try:
+            while chunk := s.recv(65536):
+                reply += chunk
+        except ConnectionResetError:
+            reset = True
+    assert reply.startswith(b"HTTP/1.1 413") and b"larger than the limit of 8388608 bytes" in reply, reply[:300]
+    assert not reset, "the connection was reset: the refused body was left unread"
+
+
 def test_a_50_mb_body_sent_whole_gets_a_413_the_client_reads(edge):
     """httpx sends the whole body before it reads the answer: the edge reads and drops the rest of a
     refused body (bounded in bytes and time) before it answers, so the client gets the 413 JSON, not a
