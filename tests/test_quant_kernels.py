@@ -64,7 +64,8 @@ def test_native_group_and_fp8_references_dequantise_as_documented():
     torch.testing.assert_close(qn.linear_fp8_block(x, f8, sinv, 32, 32), x @ wb.t())
 
 
-@pytest.mark.parametrize("m,n,k", [(1, 96, 64), (3, 130, 128), (17, 64, 576), (80, 100, 256)])
+@pytest.mark.parametrize("m,n,k", [(1, 96, 64), (3, 130, 128), (17, 64, 576), (80, 100, 256), (2, 1537, 576),
+                                   (4, 66, 1536), (1, 7, 96)])
 def test_cpu_w8a8_kernel_matches_native(cpu_ops, m, n, k):
     op = cpu_ops("linear_w8a8")
     x, b = torch.randn(m, k), torch.randn(n)
@@ -73,6 +74,18 @@ def test_cpu_w8a8_kernel_matches_native(cpu_ops, m, n, k):
         for bias in (None, b):
             torch.testing.assert_close(op(x, q, s, bias), qn.linear_w8a8(x, q, s, bias), rtol=1e-5, atol=1e-4)
         assert op(x.bfloat16(), q, s).dtype == torch.bfloat16          # other dtypes: the native op
+
+
+def test_cpu_w8a8_decode_rows_get_the_bits_of_the_batched_gemm(cpu_ops):
+    """Up to 4 rows (decode) take the VNNI rows on AVX512-VNNI builds, more take oneDNN's int8 GEMM: the
+    int32 sums are exact both ways, so a row's output is the same to the bit whichever path it took."""
+    op = cpu_ops("linear_w8a8")
+    x, b = torch.randn(9, 576), torch.randn(1539)
+    q, s = quantize_int8(torch.randn(1539, 576))
+    with torch.inference_mode():
+        batched = op(x, q, s, b)
+        for m in range(1, 5):
+            assert torch.equal(op(x[:m], q, s, b), batched[:m]), m
 
 
 @pytest.mark.parametrize("m,n,k,group", [(1, 96, 64, 32), (3, 130, 128, 64), (17, 64, 576, 128), (80, 100, 256, 32),

@@ -1,7 +1,8 @@
 // Quantised linear kernels (float32 x), the CPU plugin's implementations of the scheme ops:
 // linear_w8a8: each row of x quantised to int8 (symmetric, round half to even, the op contract's
 //   rule), one int8 GEMM with int32 sums (at::_int_mm: oneDNN's VNNI kernels, 6-9x float32 BLAS
-//   here at prefill sizes), then y = sum * s_x[m] * s_w[n] (+ b) in one pass.
+//   here at prefill sizes), then y = sum * s_x[m] * s_w[n] (+ b) in one pass; decode sizes (M <= 4, K a
+//   multiple of 64) on AVX512-VNNI run w8a8_vnni_rows instead (the same int32 sums, no oneDNN call).
 // dq_tiles: decode-sized M. Register tiles of MR x rows by NR weight rows, each weight vector
 //   dequantised in registers once and used for all MR rows: 4-bit groups (linear_w4a16, two
 //   nibbles per byte, runs of 32 inputs), fp8 e4m3 with per-row scales (linear_fp8) or 2-D block
@@ -51,6 +52,69 @@ void quantize_rows(const float* x, int8_t* q, float* s, int64_t m0, int64_t m1, 
   }
 }
 
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr int64_t W8A8_VNNI_MAX_M = 4;   // decode sizes; larger M goes to at::_int_mm
+
+// Weight rows [n0, n1) against the M (<= 4) quantised rows of x, 4 weight rows at a time (independent
+// dpbusd chains): x's int8 taken as unsigned (q + 128, dpbusd multiplies u8 by s8) and 128 * sum(w)
+// taken off, the sum by dpbusd with ones in the same pass. The int32 sums are exact, as at::_int_mm's,
+// and go through the same rescale, so y is the same to the bit whichever path a row took.
+template <int MR>
+void w8a8_vnni_rows(const uint8_t* __restrict xu, const int8_t* __restrict w, int64_t n0, int64_t n1, int64_t K,
+                    int64_t N, int32_t* __restrict acc_out) {
+  const __m512i ones = _mm512_set1_epi8(1);
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4) {
+    __m512i acc[4][MR], ws[4];
+    for (int j = 0; j < 4; ++j) {
+      ws[j] = _mm512_setzero_si512();
+      for (int i = 0; i < MR; ++i) acc[j][i] = _mm512_setzero_si512();
+    }
+    for (int64_t k = 0; k < K; k += 64) {
+      __m512i xv[MR];
+      for (int i = 0; i < MR; ++i) xv[i] = _mm512_loadu_si512(xu + i * K + k);
+      for (int j = 0; j < 4; ++j) {
+        const __m512i wv = _mm512_loadu_si512(w + (n + j) * K + k);
+        ws[j] = _mm512_dpbusd_epi32(ws[j], ones, wv);
+        for (int i = 0; i < MR; ++i) acc[j][i] = _mm512_dpbusd_epi32(acc[j][i], xv[i], wv);
+      }
+    }
+    for (int j = 0; j < 4; ++j) {
+      const int32_t off = 128 * _mm512_reduce_add_epi32(ws[j]);
+      for (int i = 0; i < MR; ++i) acc_out[i * N + n + j] = _mm512_reduce_add_epi32(acc[j][i]) - off;
+    }
+  }
+  for (; n < n1; ++n) {
+    __m512i acc[MR], ws = _mm512_setzero_si512();
+    for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_si512();
+    for (int64_t k = 0; k < K; k += 64) {
+      const __m512i wv = _mm512_loadu_si512(w + n * K + k);
+      ws = _mm512_dpbusd_epi32(ws, ones, wv);
+      for (int i = 0; i < MR; ++i) acc[i] = _mm512_dpbusd_epi32(acc[i], _mm512_loadu_si512(xu + i * K + k), wv);
+    }
+    const int32_t off = 128 * _mm512_reduce_add_epi32(ws);
+    for (int i = 0; i < MR; ++i) acc_out[i * N + n] = _mm512_reduce_add_epi32(acc[i]) - off;
+  }
+}
+
+// the int32 sums [M, N] of the quantised rows of x against w (M <= W8A8_VNNI_MAX_M, K % 64 == 0)
+torch::Tensor w8a8_vnni_sums(const int8_t* xq, const torch::Tensor& w, int64_t M) {
+  const int64_t N = w.size(0), K = w.size(1);
+  std::vector<uint8_t> xu(M * K);
+  for (int64_t i = 0; i < M * K; ++i) xu[i] = static_cast<uint8_t>(xq[i]) ^ 0x80;   // q + 128
+  auto acc = torch::empty({M, N}, w.options().dtype(torch::kInt32));
+  using Fn = void (*)(const uint8_t*, const int8_t*, int64_t, int64_t, int64_t, int64_t, int32_t*);
+  static constexpr Fn fns[4] = {w8a8_vnni_rows<1>, w8a8_vnni_rows<2>, w8a8_vnni_rows<3>, w8a8_vnni_rows<4>};
+  const int8_t* wp = w.data_ptr<int8_t>();
+  int32_t* ap = acc.data_ptr<int32_t>();
+  const int64_t rows = 64;                   // weight rows per chunk (a multiple of 4)
+  for_each_chunk((N + rows - 1) / rows, [&](int64_t c) {
+    fns[M - 1](xu.data(), wp, c * rows, std::min(N, (c + 1) * rows), K, N, ap);
+  });
+  return acc;
+}
+#endif
+
 }  // namespace
 
 torch::Tensor linear_w8a8(torch::Tensor x, torch::Tensor w, torch::Tensor scales, c10::optional<torch::Tensor> bias) {
@@ -67,7 +131,12 @@ torch::Tensor linear_w8a8(torch::Tensor x, torch::Tensor w, torch::Tensor scales
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     quantize_rows(xp, xq.data_ptr<int8_t>(), xs.data_ptr<float>(), m0, m1, K);
   });
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  auto acc = M >= 1 && M <= W8A8_VNNI_MAX_M && K % 64 == 0 ? w8a8_vnni_sums(xq.data_ptr<int8_t>(), w, M)
+                                                          : at::_int_mm(xq, w.t());
+#else
   auto acc = at::_int_mm(xq, w.t());
+#endif
   auto y = torch::empty({M, N}, x.options());
   const int32_t* ap = acc.data_ptr<int32_t>();
   const float *sp = scales.data_ptr<float>(), *xsp = xs.data_ptr<float>();
