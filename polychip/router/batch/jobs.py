@@ -17,6 +17,7 @@ validating | in_progress -> cancelling -> cancelled.
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import logging
 import time
@@ -81,10 +82,11 @@ class BatchJobs(SharedBatches):
              "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": metadata,
              "polychip": {"output": None, "error": None}}
         self.batches[b["id"]] = b
+        created = copy.deepcopy(public(b))     # the answer is the batch as created, whatever its run does meanwhile
         if self.is_leader():          # launched before the write, so that its echo finds it running
             self._launch(b)
         await self._save(b, as_leader=False)    # otherwise the leader sees it in the store and runs it
-        return public(b)
+        return created
 
     def get(self, batch_id: str) -> dict:
         b = self.batches.get(batch_id)
