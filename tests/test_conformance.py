@@ -1,6 +1,7 @@
 """The conformance kit against cpu and simxpu, and a third-party plugin loaded from a file by path."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -112,6 +113,18 @@ FLOATCHIP = Target("floatchip", plugins=(str(__import__("pathlib").Path(__file__
 @pytest.mark.parametrize("target,check", conformance.cases([Target("cpu"), Target("simxpu"), FLOATCHIP]))
 def test_builtin_and_simxpu_conform(target, check):
     assert conformance.run_check(target, check)
+
+
+def test_the_builtin_cuda_module_plugin_is_judged_on_its_own_files_not_the_framework_beside_it():
+    """cuda.py lives in polychip.devices beside framework modules (spec.py, reported.py), which may import
+    anything; the kit reads cuda.py and its cuda_* companions (it failed `source` on the H100 when it read all)."""
+    from polychip.devices.cuda import CudaPlugin
+    files, own = conformance.plugin_sources(CudaPlugin.__new__(CudaPlugin))
+    assert sorted(os.path.basename(f) for f in files) == ["cuda.py", "cuda_attention.py", "cuda_graphs.py"]
+    assert "polychip.devices.cuda_attention" in own
+    assert [m for f in files for m in conformance.source_problems(f, own)] == []
+    beside = os.path.join(os.path.dirname(files[0]), "spec.py")      # framework code: not plugin API
+    assert conformance.source_problems(beside, own)
 
 
 def test_third_party_plugin_by_path_conforms_and_uses_only_the_api(tmp_path):

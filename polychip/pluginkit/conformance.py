@@ -370,14 +370,15 @@ PUBLIC_MODULES = ("polychip.devices", "polychip.devices.plugin", "polychip.devic
                   "polychip.errors")
 
 
-def source_problems(path: str, own_package: str = "") -> list[str]:
+def source_problems(path: str, own: str | tuple[str, ...] = ()) -> list[str]:
     """Private engine internals a plugin file imports, and monkey-patching it does (by reading its AST).
-    Imports of the plugin's own package (``own_package``, e.g. ``my_chip``) are its own business."""
+    Imports of the plugin's own package or modules (``own``, e.g. ``my_chip``) are its own business."""
     tree = ast.parse(open(path, encoding="utf-8").read(), path)
     modules, problems = set(), []
+    owned = (own,) if isinstance(own, str) else own
 
     def private(module: str) -> bool:
-        mine = own_package and (module == own_package or module.startswith(own_package + "."))
+        mine = any(o and (module == o or module.startswith(o + ".")) for o in owned)
         return module.startswith("polychip.") and module not in PUBLIC_MODULES and not mine
 
     for node in ast.walk(tree):
@@ -416,29 +417,39 @@ def _patches(node: ast.AST, modules: set[str]) -> list[str]:
     return found
 
 
-def plugin_sources(plugin: DevicePlugin) -> tuple[list[str], str]:
+#: the framework's package where built-in single-module plugins (cuda.py) live beside framework code
+BUILTIN_PLUGIN_PACKAGE = "polychip.devices"
+
+
+def plugin_sources(plugin: DevicePlugin) -> tuple[list[str], tuple[str, ...]]:
     """The plugin's source files (its class's module, or every module of the package holding it)
-    and that package's name ("" for a single-file plugin)."""
+    and the modules it owns. A built-in module plugin in ``polychip.devices`` owns its module and its
+    ``<name>_*`` companions (cuda.py: cuda_graphs.py, cuda_attention.py), not the framework beside them."""
     module = sys.modules[type(plugin).__module__]
     path = inspect.getsourcefile(module)
     package = module.__package__ or ""
     if not path:
-        return [], package
+        return [], (package,)
     if not package:
-        return [path], ""
+        return [path], ()
+    if package == BUILTIN_PLUGIN_PACKAGE:
+        stem = pathlib.Path(path).stem
+        files = sorted(str(f) for f in pathlib.Path(path).parent.glob("*.py")
+                       if f.stem == stem or f.stem.startswith(stem + "_"))
+        return files, tuple(f"{package}.{pathlib.Path(f).stem}" for f in files)
     root = os.path.dirname(path)
-    return sorted(str(f) for f in pathlib.Path(root).rglob("*.py")), package
+    return sorted(str(f) for f in pathlib.Path(root).rglob("*.py")), (package,)
 
 
 def check_source(target: Target) -> str:
     """The plugin's source imports only the public plugin API and monkey-patches nothing."""
     p = target.open()
     try:
-        files, package = plugin_sources(p)
+        files, own = plugin_sources(p)
     finally:
         p.destroy()
     _require(bool(files), f"no source file found for {type(p).__qualname__}; the kit reads the source")
-    problems = [f"{f}: {msg}" for f in files for msg in source_problems(f, package)]
+    problems = [f"{f}: {msg}" for f in files for msg in source_problems(f, own)]
     _require(not problems, f"{len(problems)} source problem(s): " + "; ".join(problems))
     return f"{len(files)} source file(s) import only the plugin API and patch nothing"
 
