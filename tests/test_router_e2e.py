@@ -133,8 +133,9 @@ def test_killing_a_replica_loses_no_request_and_it_comes_back(fleet):
     # the supervisor restarts it and it serves again
     wait_for(lambda: any(r["name"] == "sim-0" and r["up"] and r["restarts"] >= 1 for r in fleet.replicas()),
              120, "sim-0 restarted")
+    before = [r for r in fleet.replicas() if r["name"].startswith("sim-")]
     again = asyncio.run(_many(fleet.url, 8, preferred_device_types=["simxpu"]))
-    assert all(o == "ok" for *_, o in again) and any(r == "sim-0" for r, *_ in again)
+    assert all(o == "ok" for *_, o in again) and any(r == "sim-0" for r, *_ in again), (again, before)
 
 
 def _prefix_workload(url, groups=3, per_group=6):
