@@ -322,3 +322,28 @@ def test_an_earlier_build_is_imported_directly_and_a_broken_one_is_rebuilt(tmp_p
     assert "did not import" in caplog.text and "building again" in caplog.text
     built = kernels.__file__                                   # this process's module came from its build folder
     assert cpu_kernels._import_built(kernels.__name__, built).linear_tiles is not None
+
+
+@pytest.mark.parametrize("n", [1, 8, 23, 48, 49, 100, 3072])
+def test_decode_row_linears_cover_every_weight_row_in_thread_shares(n):
+    """At M = 1 each intra-op thread walks its own share of the weight-row chunks, then helps with the
+    other's: every row computed once, with the bits one thread gives (N below, at and off the chunk and
+    tile sizes, an odd number of chunks to share)."""
+    from polychip.quant.int8 import quantize_int8
+    torch.manual_seed(n)
+    k = 576 if n < 3072 else 1536
+    x, w, b = torch.randn(1, k), torch.randn(n, k), torch.randn(n)
+    q, s = quantize_int8(w)
+    before = torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            results.append((kernels.linear_tiles(x, w, b), kernels.linear_int8_tiles(x, q, s, b)))
+    finally:
+        torch.set_num_threads(before)
+    (f1, i1), (f2, i2) = results
+    tol = dict(atol=1e-4 * (k / 100) ** 0.5, rtol=1e-5)
+    torch.testing.assert_close(f2, F.linear(x, w, b), **tol)
+    torch.testing.assert_close(i2, F.linear(x, q.float() * s.unsqueeze(1), b), **tol)
+    assert torch.equal(f1, f2) and torch.equal(i1, i2)

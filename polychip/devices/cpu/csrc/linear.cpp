@@ -197,11 +197,14 @@ torch::Tensor tiles(const torch::Tensor& x, const WT* wp, const float* scale, co
   // block run against the whole chunk before the next (without blocks, every tile of weight rows
   // streamed all of x from L3); decode-sized M: one block
   const int64_t mb = M <= kTilesOneBlockM ? M : std::max<int64_t>(16, (262144 / 4 / K) / Vec::MR * Vec::MR);
-  for_each_chunk((N + rows - 1) / rows, [&](int64_t c) {
+  const auto chunk = [&](int64_t c) {
     for (int64_t m0 = 0; m0 < M; m0 += mb)
       tile_rows<WT>(xp + m0 * K, wp, yp + m0 * N, bp, scale, std::min(mb, M - m0), N, K, c * rows,
                     std::min(N, (c + 1) * rows), MR, NR);
-  });
+  };
+  // M = 1 reads each weight once with one FMA: bandwidth-bound, so each thread walks its own share
+  if (M == 1) for_each_chunk_owned((N + rows - 1) / rows, chunk);
+  else for_each_chunk((N + rows - 1) / rows, chunk);
   return y;
 }
 
