@@ -11,7 +11,7 @@
 # and call the device tool with the command `bash benchmarks/gpu_check.sh`. Everything lands in $OUT.
 set -uo pipefail
 SECONDS=0
-STEPS=${STEPS:-12345}      # STEPS=23 reruns steps 2 and 3 only
+STEPS=${STEPS:-1234567}      # STEPS=23 reruns steps 2 and 3 only
 step() { echo "== $1 at ${SECONDS}s"; }
 wants() { [[ $STEPS == *$1* ]]; }
 OUT=${OUT:-/tmp/out}
@@ -36,7 +36,7 @@ timeout 150 python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_engin
     | tee "$OUT/pytest-cuda.log" | tail -30
 fi
 
-if wants 3 || wants 4 || wants 5; then
+if wants 3 || wants 4 || wants 5 || wants 6 || wants 7; then
 # random weights in SmolLM2-135M's layers, with the tests' Qwen3 tokenizer and vocabulary
 MODEL=/tmp/smollm2-shape
 python3 - "$MODEL" <<'PY'
@@ -79,6 +79,20 @@ step "5"
 # 5. where the GPU time of that workload goes: kernels and host ops under torch.profiler
 PYTHONUNBUFFERED=1 timeout 120 python3 benchmarks/cuda_profile.py "$MODEL" --output-len 64 2>&1 \
     | tee "$OUT/cuda-profile.log" | grep -v " INFO "
+fi
+
+if wants 6; then
+step "6"
+# 6. the host side of the same workload (cProfile; 128 tokens, so decode steps dominate)
+PYTHONUNBUFFERED=1 timeout 120 python3 benchmarks/cuda_profile.py "$MODEL" --output-len 128 --host 2>&1 \
+    | tee "$OUT/cuda-host-profile.log" | grep -v " INFO "
+fi
+
+if wants 7; then
+step "7"
+# 7. the decode step's kernels one by one: eager (a graph's kernels are not traced singly), 128 tokens
+PYTHONUNBUFFERED=1 timeout 120 python3 benchmarks/cuda_profile.py "$MODEL" --output-len 128 --eager 2>&1 \
+    | tee "$OUT/cuda-eager-profile.log" | grep -v " INFO "
 fi
 
 step end

@@ -4,7 +4,7 @@
    slower, each pinned to its own core, SmolLM2-135M float32, 16 streams of 128 + 32 tokens): the
    calibrated plan, then the even split and the cpu-stage counts of --splits (default 23..29, around
    the best of the full sweep in docs/pipeline-parallel.md; the planned count is added when outside),
-   each served and measured.
+   each served --sweep-rounds times in turn and judged by its median (the even split once).
 2. Pipeline efficiency (pp_efficiency.py's setting: two equal stages cpu:0,cpu:1 pinned to cores 0 and 1
    against two plain replicas pinned to the same cores, 16 streams of 800 + 128 tokens): the replicas,
    the group on the calibrated plan's split and the group on the even split all started once (an idle
@@ -34,19 +34,28 @@ COMMON = ["--num-threads", "1", "--max-total-tokens", "16384", "--chunked-prefil
 PP_EQUAL = ["--pp-size", "2", "--pp-devices", "cpu:0,cpu:1", "--device-config", CPU2]
 
 
-def planner_vs_best(splits: list[int], wl: tuple[int, int]) -> dict:
+def planner_vs_best(splits: list[int], wl: tuple[int, int], sweep_rounds: int) -> dict:
     flags = pp_uneven.STAGES + ["--streams", str(pp_uneven.STREAMS), "--input-len", str(wl[0]), "--output-len",
                                 str(wl[1]), "--num-threads", "1", "--dtype", "float32", "--chunked-prefill-size", "512"]
     plan = plan_json(flags + ["--calibrate"])
     layers, planned = sum(plan["counts"]), plan["counts"][0]
     even = layers // 2
     print(f"planner (calibrated): {plan['counts']}; even {even},{layers - even}", flush=True)
-    sweep = sorted(set(splits) | {planned, even})
-    runs = {n: pp_uneven.throughput(n, layers, wl) for n in sweep}
-    results = {n: r["tok_s"] for n, r in runs.items()}
+    sweep = sorted(set(splits) | {planned})
+    # each split served sweep_rounds times, in turn (a single ~5 s run moved a split by up to 20%): the median
+    runs = {n: [] for n in sweep}
+    for _ in range(sweep_rounds):
+        for n in sweep:
+            runs[n].append(pp_uneven.throughput(n, layers, wl))
+    even_run = pp_uneven.throughput(even, layers, wl) if even not in runs else None
+    results = {n: statistics.median(r["tok_s"] for r in rs) for n, rs in runs.items()}
     best = max(results, key=results.get)
-    out = {"plan": plan, "tok_s": results, "stages": {n: r["stages"] for n, r in runs.items()}, "best": best, "planned": planned, "planned_vs_best": results[planned] /
-           results[best], "planned_vs_even": results[planned] / results[even]}
+    even_tok_s = results[even] if even_run is None else even_run["tok_s"]
+    out = {"plan": plan, "tok_s": results, "tok_s_runs": {n: [r["tok_s"] for r in rs] for n, rs in runs.items()},
+           "even_tok_s": even_tok_s, "stages": {n: rs[-1]["stages"] for n, rs in runs.items()}, "best": best,
+           "planned": planned, "planned_vs_best": results[planned] / results[best],
+           "planned_vs_even": results[planned] / even_tok_s}
+    print("medians: " + "  ".join(f"{n} {v:.1f}" for n, v in results.items()), flush=True)
     print(f"planned {planned}: {out['planned_vs_best']:.3f}x the best ({best}), {out['planned_vs_even']:.2f}x the "
           f"even split", flush=True)
     return out
@@ -92,11 +101,12 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--splits", default="23,24,25,26,27,28,29", help="cpu-stage layer counts to serve")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--sweep-rounds", type=int, default=3, help="times each split of the sweep is served (median)")
     p.add_argument("--skip", choices=["planner", "efficiency"], default=None)
     args = p.parse_args()
     out, t0 = {}, time.perf_counter()
     if args.skip != "planner":
-        out["planner"] = planner_vs_best([int(s) for s in args.splits.split(",")], (128, 32))
+        out["planner"] = planner_vs_best([int(s) for s in args.splits.split(",")], (128, 32), args.sweep_rounds)
         print(f"[{time.perf_counter() - t0:.0f} s]", flush=True)
     if args.skip != "efficiency":
         out["efficiency"] = efficiency(args.rounds)

@@ -1,29 +1,35 @@
 """Three benchmark clients against one server: GuideLLM and AIPerf (third parties, from the tool
-virtualenv ``.venv-bench``: ``make bench-tools``) and our ``polychip bench serving``, on the same
-synthetic load (random prompts of ``--input-len`` tokens, exactly ``--output-len`` output tokens:
-each client asks for it with ``ignore_eos`` and ``min_tokens``), at each ``--concurrency``.
+virtualenv ``.venv-bench``: ``make bench-tools``) and our ``polychip bench serving``, on one workload:
+the same prompts of exactly ``--input-len`` tokens (one list, written in each client's file format by
+``client_workload.py``), the same request fields (greedy, ``ignore_eos`` and ``min_tokens`` for exactly
+``--output-len`` tokens, streamed ``/v1/completions`` with usage), every client counting the server's
+usage, and the server's prefix cache flushed before each client. Each client runs in its lightest mode.
 
-    .venv/bin/python benchmarks/third_party_clients.py --server polychip --json docs/bench/clients-polychip.json
-    .venv/bin/python benchmarks/third_party_clients.py --server llama.cpp --concurrency 1,4 --requests 8
+    .venv/bin/python benchmarks/third_party_clients.py --server polychip --server-cpus 0 --client-cpus 1
+    .venv/bin/python benchmarks/third_party_clients.py --server llama.cpp --concurrency 1,4 --requests 1,4
 
 ``--server polychip`` starts ``polychip serve`` (the embedded SmolLM2 GGUF, int8 weights and a
 bfloat16 KV cache unless ``--serve-args`` says otherwise); ``--server llama.cpp`` starts
-llama-cpp-python's own OpenAI server (``polychip[llamacpp]``) on the same GGUF. Every client reads
-the local tokenizer (no download) and streams ``/v1/completions``. Prints per concurrency and client
-the output tokens/s, mean TTFT and mean inter-token latency, and the spread of the three clients'
-throughputs (max / min - 1).
+llama-cpp-python's own OpenAI server (``polychip[llamacpp]``) on the same GGUF. ``--server-cpus`` and
+``--client-cpus`` pin the two apart (on 2 cores a client next to the server slows what it measures).
+Prints per concurrency and client the output tokens/s, mean TTFT and inter-token latency, the CPU the
+client and the server used, and the spread of the three clients' throughputs (max / min - 1).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import resource
 import shlex
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
+
+from polychip.bench.datasets import load_tokenizer
+from client_workload import CpuSampler, busy_share, cpu_seconds, exact_prompts, write_datasets
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 BENCH_BIN = os.path.join(ROOT, ".venv-bench", "bin")
@@ -37,17 +43,25 @@ def local_model() -> tuple[str, str]:
     return gguf.default_gguf_path(), resolve_model_dir(None)[0]
 
 
-def start_server(kind: str, port: int, gguf_path: str, serve_args: str, log) -> subprocess.Popen:
+def server_command(kind: str, port: int, gguf_path: str, serve_args: str, threads: int) -> list[str]:
     if kind == "polychip":
-        cmd = [os.path.join(ROOT, ".venv", "bin", "polychip"), "serve", "--port", str(port),
-               "--served-model-name", MODEL_NAME, *shlex.split(serve_args)]
-    else:
-        cmd = [sys.executable, "-m", "llama_cpp.server", "--model", gguf_path, "--model_alias", MODEL_NAME,
-               "--port", str(port), "--n_ctx", "4096", "--n_threads", str(os.cpu_count()), "--n_batch", "512",
-               # by default a new request cuts the one being served short: at concurrency > 1 the clients
-               # would count truncated answers (aiperf saw 519 of 4,096 tokens at 16); queue them instead
-               "--interrupt_requests", "False"]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        args = shlex.split(serve_args)
+        return [os.path.join(ROOT, ".venv", "bin", "polychip"), "serve", "--port", str(port),
+                "--served-model-name", MODEL_NAME, *args, *([] if "--num-threads" in args else ["--num-threads", str(threads)])]
+    return [sys.executable, "-m", "llama_cpp.server", "--model", gguf_path, "--model_alias", MODEL_NAME,
+            "--port", str(port), "--n_ctx", "4096", "--n_threads", str(threads), "--n_batch", "512",
+            # by default a new request cuts the one being served short: at concurrency > 1 the clients
+            # would count truncated answers (aiperf saw 519 of 4,096 tokens at 16); queue them instead
+            "--interrupt_requests", "False"]
+
+
+def start_server(kind: str, port: int, gguf_path: str, serve_args: str, log, cpus: set[int] | None = None) -> subprocess.Popen:
+    """The server, on ``cpus`` (all by default) with as many compute threads as it has cores there."""
+    threads = len(cpus) if cpus else (os.cpu_count() or 1)
+    cmd = server_command(kind, port, gguf_path, serve_args, threads)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
     deadline = time.time() + 300
     while time.time() < deadline:
         if proc.poll() is not None:
@@ -57,66 +71,132 @@ def start_server(kind: str, port: int, gguf_path: str, serve_args: str, log) -> 
         except OSError:
             time.sleep(1)
             continue
-        warm = json.dumps({"model": MODEL_NAME, "prompt": "Hello, hello, hello.", "max_tokens": 8}).encode()
-        urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", warm,
-                                                      {"Content-Type": "application/json"}), timeout=120).read()
+        post(f"http://127.0.0.1:{port}", "/v1/completions", {"model": MODEL_NAME, "prompt": "Hello, hello.", "max_tokens": 8})
         return proc      # answered, and warmed: a first request's one-time costs are no client's figure
     proc.kill()
     raise SystemExit(f"{kind} server did not answer in 300 s")
 
 
-def run(cmd: list[str], log) -> None:
-    log.write(("$ " + " ".join(shlex.quote(c) for c in cmd) + "\n").encode())
-    log.flush()
+def client_env() -> dict:
     # AIPerf in HF offline mode reads a tokenizer name as a hub id in the cache, never as a folder: the
     # clients get the folder's path with offline mode off (a local folder loads without the network)
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
-    subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=True, env=env)
+    env["GUIDELLM__MAX_WORKER_PROCESSES"] = "1"     # its lightest mode: one worker process, async inside
+    return env
 
 
-def ours(url, tok, c, n, a, out, log) -> dict:
+SAMPLER: list[CpuSampler] = []       # the sampler of the client run in progress, if any
+
+
+def run(cmd: list[str], log) -> None:
+    log.write(("$ " + " ".join(shlex.quote(c) for c in cmd) + "\n").encode())
+    log.flush()
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=client_env())
+    if SAMPLER:
+        SAMPLER[0].client_pid = proc.pid
+    if proc.wait():
+        raise subprocess.CalledProcessError(proc.returncode, cmd)
+
+
+def ours(url, tok, c, n, a, data, out, log) -> dict:
     run([os.path.join(ROOT, ".venv", "bin", "polychip"), "bench", "serving", "--base-url", url, "--model", MODEL_NAME,
          "--concurrency", str(c), "--num-prompts", str(n), "--input-len", str(a.input_len), "--output-len",
-         str(a.output_len), "--out-dir", out, "--name", "ours", "--no-progress", "--seed", "0"], log)
+         str(a.output_len), "--dataset", "sharegpt-like", data["ours"], "--tokenizer", tok,
+         "--out-dir", out, "--name", "ours", "--no-progress", "--seed", "0"], log)
     step = json.load(open(os.path.join(out, "ours.json")))["steps"][0]
     return {"output_tok_s": step["output_throughput"], "ttft_ms": step["ttft_ms"]["mean"],
-            "itl_ms": step["itl_ms"]["mean"], "completed": step["completed"], "output_tokens": step["output_tokens"]}
+            "itl_ms": step["itl_ms"]["mean"], "completed": step["completed"], "output_tokens": step["output_tokens"],
+            "input_tokens": step["input_tokens"], "duration_s": step["duration_s"]}
 
 
-def aiperf(url, tok, c, n, a, out, log) -> dict:
-    run([os.path.join(BENCH_BIN, "aiperf"), "profile", "--model", MODEL_NAME, "--url", url, "--endpoint-type",
+def aiperf_command(url, tok, c, n, a, data, out) -> list[str]:
+    return [os.path.join(BENCH_BIN, "aiperf"), "profile", "--model", MODEL_NAME, "--url", url, "--endpoint-type",
          "completions", "--streaming", "--tokenizer", tok, "--concurrency", str(c), "--request-count", str(n),
-         "--prompt-input-tokens-mean", str(a.input_len), "--prompt-input-tokens-stddev", "0",
-         "--prompt-output-tokens-mean", str(a.output_len), "--prompt-output-tokens-stddev", "0",
+         "--input-file", data["aiperf"], "--custom-dataset-type", "single_turn",
+         "--dataset-sampling-strategy", "sequential",
+         # the server's usage where it sends one (llama-cpp-python's streams carry none: AIPerf then
+         # reports no throughput), else AIPerf re-tokenises the streamed text (2,027 of 2,048 in run A)
+         *(["--use-server-token-count"] if getattr(a, "server_usage", True) else []),
+         # greedy as ours sends it: without it the server samples at its default temperature (1.0), which
+         # cost ~1 ms a token more at concurrency 1 and 16% more server CPU at 16 (run Q1 in docs/bench)
+         "--extra-inputs", "temperature:0.0",
          "--extra-inputs", "ignore_eos:true", "--extra-inputs", f"min_tokens:{a.output_len}",
-         "--random-seed", "0", "--output-artifact-dir", out, "--ui-type", "none"], log)
+         # its lightest mode: one worker, one record processor, no polling of the server's /metrics
+         "--workers-max", "1", "--record-processors", "1", "--no-server-metrics",
+         "--random-seed", "0", "--output-artifact-dir", out, "--ui-type", "none"]
+
+
+def aiperf(url, tok, c, n, a, data, out, log) -> dict:
+    run(aiperf_command(url, tok, c, n, a, data, out), log)
     found = [os.path.join(d, f) for d, _, fs in os.walk(out) for f in fs if f.endswith("aiperf.json")]
-    m = json.load(open(found[0]))
-    return {"output_tok_s": m["output_token_throughput"]["avg"], "ttft_ms": m["time_to_first_token"]["avg"],
-            "itl_ms": m["inter_token_latency"]["avg"], "completed": m["request_count"]["avg"],
-            "output_tokens": m.get("total_output_tokens", {}).get("avg")}
+    return aiperf_figures(json.load(open(found[0])))
 
 
-def guidellm(url, tok, c, n, a, out, log) -> dict:
+def aiperf_figures(m: dict) -> dict:
+    """output_token_throughput = total output tokens / (last response - first request)."""
+    avg = lambda name: m.get(name, {}).get("avg")  # noqa: E731
+    return {"output_tok_s": avg("output_token_throughput"), "ttft_ms": avg("time_to_first_token"),
+            "itl_ms": avg("inter_token_latency"), "completed": avg("request_count"),
+            "output_tokens": avg("total_output_tokens"), "input_tokens": avg("total_isl"),
+            "duration_s": avg("benchmark_duration")}      # its JSON gives seconds
+
+
+def guidellm(url, tok, c, n, a, data, out, log) -> dict:
     path = os.path.join(out, "guidellm.json")
     run([os.path.join(BENCH_BIN, "guidellm"), "run",
          "--backend", f"kind=openai_http,target={url},model={MODEL_NAME},request_format=/v1/completions,validate_backend=false,"
-                      f"extras.body.min_tokens={a.output_len}",
+                      f"extras.body.min_tokens={a.output_len},extras.body.temperature=0.0",    # greedy, as the others
          "--profile", f"kind=concurrent,streams[0]={c}", "--constraint", f"kind=max_requests,count={n}",
-         "--data", f"kind=synthetic_text,prompt_tokens={a.input_len},output_tokens={a.output_len}",
+         "--data", f"kind=json_file,path={data['guidellm']}",
          "--tokenizer", f"kind=hf_auto,model={tok}", "--seed", "kind=static,value=0",
          "--output", f"kind=json,path={path}", "--disable-progress"], log)
     return guidellm_figures(json.load(open(path)))
 
 
 def guidellm_figures(report: dict) -> dict:
-    metrics = report["benchmarks"][0]["metrics"]
+    """output_tokens_per_second's mean is weighted by time: its output tokens / its measured window."""
+    bench = report["benchmarks"][0]
+    metrics = bench["metrics"]
 
     def mean(name):
         return metrics[name]["successful"]["mean"]
+
+    def total(name):
+        return (metrics.get(name) or {}).get("successful", {}).get("total_sum")
     return {"output_tok_s": mean("output_tokens_per_second"), "ttft_ms": mean("time_to_first_token_ms"),
             "itl_ms": mean("inter_token_latency_ms"), "completed": metrics["request_totals"]["successful"],
-            "output_tokens": None}
+            "output_tokens": total("output_token_count"), "input_tokens": total("prompt_token_count"),
+            "duration_s": bench.get("duration")}
+
+
+def reset(url: str, kind: str) -> None:
+    """Every client starts on an equally cold server: polychip's prefix cache is flushed; llama-cpp-python
+    keeps only the last prompt's tokens, which a short unrelated request replaces."""
+    post(url, "/v1/completions", {"model": MODEL_NAME, "prompt": "Reset: one, two.", "max_tokens": 2})
+    if kind == "polychip":
+        post(url, "/flush_cache", {})
+
+
+def post(url: str, path: str, body: dict) -> bytes:
+    req = urllib.request.Request(url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    return urllib.request.urlopen(req, timeout=120).read()
+
+
+def measured(fn, server_pid: int, *args) -> dict:
+    """The client's figures, its wall time, and the CPU seconds it and the server spent meanwhile."""
+    before_client = resource.getrusage(resource.RUSAGE_CHILDREN)
+    before_server, t = cpu_seconds(server_pid), time.time()
+    with CpuSampler(server_pid) as sampler:
+        SAMPLER[:] = [sampler]
+        try:
+            row = fn(*args)
+        finally:
+            SAMPLER.clear()
+    after_client = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = lambda r: r.ru_utime + r.ru_stime  # noqa: E731
+    return {**row, "wall_s": round(time.time() - t, 1), "client_cpu_s": round(cpu(after_client) - cpu(before_client), 1),
+            "server_cpu_s": round(cpu_seconds(server_pid) - before_server, 1),
+            "while_server_busy": busy_share(sampler.samples)}
 
 
 CLIENTS = {"polychip bench serving": ours, "aiperf": aiperf, "guidellm": guidellm}
@@ -128,29 +208,43 @@ def main() -> None:
     ap.add_argument("--serve-args", default="--quantization int8 --kv-cache-dtype bfloat16 --max-running-requests 16")
     ap.add_argument("--port", type=int, default=31999)
     ap.add_argument("--concurrency", default="1,4,16")
-    ap.add_argument("--requests", type=int, default=None, help="requests per concurrency (default: 2 x concurrency, 2 to 16, "
-                    "at least 2)")
+    ap.add_argument("--requests", default=None, help="requests per concurrency: one number, or one per --concurrency "
+                    "(default: 2 x concurrency, 2 to 16)")
     ap.add_argument("--input-len", type=int, default=800)
     ap.add_argument("--output-len", type=int, default=512)
     ap.add_argument("--clients", default=",".join(CLIENTS))
     ap.add_argument("--json", default=None)
+    ap.add_argument("--server-cpus", default=None, help="cores for the server, e.g. 0 (default: all)")
+    ap.add_argument("--client-cpus", default=None, help="cores for the clients and this script, e.g. 1 (default: all): "
+                    "on a small machine a client on the server's cores slows the server it measures")
     a = ap.parse_args()
+    cpus = lambda text: {int(c) for c in text.split(",")} if text else None  # noqa: E731
+    server_cpus, client_cpus = cpus(a.server_cpus), cpus(a.client_cpus)
+    if client_cpus:
+        os.sched_setaffinity(0, client_cpus)       # the clients inherit it
     gguf_path, tok = local_model()
     work = tempfile.mkdtemp(prefix="clients-")
     log = open(os.path.join(work, "log.txt"), "wb")
     print(f"log: {log.name}", flush=True)
     url = f"http://127.0.0.1:{a.port}"
-    proc = start_server(a.server, a.port, gguf_path, a.serve_args, log)
+    proc = start_server(a.server, a.port, gguf_path, a.serve_args, log, server_cpus)
+    concurrencies = [int(c) for c in a.concurrency.split(",")]
+    counts = [int(n) for n in a.requests.split(",")] if a.requests else [max(2, min(2 * c, 16)) for c in concurrencies]
+    counts = counts * len(concurrencies) if len(counts) == 1 else counts
+    if len(counts) != len(concurrencies):
+        raise SystemExit(f"--requests gives {len(counts)} counts for {len(concurrencies)} concurrencies")
+    a.server_usage = a.server == "polychip"      # whether its streams end with a usage record
+    prompts = exact_prompts(load_tokenizer(tok), max(counts), a.input_len)
     rows = []
     try:
-        for c in map(int, a.concurrency.split(",")):
-            n = a.requests or max(2, min(2 * c, 16))
+        for c, n in zip(concurrencies, counts):
+            data = write_datasets(prompts[:n], a.output_len, os.path.join(work, f"data-{c}"))
             for name in a.clients.split(","):
                 out = tempfile.mkdtemp(dir=work)
+                reset(url, a.server)
                 load = os.getloadavg()[0]
-                t = time.time()
                 row = {"server": a.server, "client": name, "concurrency": c, "requests": n,
-                       **CLIENTS[name](url, tok, c, n, a, out, log), "wall_s": round(time.time() - t, 1),
+                       **measured(CLIENTS[name], proc.pid, url, tok, c, n, a, data, out, log),
                        "load_avg": [round(load, 2), round(os.getloadavg()[0], 2)]}
                 print(json.dumps(row), flush=True)
                 rows.append(row)
@@ -158,8 +252,9 @@ def main() -> None:
         proc.terminate()
         proc.wait(30)
     for c in sorted({r["concurrency"] for r in rows}):
-        rates = [r["output_tok_s"] for r in rows if r["concurrency"] == c]
-        print(f"concurrency {c}: client spread {max(rates) / min(rates) - 1:.1%}")
+        rates = [r["output_tok_s"] for r in rows if r["concurrency"] == c and r["output_tok_s"]]
+        if rates:
+            print(f"concurrency {c}: client spread {max(rates) / min(rates) - 1:.1%}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -139,8 +139,8 @@ class FakeReplica:
                                              **({"delta": {}} if chat else {"text": ""})}]})
                     if (body.get("stream_options") or {}).get("include_usage"):    # as polychip serve
                         yield _sse({"choices": [], "usage": usage})
+                    self.served += 1      # before [DONE]: the router answers a gathered JSON request on it
                     yield "data: [DONE]\n\n"
-                    self.served += 1
                     await asyncio.sleep(self.tail)
                 finally:
                     self.inflight -= 1

@@ -224,27 +224,54 @@ def test_breaker_opens_on_failures_in_a_row_or_a_failure_rate_and_probes_back():
     now = [0.0]
     b = Breaker(BreakerConfig(failure_threshold=3, open_seconds=10, min_requests=10, failure_rate=0.5),
                 "r", clock=lambda: now[0])
-    for ok in (False, False, True, False, False):
-        b.record(ok)
+    for key, ok in enumerate((False, False, True, False, False)):
+        b.record(ok, "", key)
     assert b.state == "closed"                   # a success broke the run
-    b.record(False)
+    b.record(False, "", 5)
     assert b.state == "open" and not b.allows() and "3 failures in a row" in b.reason
     now[0] = 10.0
     assert b.state == "half_open" and b.allows()
-    b.started()
+    b.started(6)
     assert not b.allows()                        # one probe at a time
-    b.record(True)
-    b.started()
-    b.record(True)
+    b.record(True, "", 6)
+    b.started(7)
+    b.record(True, "", 7)
     assert b.state == "closed"
     for i in range(10):                          # every other request fails: the rate ejects it
-        b.record(i % 2 == 0)
+        b.record(i % 2 == 0, "", 10 + i)
     assert b.state == "open" and "failure rate" in b.reason
     b.came_back(now[0] + 1)                      # the health check saw it restart
     assert b.state == "half_open"
-    b.started()
-    b.record(False)
+    b.started(30)
+    b.record(False, "", 30)
     assert b.state == "open"
+
+
+def test_only_a_probes_outcome_decides_a_half_open_circuit():
+    """A request sent before the circuit went half-open (one that died with the old process) ending in
+    half-open neither reopens it nor frees a probe's place; a probe that ends with no verdict frees it."""
+    from polychip.router.fleet.breaker import Breaker
+    from polychip.router.settings import BreakerConfig
+    now = [0.0]
+    b = Breaker(BreakerConfig(failure_threshold=1, open_seconds=30, success_threshold=2), "r", clock=lambda: now[0])
+    b.started(1)                                 # sent while closed
+    b.started(2)
+    b.record(False, "connection reset", 3)
+    assert b.state == "open"
+    b.came_back(now[0] + 1)
+    assert b.state == "half_open"
+    b.started(4)                                 # the probe
+    b.record(True, "", 1)                        # an old request's success: not the probe's
+    assert not b.allows() and b.state == "half_open"
+    b.record(False, "stream broke", 2)           # an old request's failure: the circuit stays half-open
+    assert b.state == "half_open" and b.probes == 1
+    b.neutral(4)                                 # the probe's client left: no verdict, its place is free
+    assert b.allows()
+    b.started(5)
+    b.record(True, "", 5)
+    b.started(6)
+    b.record(True, "", 6)
+    assert b.state == "closed"
 
 
 def test_retry_budget_and_wilson_bounds():

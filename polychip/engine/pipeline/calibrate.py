@@ -3,14 +3,14 @@
 Each device is opened in turn through its plugin, loads layer 0 of the model (stage 0's device also
 the embedding, final norm and lm_head), and runs the workload's two shapes through that layer with
 the ops it resolves: a decode micro-batch (its rows at the average context) and a prefill chunk;
-stage 0's device also times the head on the sampled rows. The median of a few runs, after a
-warm-up, replaces that device's declared figures in the plan (cost.py).
+stage 0's device also times the head on the sampled rows. The fastest of a few runs, after a
+warm-up (another process on the core only ever adds time), replaces that device's declared figures
+in the plan (cost.py).
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
-import statistics
 import time
 
 import numpy as np
@@ -47,7 +47,7 @@ def _prefill_batch(tokens: int, page: int) -> HostBatch:
                      np.array([tokens - 1], dtype=np.int64), [(0, tokens, tokens, pages)])
 
 
-def _median_seconds(plugin, fn, repeats: int) -> float:
+def _best_seconds(plugin, fn, repeats: int) -> float:
     fn()
     plugin.synchronize()
     times = []
@@ -56,10 +56,10 @@ def _median_seconds(plugin, fn, repeats: int) -> float:
         fn()
         plugin.synchronize()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return min(times)
 
 
-def measure(config: EngineConfig, device: str, dtype: str, shapes: Shapes, first: bool, repeats: int = 5) -> dict:
+def measure(config: EngineConfig, device: str, dtype: str, shapes: Shapes, first: bool, repeats: int = 7) -> dict:
     """Seconds of one layer (and of the head, on stage 0's device) at ``shapes`` on ``device``."""
     model_dir, _ = resolve_model_dir(config.model_path, config.cache_dir)
     mc = read_config(model_dir)
@@ -85,15 +85,15 @@ def measure(config: EngineConfig, device: str, dtype: str, shapes: Shapes, first
             n = len(host.input_ids)
             payload = plugin.to_device(torch.randn(2, n, mc.hidden_size).to(loaded.dtype))
             batch = runner.to_device(host)
-            out[f"{name}_layer"] = _median_seconds(plugin, lambda: runner.forward(batch, payload), repeats)
-            out[f"{name}_step"] = _median_seconds(plugin, lambda: runner.to_device(host), repeats)   # per micro-batch
+            out[f"{name}_layer"] = _best_seconds(plugin, lambda: runner.forward(batch, payload), repeats)
+            out[f"{name}_step"] = _best_seconds(plugin, lambda: runner.to_device(host), repeats)   # per micro-batch
             rows = shapes.decode_rows if name == "decode" else shapes.prefill_rows
             if first:
                 with torch.inference_mode():
-                    out[f"{name}_head"] = _median_seconds(
+                    out[f"{name}_head"] = _best_seconds(
                         plugin, lambda: stage_model.head(loaded.model, payload[0, :rows], payload[1, :rows]), repeats)
                     logits = stage_model.head(loaded.model, payload[0, :rows], payload[1, :rows])
-                    out[f"{name}_step"] += _median_seconds(       # sampling: logprobs and the greedy pick
+                    out[f"{name}_step"] += _best_seconds(       # sampling: logprobs and the greedy pick
                         plugin, lambda: torch.log_softmax(logits.float(), -1).max(-1), repeats)
             else:
                 out[f"{name}_head"] = 0.0

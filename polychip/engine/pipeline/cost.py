@@ -22,7 +22,7 @@ from polychip.quant import int8
 
 DTYPE_KEYS = {"float32": "tflops_fp32", "bfloat16": "tflops_bf16", "float16": "tflops_fp16"}
 HOST_LINK = 1e9             # bytes/s assumed between stages whose devices declare no link bandwidth
-MESSAGE_LATENCY = 2e-4      # seconds per stage-to-stage message (three per micro-batch and hop)
+MESSAGE_LATENCY = 2e-4      # seconds per stage-to-stage message (two per micro-batch and hop: control, payload)
 STEP_OVERHEAD = 1e-3        # host seconds per micro-batch on every stage: receive, prepare the batch, send on
 SCHEDULE_OVERHEAD = 3e-3    # stage 0's host seconds per micro-batch: schedule, book the tokens, detokenize
 _LAYER = re.compile(r"^layers\.(\d+)\.")
@@ -200,4 +200,4 @@ def send_seconds(cost: ModelCost, fig: DeviceFigures, tokens: int) -> float:
     busy time (the sends are asynchronous)."""
     if not fig.known:
         return 0.0
-    return 3 * MESSAGE_LATENCY + 2 * tokens * cost.hidden * cost.dtype_bytes / (fig.link or HOST_LINK)
+    return 2 * MESSAGE_LATENCY + 2 * tokens * cost.hidden * cost.dtype_bytes / (fig.link or HOST_LINK)

@@ -114,12 +114,13 @@ class _Setting:
     def memory(self, span: StageSpan) -> dict[str, int]:
         c, lim, dev = self.cost, self.limits, self.devices[span.index]
         nxt = self.devices[(span.index + 1) % len(self.devices)]
+        prev = self.devices[span.index - 1]
         elems = StageLinks.buffer_elements(lim.max_tokens, c.hidden) * c.dtype_bytes
-        direct_out = dev.plugin_name == nxt.plugin_name
+        direct_out, direct_in = dev.plugin_name == nxt.plugin_name, dev.plugin_name == prev.plugin_name
         parts = {"weights": sum(c.layer_bytes[span.start:span.end]) + (c.head_bytes if span.first else 0),
                  "rope": c.rope_bytes,
                  "step buffers": 2 * (lim.int_capacity * 8 + lim.mask_capacity),
-                 "pipeline buffers": elems * (1 + direct_out * (self.depth + 1)),
+                 "pipeline buffers": elems * (1 + direct_in + direct_out * (self.depth + 1)),
                  "activation reserve": activation_bytes(self.mc, lim.max_tokens, lim.max_rows if span.first else 0,
                                                         self.dtype)}
         pages = self.config.max_total_tokens // lim.page_size if self.config.max_total_tokens else 1

@@ -5,7 +5,9 @@ rate over the last ``window`` seconds reaches ``failure_rate`` with at least ``m
 outcomes (outlier ejection: a replica that fails fast under least_load would otherwise draw
 most of the traffic). Open, it gets no requests for ``open_seconds``; then it is half-open:
 ``half_open_probes`` real requests at a time go through, ``success_threshold`` successes close
-it, one failure opens it again. A failure is what the replica did wrong (a 5xx other than an
+it, one failure opens it again. Only a probe's outcome decides there: a request sent before the circuit went
+half-open (say, one that died with the old process) counts in the failure-rate window but neither reopens it
+nor takes a probe's place, so each request is known by its key. A failure is what the replica did wrong (a 5xx other than an
 admission 503, a broken connection, a timeout, an error before the first token); the client's
 own 4xx and a full replica's 503 are not failures.
 
@@ -31,7 +33,8 @@ class Breaker:
         self.cfg, self.name, self.clock = cfg, name, clock
         self._state = CLOSED
         self.opened_at = 0.0
-        self.consecutive_failures = self.probe_successes = self.probes = 0
+        self.consecutive_failures = self.probe_successes = 0
+        self.probing: set = set()          # keys of the requests sent while half-open, not yet ended
         self.outcomes: deque[tuple[float, bool]] = deque()      # (when, ok) within the window
         self.reason = ""
         self.transitions = 0
@@ -42,15 +45,19 @@ class Breaker:
             self._move(HALF_OPEN, "open time over: probing")
         return self._state
 
+    @property
+    def probes(self) -> int:
+        return len(self.probing)
+
     def allows(self) -> bool:
         """May a new request go to this replica now?"""
         state = self.state
         return state == CLOSED or (state == HALF_OPEN and self.probes < self.cfg.half_open_probes)
 
-    def started(self) -> None:
-        """A request was sent (counts against the half-open probe limit)."""
-        if self._state == HALF_OPEN:
-            self.probes += 1
+    def started(self, key) -> None:
+        """Request ``key`` was sent (a probe, against the half-open limit, if the circuit is half-open)."""
+        if self.state == HALF_OPEN:
+            self.probing.add(key)
 
     def came_back(self, at: float) -> None:
         """The health check brought the replica up at ``at`` (e.g. restarted): an open circuit that
@@ -58,16 +65,15 @@ class Breaker:
         if self._state == OPEN and at > self.opened_at:
             self._move(HALF_OPEN, "the health check saw the replica come back")
 
-    def neutral(self) -> None:
-        """A request ended with no verdict on the replica (client gone, replica full)."""
-        if self._state == HALF_OPEN:
-            self.probes = max(0, self.probes - 1)
+    def neutral(self, key) -> None:
+        """Request ``key`` ended with no verdict on the replica (client gone, replica full)."""
+        self.probing.discard(key)
 
-    def record(self, ok: bool, what: str = "") -> None:
+    def record(self, ok: bool, what: str, key) -> None:
+        """Request ``key``'s verdict on the replica."""
         now = self.clock()
-        probing = self._state == HALF_OPEN
-        if probing:
-            self.probes = max(0, self.probes - 1)
+        probing = self._state == HALF_OPEN and key in self.probing
+        self.probing.discard(key)
         self.outcomes.append((now, ok))
         while self.outcomes and now - self.outcomes[0][0] > self.cfg.window:
             self.outcomes.popleft()
@@ -101,7 +107,8 @@ class Breaker:
         log.log(level, "replica %s circuit %s -> %s: %s", self.name, self._state, state, why)
         self._state, self.reason = state, why
         self.transitions += 1
-        self.probes = self.probe_successes = 0
+        self.probing.clear()
+        self.probe_successes = 0
         if state == OPEN:
             self.opened_at = self.clock()
         else:
@@ -111,5 +118,5 @@ class Breaker:
 
     def describe(self) -> dict:
         return {"state": self.state, "reason": self.reason or None, "consecutive_failures": self.consecutive_failures,
-                "window_outcomes": len(self.outcomes),
+                "probes_in_flight": self.probes, "window_outcomes": len(self.outcomes),
                 "window_failures": sum(1 for _, ok in self.outcomes if not ok)}

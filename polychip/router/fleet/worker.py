@@ -93,10 +93,10 @@ class Worker:
         """May a new request go here now: up, not draining, its circuit letting requests through."""
         return self.up and not self.draining and self.breaker.allows()
 
-    def started(self) -> None:
-        """A request was sent here."""
+    def started(self, key: int) -> None:
+        """Request ``key`` was sent here."""
         self.inflight += 1
-        self.breaker.started()
+        self.breaker.started(key)
 
     def released(self) -> None:
         """A request's slot here is free again."""
@@ -122,13 +122,13 @@ class Worker:
         why = "; ".join(_hot_text(h) for h in hot)
         return self.hot_weight, f"device running hot: {why}"
 
-    def record_outcome(self, ok: bool, what: str = "") -> None:
-        """What a request did here (a failure is what the replica did wrong), for the breaker."""
-        self.breaker.record(ok, what)
+    def record_outcome(self, key: int, ok: bool, what: str = "") -> None:
+        """What request ``key`` did here (a failure is what the replica did wrong), for the breaker."""
+        self.breaker.record(ok, what, key)
 
-    def record_neutral(self) -> None:
-        """A request ended with no verdict on the replica (client gone, replica full)."""
-        self.breaker.neutral()
+    def record_neutral(self, key: int) -> None:
+        """Request ``key`` ended with no verdict on the replica (client gone, replica full)."""
+        self.breaker.neutral(key)
 
     def capacity(self, override: int | None) -> int:
         if override is not None:

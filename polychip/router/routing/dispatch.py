@@ -156,7 +156,7 @@ class Dispatcher:
         ahead = sum(j.prompt_tokens for j in replica.jobs.values() if j.first_token_by > now)
         replica.job_started(ticket.key, Job(now, ticket.prompt_tokens, ticket.max_tokens,
                                             ticket.prompt_tokens + ahead, len(replica.jobs) + 1, now + e.ttft_s))
-        replica.started()
+        replica.started(ticket.key)
         self.policy.placed(replica, ticket.prompt)
         return replica
 
@@ -237,6 +237,7 @@ class Dispatcher:
         if fut.done() and not fut.cancelled() and fut.exception() is None:
             ticket = entry.item[0]
             fut.result().job_ended(ticket.key)
+            fut.result().record_neutral(ticket.key)
             self.release(fut.result())        # placed just as we gave up: hand the slot on
         else:
             fut.cancel()
@@ -245,9 +246,9 @@ class Dispatcher:
         replica.released()
         self.pump()
 
-    def outcome(self, replica: Worker, ok: bool, what: str = "") -> None:
-        """What a request did on ``replica``, for its circuit breaker."""
-        replica.record_outcome(ok, what)
+    def outcome(self, replica: Worker, key: int, ok: bool, what: str = "") -> None:
+        """What request ``key`` did on ``replica``, for its circuit breaker."""
+        replica.record_outcome(key, ok, what)
         if not ok:
             self.pump()         # queued requests that just lost their last replica fail now
 

@@ -74,9 +74,9 @@ class Outcomes:
             self.metrics.errors.labels(*labels, kind).inc()
             self.metrics.live.error(call.model, replica.device_type, kind)
         if kind == "client_gone":
-            replica.record_neutral()
+            replica.record_neutral(call.serial)
         else:
-            self.d.outcome(replica, not failed, f"HTTP {status} {kind or ''}".strip())
+            self.d.outcome(replica, call.serial, not failed, f"HTTP {status} {kind or ''}".strip())
             self.rollout.record(call.model, labels[1], not failed, ttft, tpot(ttft, e2e, tokens), e2e)
         access.info("%s POST %s %d model=%s version=%s priority=%s target=%s target_device=%s attempts=%d%s %.0fms",
                     call.request_id, call.path, status, call.model, labels[1], call.priority, replica.name,
@@ -92,11 +92,11 @@ class Outcomes:
         self.metrics.errors.labels(*labels, r.kind).inc()
         self.metrics.live.error(call.model, replica.device_type, r.kind)
         if r.failure:
-            self.d.outcome(replica, False, r.reason)
+            self.d.outcome(replica, call.serial, False, r.reason)
             self.rollout.record(call.model, replica.serving_version or "", False, None, None,
                                 time.perf_counter() - call.t0)
         else:
-            replica.record_neutral()
+            replica.record_neutral(call.serial)
         log.warning("%s: attempt %d on %s failed before the first token (%s)", call.request_id, call.attempts,
                     replica.name, r.reason)
 

@@ -1,0 +1,116 @@
+"""The one workload the three benchmark clients of ``third_party_clients.py`` get, and the CPU each
+side spends on it.
+
+The prompts are made once (``polychip.bench.datasets.synthetic``: random token ids re-encoded to an
+exact length) and written in each client's own file format, so all three send the same texts, in
+the same order, and ask for the same number of output tokens:
+
+- ``polychip bench serving --dataset sharegpt-like``: ``{"prompt", "completion": ""}`` (an empty
+  completion means "the requested output length");
+- AIPerf ``--custom-dataset-type single_turn``: ``{"text", "output_length"}``;
+- GuideLLM ``--data FILE``: ``{"prompt", "output_tokens_count"}`` (its column mapper's names).
+
+On a 2-core machine the client competes with the server for CPU: ``cpu_seconds`` reads what a
+process tree has used so far (utime + stime from /proc), so the script can report the client's and
+the server's share of each run.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+FORMATS = {
+    "ours": lambda text, out: {"prompt": text, "completion": ""},
+    "aiperf": lambda text, out: {"text": text, "output_length": out},
+    "guidellm": lambda text, out: {"prompt": text, "output_tokens_count": out},
+}
+
+
+def write_datasets(prompts: list[str], output_len: int, folder: str) -> dict[str, str]:
+    """One JSONL file per client format holding ``prompts`` in order; {format: path}."""
+    os.makedirs(folder, exist_ok=True)
+    paths = {}
+    for name, record in FORMATS.items():
+        path = os.path.join(folder, f"{name}.jsonl")
+        with open(path, "w", encoding="utf-8") as f:
+            for text in prompts:
+                f.write(json.dumps(record(text, output_len)) + "\n")
+        paths[name] = path
+    return paths
+
+
+def exact_prompts(tokenizer, n: int, input_len: int, seed: int = 0) -> list[str]:
+    """``n`` distinct prompts of exactly ``input_len`` tokens by ``tokenizer``; raises if one is not."""
+    from polychip.bench.datasets import synthetic
+    reqs = synthetic(tokenizer, n, input_len, 1, seed)
+    wrong = [r.prompt_len for r in reqs if r.prompt_len != input_len]
+    if wrong or len({r.prompt for r in reqs}) != n:
+        raise ValueError(f"prompts of {wrong} tokens (wanted {input_len}) or repeated prompts")
+    return [r.prompt for r in reqs]
+
+
+def _stat(pid: int) -> tuple[int, float] | None:
+    """(parent pid, utime + stime in clock ticks) of ``pid``, None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()     # the name may hold spaces and ')'
+    except OSError:
+        return None
+    return int(fields[1]), float(fields[11]) + float(fields[12])
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds used so far by ``pid`` and its live descendants (threads included)."""
+    stats = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit() and (s := _stat(int(name))) is not None:
+            stats[int(name)] = s
+    tree, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        if p in stats and p not in tree:
+            tree.add(p)
+            todo += [c for c, (parent, _) in stats.items() if parent == p]
+    return sum(stats[p][1] for p in tree) / os.sysconf("SC_CLK_TCK")
+
+
+class CpuSampler:
+    """Samples the CPU seconds of a server's and a client's process trees every ``interval`` s (a thread),
+    to tell what the client used while the server was working: its start-up and report writing, when
+    the server is idle, steal nothing from the figures."""
+
+    def __init__(self, server_pid: int, interval: float = 0.5):
+        import threading
+        self.server_pid, self.client_pid, self.interval = server_pid, None, interval
+        self.samples: list[tuple[float, float, float]] = []     # (time, server cpu s, client cpu s)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        import time
+        while not self._stop.is_set():
+            client = cpu_seconds(self.client_pid) if self.client_pid else 0.0
+            self.samples.append((time.monotonic(), cpu_seconds(self.server_pid), client))
+            self._stop.wait(self.interval)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+def busy_share(samples: list[tuple[float, float, float]], busy_cores: float = 0.5) -> dict:
+    """Over the sampling intervals in which the server used more than ``busy_cores`` cores: their
+    length, and the mean cores the server and the client used in them."""
+    busy_s = server = client = 0.0
+    for (t0, s0, c0), (t1, s1, c1) in zip(samples, samples[1:]):
+        dt = t1 - t0
+        if dt > 0 and (s1 - s0) / dt > busy_cores:
+            busy_s, server, client = busy_s + dt, server + s1 - s0, client + max(c1 - c0, 0.0)
+    if busy_s == 0:
+        return {"busy_s": 0.0, "server_cores": None, "client_cores": None}
+    return {"busy_s": round(busy_s, 1), "server_cores": round(server / busy_s, 2),
+            "client_cores": round(client / busy_s, 2)}

@@ -1,0 +1,121 @@
+"""benchmarks/client_workload.py and the pure parts of benchmarks/third_party_clients.py: the three
+benchmark clients get one workload (the same prompts, in order, and the same output length, each in
+its own file format), and the CPU a process tree spends is counted with its descendants."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from polychip.bench import datasets
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import client_workload as workload  # noqa: E402  (benchmarks/ is not a package)
+import third_party_clients as clients  # noqa: E402
+
+pytestmark = pytest.mark.device_independent     # no model runs
+
+
+class WordTokenizer:
+    """One token a word; ids index a fixed vocabulary of words."""
+    vocab = [f"w{i}" for i in range(500)]
+    vocab_size = len(vocab)
+
+    def encode(self, text, add_special_tokens=False):
+        return [int(w[1:]) for w in text.split()]
+
+    def decode(self, ids):
+        return " ".join(self.vocab[i] for i in ids)
+
+
+def test_each_client_file_holds_the_same_prompts_in_order_with_the_output_length(tmp_path):
+    prompts = workload.exact_prompts(WordTokenizer(), 5, 12, seed=3)
+    paths = workload.write_datasets(prompts, 34, str(tmp_path))
+    rows = {name: [json.loads(line) for line in open(path)] for name, path in paths.items()}
+    assert [r["prompt"] for r in rows["ours"]] == prompts
+    assert [r["text"] for r in rows["aiperf"]] == prompts                  # AIPerf single_turn
+    assert [r["prompt"] for r in rows["guidellm"]] == prompts              # GuideLLM's text column
+    assert [r["output_length"] for r in rows["aiperf"]] == [34] * 5
+    assert [r["output_tokens_count"] for r in rows["guidellm"]] == [34] * 5
+    # our client reads its file as a sharegpt-like dataset: every prompt, at the asked output length
+    ours = datasets.sharegpt_like(WordTokenizer(), paths["ours"], 5, 12, 34)
+    assert sorted(r.prompt for r in ours) == sorted(prompts)
+    assert {(r.prompt_len, r.output_len) for r in ours} == {(12, 34)}
+
+
+def test_exact_prompts_are_distinct_and_exact_or_refused():
+    prompts = workload.exact_prompts(WordTokenizer(), 6, 20)
+    assert len(set(prompts)) == 6 and {len(p.split()) for p in prompts} == {20}
+
+    class Longer(WordTokenizer):        # every text encodes one token longer than asked: never exact
+        def encode(self, text, add_special_tokens=False):
+            return super().encode(text) + [1]
+    with pytest.raises(ValueError, match="wanted 20"):
+        workload.exact_prompts(Longer(), 2, 20)
+
+
+def test_cpu_seconds_counts_the_descendants_of_a_process(tmp_path):
+    done = tmp_path / "done"
+    burn = (f"import time, pathlib\nwhile time.process_time() < 0.4: pass\n"
+            f"pathlib.Path({str(done)!r}).write_text('x')\ntime.sleep(30)")
+    # a shell that uses no CPU itself, whose child (a grandchild of the test) burns 0.4 s of it
+    shell = subprocess.Popen(["sh", "-c", f"{sys.executable} -c \"$BURN\"; true"], env={**os.environ, "BURN": burn})
+    try:
+        deadline = time.time() + 60
+        while not done.exists() and time.time() < deadline:
+            time.sleep(0.05)
+        assert done.exists()
+        assert workload.cpu_seconds(shell.pid) >= 0.35
+    finally:
+        for pid in [int(p) for p in os.listdir("/proc") if p.isdigit()]:
+            stat = workload._stat(pid)
+            if stat and stat[0] == shell.pid:
+                os.kill(pid, 9)
+        shell.kill()
+        shell.wait()
+
+
+def test_busy_share_takes_only_the_intervals_in_which_the_server_works():
+    # (time, server cpu s, client cpu s): idle 0-1 s (client starting up: 1 core), busy 1-3 s
+    samples = [(0.0, 0.0, 0.0), (1.0, 0.1, 1.0), (2.0, 1.0, 1.3), (3.0, 1.8, 1.5)]
+    got = workload.busy_share(samples)
+    assert got == {"busy_s": 2.0, "server_cores": 0.85, "client_cores": 0.25}
+    assert workload.busy_share(samples[:2])["busy_s"] == 0.0
+
+
+def test_a_pinned_server_gets_as_many_threads_as_cores():
+    polychip = clients.server_command("polychip", 1, "m.gguf", "--quantization int8", 1)
+    assert polychip[polychip.index("--num-threads") + 1] == "1"
+    assert clients.server_command("polychip", 1, "m.gguf", "--num-threads 3", 1).count("--num-threads") == 1
+    llama = clients.server_command("llama.cpp", 1, "m.gguf", "", 1)
+    assert llama[llama.index("--n_threads") + 1] == "1"
+
+
+def test_the_third_party_reports_are_read_as_documented():
+    aiperf = {"output_token_throughput": {"avg": 100.0}, "time_to_first_token": {"avg": 50.0},
+              "inter_token_latency": {"avg": 9.0}, "request_count": {"avg": 4}, "total_output_tokens": {"avg": 2048},
+              "total_isl": {"avg": 3200}, "benchmark_duration": {"unit": "sec", "avg": 20.48}}
+    assert clients.aiperf_figures(aiperf) == {"output_tok_s": 100.0, "ttft_ms": 50.0, "itl_ms": 9.0, "completed": 4,
+                                              "output_tokens": 2048, "input_tokens": 3200, "duration_s": 20.48}
+    ok = lambda mean, total=None: {"successful": {"mean": mean, "total_sum": total}}  # noqa: E731
+    guidellm = {"benchmarks": [{"duration": 21.0, "metrics": {
+        "output_tokens_per_second": ok(97.5), "time_to_first_token_ms": ok(55.0), "inter_token_latency_ms": ok(9.5),
+        "request_totals": {"successful": 4}, "output_token_count": ok(512, 2048), "prompt_token_count": ok(800, 3200)}}]}
+    assert clients.guidellm_figures(guidellm) == {"output_tok_s": 97.5, "ttft_ms": 55.0, "itl_ms": 9.5, "completed": 4,
+                                                  "output_tokens": 2048, "input_tokens": 3200, "duration_s": 21.0}
+
+
+def test_aiperf_counts_the_servers_usage_only_where_the_server_sends_one():
+    from types import SimpleNamespace
+    load = SimpleNamespace(input_len=8, output_len=4)
+    cmd = lambda usage: clients.aiperf_command("http://h:1", "tok", 1, 2, SimpleNamespace(**vars(load), server_usage=usage),  # noqa: E731
+                                               {"aiperf": "d.jsonl"}, "out")
+    assert "--use-server-token-count" in cmd(True)          # polychip: usage.completion_tokens, as the others
+    assert "--use-server-token-count" not in cmd(False)     # llama-cpp-python: none, AIPerf re-tokenises
+    body = [cmd(True)[i + 1] for i, arg in enumerate(cmd(True)) if arg == "--extra-inputs"]
+    assert body == ["temperature:0.0", "ignore_eos:true", "min_tokens:4"]
