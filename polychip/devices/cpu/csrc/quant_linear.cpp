@@ -205,6 +205,22 @@ struct Fp8 {
 };
 
 #ifdef __AVX512F__
+// The N weight rows in chunks of about N / (per_thread * threads) rows (a multiple of NR, at most cap) over the
+// threads; call(m, n, mr, nr) for each tile of up to MR rows of x and NR weight rows in a chunk
+template <class F>
+void tile_chunks(int64_t M, int64_t N, int MR, int NR, int64_t per_thread, int64_t cap, const F& call) {
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  int64_t rows = std::max<int64_t>(NR, (N / (per_thread * threads)) / NR * NR);
+  rows = std::min<int64_t>(rows, std::max<int64_t>(NR, cap / NR * NR));
+  for_each_chunk((N + rows - 1) / rows, [&](int64_t c) {
+    const int64_t r1 = std::min(N, (c + 1) * rows);
+    for (int64_t n = c * rows; n < r1; n += NR) {
+      const int nr = static_cast<int>(std::min<int64_t>(NR, r1 - n));
+      for (int64_t m = 0; m < M; m += MR) call(m, n, static_cast<int>(std::min<int64_t>(MR, M - m)), nr);
+    }
+  });
+}
+
 // y[MR rows (stride N), NR] = x[MR rows, K] . dequant(weight rows n0 .. n0 + NR)^T (+ b)
 template <class P, int MR, int NR>
 void dq_tile(const float* __restrict x, const P& p, int64_t n0, float* __restrict y, const float* b, int64_t K,
@@ -377,18 +393,8 @@ torch::Tensor w4_vnni_tiles(const torch::Tensor& x, const W4& p, int64_t N, cons
   float* yp = y.data_ptr<float>();
   const int MR = static_cast<int>(std::min<int64_t>(M, 4));
   const int NR = M == 1 ? 4 : (MR <= 2 ? 2 : 1);    // registers: 3 * MR*NR int32 sums + MR*NR floats
-  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-  int64_t rows = std::max<int64_t>(NR, (N / (4 * threads)) / NR * NR);
-  rows = std::min<int64_t>(rows, std::max<int64_t>(NR, 256 / NR * NR));
-  for_each_chunk((N + rows - 1) / rows, [&](int64_t c) {
-    const int64_t r1 = std::min(N, (c + 1) * rows);
-    for (int64_t n = c * rows; n < r1; n += NR) {
-      const int nr = static_cast<int>(std::min<int64_t>(NR, r1 - n));
-      for (int64_t m = 0; m < M; m += MR) {
-        const int mr = static_cast<int>(std::min<int64_t>(MR, M - m));
-        fns[mr - 1][nr - 1](q.data() + m * 3 * K, s.data() + m, p, n, yp + m * N, bp, N, xsum.data() + m * p.G);
-      }
-    }
+  tile_chunks(M, N, MR, NR, 4, 256, [&](int64_t m, int64_t n, int mr, int nr) {
+    fns[mr - 1][nr - 1](q.data() + m * 3 * K, s.data() + m, p, n, yp + m * N, bp, N, xsum.data() + m * p.G);
   });
   return y;
 }
@@ -438,19 +444,9 @@ torch::Tensor dq_tiles(const torch::Tensor& x, const P& p, int64_t N, const floa
   const int NR = M == 1 ? DqTiles<P>::NR1 : DqTiles<P>::NR;
   const std::vector<float> xsum = group_sums(xp, M, K, p);
   const int64_t xsum_stride = xsum.empty() ? 0 : static_cast<int64_t>(xsum.size()) / M;
-  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-  int64_t rows = std::max<int64_t>(NR, (N / (8 * threads)) / NR * NR);
-  rows = std::min<int64_t>(rows, std::max<int64_t>(NR, 96 / NR * NR));
-  for_each_chunk((N + rows - 1) / rows, [&](int64_t c) {
-    const int64_t r1 = std::min(N, (c + 1) * rows);
-    for (int64_t n = c * rows; n < r1; n += NR) {
-      const int nr = static_cast<int>(std::min<int64_t>(NR, r1 - n));
-      for (int64_t m = 0; m < M; m += MR) {
-        const int mr = static_cast<int>(std::min<int64_t>(MR, M - m));
-        DqTiles<P>::fns[mr - 1][nr - 1](xp + m * K, p, n, yp + m * N, bp, K, N,
-                                        xsum.empty() ? nullptr : xsum.data() + m * xsum_stride);
-      }
-    }
+  tile_chunks(M, N, MR, NR, 8, 96, [&](int64_t m, int64_t n, int mr, int nr) {
+    DqTiles<P>::fns[mr - 1][nr - 1](xp + m * K, p, n, yp + m * N, bp, K, N,
+                                    xsum.empty() ? nullptr : xsum.data() + m * xsum_stride);
   });
   return y;
 }
