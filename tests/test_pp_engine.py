@@ -251,7 +251,7 @@ def test_like_stages_send_device_tensors_over_their_plugins_backend(model, refer
     try:
         links = llm.engine.pp.links
         assert links.kinds == [("vendorchip", "vendorccl")] * 2 and links.direct(1)
-        assert links.recv_host is None and links.slots[0].payload is not None
+        assert links.recv_hosts is None and links.slots[0].payload is not None
         assert_same(run(llm), reference)
     finally:
         llm.shutdown()

@@ -154,11 +154,6 @@ class StageLinks:
         self._recv_turn = 0
         return n * dtype.itemsize * (len(self.recv_devices) + out_direct * (depth + 1))
 
-    @property
-    def recv_host(self):
-        """The host staging buffers of payloads from unlike chips (None when they arrive device to device)."""
-        return self.recv_hosts
-
     # sending
     def _slot(self) -> _Slot:
         slot = self.slots[self._turn]
@@ -193,7 +188,7 @@ class StageLinks:
             slot.ints = torch.from_numpy(np.ascontiguousarray(ints, dtype=np.int64))
             slot.works.append(dist.isend(slot.ints, to, group=self.control, tag=INTS_TAG))
         payload = slot.payload[:n].view(torch.uint8)
-        slot.works.append(dist.isend(payload, to, group=self._pair(to) or self.control, tag=PAYLOAD_TAG))
+        slot.works.append(dist.isend(payload, to, group=self._payload_group(to), tag=PAYLOAD_TAG))
 
     def send_stop(self) -> None:
         slot = self._slot()
@@ -209,8 +204,9 @@ class StageLinks:
             slot.works = []
 
     # receiving
-    def _payload_group(self, src: int):
-        return self._pair(src) or self.control
+    def _payload_group(self, rank: int):
+        """The group a payload to or from ``rank`` travels in: the pair's device group, else the host one."""
+        return self._pair(rank) or self.control
 
     def _prepost_payload(self, src: int) -> bool:
         """Whether the payload's receive can be posted before its size is known: gloo takes a message

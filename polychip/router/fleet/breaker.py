@@ -5,11 +5,11 @@ rate over the last ``window`` seconds reaches ``failure_rate`` with at least ``m
 outcomes (outlier ejection: a replica that fails fast under least_load would otherwise draw
 most of the traffic). Open, it gets no requests for ``open_seconds``; then it is half-open:
 ``half_open_probes`` real requests at a time go through, ``success_threshold`` successes close
-it, one failure opens it again. Only a probe's outcome decides there: a request sent before the circuit went
-half-open (say, one that died with the old process) counts in the failure-rate window but neither reopens it
-nor takes a probe's place, so each request is known by its key. A failure is what the replica did wrong (a 5xx other than an
-admission 503, a broken connection, a timeout, an error before the first token); the client's
-own 4xx and a full replica's 503 are not failures.
+it, one failure opens it again. Only a probe's outcome decides there (so each request is known by its
+key): a request sent before the circuit went half-open (say, one that died with the old process)
+counts in the failure-rate window but neither reopens it nor takes a probe's place. A failure is what
+the replica did wrong (a 5xx other than an admission 503, a broken connection, a timeout, an error
+before the first token); the client's own 4xx and a full replica's 503 are not failures.
 
 A hand-made state machine rather than pybreaker/aiobreaker: those wrap a call and count its
 exceptions, while the router must judge outcomes it sees passively (after the first token,
