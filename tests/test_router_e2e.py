@@ -135,7 +135,11 @@ def test_killing_a_replica_loses_no_request_and_it_comes_back(fleet):
              120, "sim-0 restarted")
     before = [r for r in fleet.replicas() if r["name"].startswith("sim-")]
     again = asyncio.run(_many(fleet.url, 8, preferred_device_types=["simxpu"]))
-    assert all(o == "ok" for *_, o in again) and any(r == "sim-0" for r, *_ in again), (again, before)
+    state = "; ".join(f"{r['name']} up={r['up']} inflight={r['inflight']} circuit={r['breaker']} "
+                      f"running={r['running']} waiting={r['waiting']} kv={r['kv_cache_usage']} "
+                      f"weight={r['weight']} version={r['version']} url={r['url']}" for r in before)
+    assert all(o == "ok" for *_, o in again) and any(r == "sim-0" for r, *_ in again), \
+        f"went to {[r for r, *_ in again]}; before: {state}"
 
 
 def _prefix_workload(url, groups=3, per_group=6):
