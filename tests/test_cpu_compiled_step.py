@@ -16,7 +16,7 @@ pytestmark = pytest.mark.device_independent   # names its device (the cpu plugin
 
 
 @pytest.fixture(scope="module")
-def plugin():
+def registry_and_plugin():
     p = CpuPlugin()
     p.init()
     registry = OpRegistry(p.name)
@@ -24,7 +24,12 @@ def plugin():
     p.register_ops(registry)
     if p.kernels is None:
         pytest.skip("the CPU kernels did not build here")
-    return p
+    return registry, p
+
+
+@pytest.fixture(scope="module")
+def plugin(registry_and_plugin):
+    return registry_and_plugin[1]
 
 
 def test_a_replay_reads_the_new_values_and_repeats_the_writes(plugin):
@@ -133,3 +138,23 @@ def test_a_replay_that_differs_from_the_record_is_not_used(plugin, monkeypatch):
         good = cs.CompiledStep(lambda: torch.tanh(x) * 3, plugin.kernels, "good", checked)
         good()
         assert good.program is not None and "aten.tanh.default" in checked
+
+
+def test_a_decode_steps_int8_linear_records_only_its_kernel(registry_and_plugin):
+    """A replay pays one dispatched call per recorded op: the int8 linear on the step's 2-D rows
+    records its kernel alone (it recorded a reshape before and after it: 242 of the 818 calls of
+    SmolLM2's step), and a 3-D x still comes back in its own shape."""
+    import polychip.devices.cpu.compiled_step as cs
+    from polychip.quant.int8 import quantize_int8
+    registry, plugin = registry_and_plugin
+    linear_int8 = registry.resolve("linear_int8", 1, "float32").fn
+    q, s = quantize_int8(torch.randn(48, 32))
+    x, b = torch.randn(1, 32), torch.randn(48)
+    recorder = cs._Recorder()
+    with torch.inference_mode(), plugin.kernels.as_operators(), recorder:
+        y = linear_int8(x, q, s, b)
+    assert [str(c[0]) for c in recorder.calls] == ["polychip_cpu.linear_int8_tiles.default"]
+    with torch.inference_mode():
+        assert torch.equal(y, plugin.kernels.linear_int8_tiles(x, q, s, b))
+        x3 = torch.randn(2, 3, 32)
+        assert torch.equal(linear_int8(x3, q, s, b), linear_int8(x3.reshape(6, 32), q, s, b).reshape(2, 3, 48))

@@ -103,11 +103,12 @@ def make_int8_ops(kernels, native: Callable[[str], Callable]) -> dict:
                 and x.device.type == "cpu" and qweight.device.type == "cpu" and not torch.is_grad_enabled()
                 and (bias is None or bias.dtype == torch.float32)):
             return native_linear_int8(x, qweight, scales, bias)
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, x.shape[-1]).contiguous()
         qweight, scales = qweight.contiguous(), scales.contiguous()
         bias = None if bias is None else bias.contiguous()
-        out = kernels.linear_int8_tiles(x2, qweight, scales, bias)   # any M, as linear_tiles
+        if x.dim() == 2:    # the decode step's rows: no reshape (two dispatched ops a linear in a replay)
+            return kernels.linear_int8_tiles(x.contiguous(), qweight, scales, bias)   # any M, as linear_tiles
+        lead = x.shape[:-1]
+        out = kernels.linear_int8_tiles(x.reshape(-1, x.shape[-1]).contiguous(), qweight, scales, bias)
         return out.reshape(*lead, qweight.shape[0])
 
     return {"linear_int8": linear_int8}

@@ -10,6 +10,8 @@
 //   reads a quarter of the bytes); the blocks dequantise each block of rows, then one BLAS call.
 #include "common.h"
 
+#include <type_traits>
+
 using namespace polychip_cpu;
 
 torch::Tensor linear_blocks(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, int64_t block);
@@ -97,18 +99,23 @@ inline Vec::V load_first(const int8_t* p, int64_t n) {
 inline Vec::V load_first(const float* p, int64_t n) { return Vec::load_first(p, n); }
 
 // y[MR rows (stride N), NR] = x[MR rows, K] . w[NR rows, K]^T (* scale) (+ b). Meanwhile prefetches pf_rows
-// rows from pf into L2 (into L1 they would evict x and the tile's weight rows).
+// rows from pf into L2 (into L1 they would evict x and the tile's weight rows), each 64-byte line once:
+// where a vector of weights is less than a line (int8), a step prefetches every kStepsPerLine-th row,
+// starting at its own offset (one prefetch per line of each row; four per line cost int8 at M = 1 a
+// quarter of its speed from L3).
 template <typename WT, int MR, int NR>
 void tile(const float* __restrict x, const WT* __restrict w, float* __restrict y, const float* b,
           const float* scale, int64_t K, int64_t N, const WT* pf, int pf_rows) {
   using V = Vec::V;
   constexpr int W = Vec::W;
+  constexpr int kStepsPerLine = std::max<int>(1, 64 / static_cast<int>(sizeof(WT) * W));
   V acc[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = Vec::zero();
   int64_t k = 0;
   for (; k + W <= K; k += W) {
-    for (int r = 0; r < pf_rows; ++r) _mm_prefetch(reinterpret_cast<const char*>(pf + r * K + k), _MM_HINT_T1);
+    for (int r = static_cast<int>((k / W) % kStepsPerLine); r < pf_rows; r += kStepsPerLine)
+      _mm_prefetch(reinterpret_cast<const char*>(pf + r * K + k), _MM_HINT_T1);
     V wv[NR];
     for (int j = 0; j < NR; ++j) {
       wv[j] = Vec::load(w + j * K + k);
@@ -153,12 +160,19 @@ static_assert(Vec::MR <= 4 && Vec::NR <= 8 && Vec::NR1 <= 8, "tile shapes beyond
 constexpr int64_t kAhead = 2;   // tiles of weight rows prefetched ahead
 constexpr int64_t kTilesOneBlockM = 64;   // up to this M, all rows of x in one block
 
+// whether tiles prefetch the weight rows kAhead tiles on. Not float32 at M = 1: there the hardware
+// prefetcher alone streams each thread's ascending walk at ~90% of a plain read, and the software
+// prefetches on top cut it to ~70% (docs/bench/perf-round4-cpu.md, "the M=1 linears' prefetch"); int8
+// rows at M = 1 need them (without, ~75% of the speed with).
+template <typename WT>
+constexpr bool software_prefetch(int64_t M) { return M > 1 || !std::is_same_v<WT, float>; }
+
 // all M rows of x against weight rows [n0, n1), NR rows at a time. The first of the M/MR passes
 // over a tile loads it into L1; the passes share prefetching the tile kAhead tiles on.
 template <typename WT>
 void tile_rows(const float* x, const WT* w, float* y, const float* b, const float* scale, int64_t M, int64_t N,
                int64_t K, int64_t n0, int64_t n1, int MR, int NR) {
-  const int64_t passes = (M + MR - 1) / MR, per_pass = (NR + passes - 1) / passes;
+  const int64_t passes = (M + MR - 1) / MR, per_pass = software_prefetch<WT>(M) ? (NR + passes - 1) / passes : 0;
   for (int64_t n = n0; n < n1; n += NR) {
     const int nr = static_cast<int>(std::min<int64_t>(NR, n1 - n));
     const int64_t pn = n + kAhead * NR;
