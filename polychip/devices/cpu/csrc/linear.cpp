@@ -98,24 +98,23 @@ inline Vec::V load_first(const int8_t* p, int64_t n) {
 }
 inline Vec::V load_first(const float* p, int64_t n) { return Vec::load_first(p, n); }
 
-// y[MR rows (stride N), NR] = x[MR rows, K] . w[NR rows, K]^T (* scale) (+ b). Meanwhile prefetches pf_rows
-// rows from pf into L2 (into L1 they would evict x and the tile's weight rows), each 64-byte line once:
-// where a vector of weights is less than a line (int8), a step prefetches every kStepsPerLine-th row,
-// starting at its own offset (one prefetch per line of each row; four per line cost int8 at M = 1 a
-// quarter of its speed from L3).
+// y[MR rows (stride N), NR] = x[MR rows, K] . w[NR rows, K]^T (* scale) (+ b). Meanwhile prefetches into L2
+// (into L1 it would evict x and the tile's weight rows) pf_rows rows from pf, a line of each per step, and
+// run_lines lines from run in ascending order, spread over the steps (the two prefetches of tile_rows).
 template <typename WT, int MR, int NR>
 void tile(const float* __restrict x, const WT* __restrict w, float* __restrict y, const float* b,
-          const float* scale, int64_t K, int64_t N, const WT* pf, int pf_rows) {
+          const float* scale, int64_t K, int64_t N, const WT* pf, int pf_rows, const char* run, int64_t run_lines) {
   using V = Vec::V;
   constexpr int W = Vec::W;
-  constexpr int kStepsPerLine = std::max<int>(1, 64 / static_cast<int>(sizeof(WT) * W));
   V acc[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = Vec::zero();
-  int64_t k = 0;
+  const int64_t run_per_step = (run_lines + std::max<int64_t>(1, K / W) - 1) / std::max<int64_t>(1, K / W);
+  int64_t k = 0, line = 0;
   for (; k + W <= K; k += W) {
-    for (int r = static_cast<int>((k / W) % kStepsPerLine); r < pf_rows; r += kStepsPerLine)
-      _mm_prefetch(reinterpret_cast<const char*>(pf + r * K + k), _MM_HINT_T1);
+    for (int r = 0; r < pf_rows; ++r) _mm_prefetch(reinterpret_cast<const char*>(pf + r * K + k), _MM_HINT_T1);
+    for (const int64_t end = std::min(run_lines, line + run_per_step); line < end; ++line)
+      _mm_prefetch(run + line * 64, _MM_HINT_T1);
     V wv[NR];
     for (int j = 0; j < NR; ++j) {
       wv[j] = Vec::load(w + j * K + k);
@@ -149,7 +148,8 @@ void tile(const float* __restrict x, const WT* __restrict w, float* __restrict y
 
 template <typename WT>
 struct Tiles {
-  using Fn = void (*)(const float*, const WT*, float*, const float*, const float*, int64_t, int64_t, const WT*, int);
+  using Fn = void (*)(const float*, const WT*, float*, const float*, const float*, int64_t, int64_t, const WT*, int,
+                     const char*, int64_t);
 #define POLYCHIP_TILES(MR) {tile<WT, MR, 1>, tile<WT, MR, 2>, tile<WT, MR, 3>, tile<WT, MR, 4>, tile<WT, MR, 5>, \
                             tile<WT, MR, 6>, tile<WT, MR, 7>, tile<WT, MR, 8>}
   static constexpr Fn fns[4][8] = {POLYCHIP_TILES(1), POLYCHIP_TILES(2), POLYCHIP_TILES(3), POLYCHIP_TILES(4)};
@@ -160,28 +160,37 @@ static_assert(Vec::MR <= 4 && Vec::NR <= 8 && Vec::NR1 <= 8, "tile shapes beyond
 constexpr int64_t kAhead = 2;   // tiles of weight rows prefetched ahead
 constexpr int64_t kTilesOneBlockM = 64;   // up to this M, all rows of x in one block
 
-// whether tiles prefetch the weight rows kAhead tiles on. Not float32 at M = 1: there the hardware
-// prefetcher alone streams each thread's ascending walk at ~90% of a plain read, and the software
-// prefetches on top cut it to ~70% (docs/bench/perf-round4-cpu.md, "the M=1 linears' prefetch"); int8
-// rows at M = 1 need them (without, ~75% of the speed with).
-template <typename WT>
-constexpr bool software_prefetch(int64_t M) { return M > 1 || !std::is_same_v<WT, float>; }
-
-// all M rows of x against weight rows [n0, n1), NR rows at a time. The first of the M/MR passes
-// over a tile loads it into L1; the passes share prefetching the tile kAhead tiles on.
+// all M rows of x against weight rows [n0, n1), NR rows at a time, each tile prefetching the tile kAhead
+// tiles on. M > 1: the first of the M/MR passes over a tile loads it into L1; the passes share the
+// prefetch, a line of each of their rows per step. M = 1 (one pass that reads each weight once, bound by
+// memory bandwidth; docs/bench/perf-round4-cpu.md, "the M=1 linears' prefetch"): float32 leaves it to the
+// hardware prefetcher, which streams each thread's ascending walk at ~90% of a plain read (the software
+// prefetch cut that to ~70%); int8, whose short rows (576 bytes here) the hardware prefetcher does not
+// follow, prefetches the tile as one ascending run, each line once (~15% faster than a line of each row
+// per step, four prefetches per line).
 template <typename WT>
 void tile_rows(const float* x, const WT* w, float* y, const float* b, const float* scale, int64_t M, int64_t N,
                int64_t K, int64_t n0, int64_t n1, int MR, int NR) {
-  const int64_t passes = (M + MR - 1) / MR, per_pass = software_prefetch<WT>(M) ? (NR + passes - 1) / passes : 0;
+  const int64_t passes = (M + MR - 1) / MR, per_pass = M > 1 ? (NR + passes - 1) / passes : 0;
+  const bool run = M == 1 && !std::is_same_v<WT, float>;
   for (int64_t n = n0; n < n1; n += NR) {
     const int nr = static_cast<int>(std::min<int64_t>(NR, n1 - n));
     const int64_t pn = n + kAhead * NR;
+    const char* run_from = nullptr;
+    int64_t run_lines = 0;
+    if (run && pn < N) {
+      const uintptr_t lo = reinterpret_cast<uintptr_t>(w + pn * K) & ~uintptr_t{63};
+      const uintptr_t hi = reinterpret_cast<uintptr_t>(w + std::min(N, pn + NR) * K);
+      run_from = reinterpret_cast<const char*>(lo);
+      run_lines = static_cast<int64_t>((hi - lo + 63) / 64);
+    }
     for (int64_t m = 0, p = 0; m < M; m += MR, ++p) {
       const int mr = static_cast<int>(std::min<int64_t>(MR, M - m));
       const int64_t r0 = std::min<int64_t>(p * per_pass, NR);
       const int pf_rows = static_cast<int>(std::max<int64_t>(0, std::min({per_pass, NR - r0, N - pn - r0})));
       Tiles<WT>::fns[mr - 1][nr - 1](x + m * K, w + n * K, y + m * N + n, b ? b + n : nullptr,
-                                     scale ? scale + n : nullptr, K, N, pf_rows > 0 ? w + (pn + r0) * K : w, pf_rows);
+                                     scale ? scale + n : nullptr, K, N, pf_rows > 0 ? w + (pn + r0) * K : w, pf_rows,
+                                     run_from, run_lines);
     }
   }
 }
