@@ -99,22 +99,28 @@ inline Vec::V load_first(const int8_t* p, int64_t n) {
 inline Vec::V load_first(const float* p, int64_t n) { return Vec::load_first(p, n); }
 
 // y[MR rows (stride N), NR] = x[MR rows, K] . w[NR rows, K]^T (* scale) (+ b). Meanwhile prefetches into L2
-// (into L1 it would evict x and the tile's weight rows) pf_rows rows from pf, a line of each per step, and
-// run_lines lines from run in ascending order, spread over the steps (the two prefetches of tile_rows).
-template <typename WT, int MR, int NR>
+// (into L1 it would evict x and the tile's weight rows): pf_rows rows from pf, a line of each per step; with
+// kRun, pf_rows lines from pf in ascending order instead, spread over the steps (tile_rows says when).
+// kRun is its own instantiation: the run's loop beside the rows' in the M > 1 tiles (31 of 32 vector
+// registers in use) cost them two thirds of their speed (436 -> 143 GFLOP/s at M = 512).
+template <typename WT, int MR, int NR, bool kRun = false>
 void tile(const float* __restrict x, const WT* __restrict w, float* __restrict y, const float* b,
-          const float* scale, int64_t K, int64_t N, const WT* pf, int pf_rows, const char* run, int64_t run_lines) {
+          const float* scale, int64_t K, int64_t N, const WT* pf, int pf_rows) {
   using V = Vec::V;
   constexpr int W = Vec::W;
   V acc[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = Vec::zero();
-  const int64_t run_per_step = (run_lines + std::max<int64_t>(1, K / W) - 1) / std::max<int64_t>(1, K / W);
+  const char* run = reinterpret_cast<const char*>(pf);
+  const int64_t run_per_step = kRun ? (pf_rows + std::max<int64_t>(1, K / W) - 1) / std::max<int64_t>(1, K / W) : 0;
   int64_t k = 0, line = 0;
   for (; k + W <= K; k += W) {
-    for (int r = 0; r < pf_rows; ++r) _mm_prefetch(reinterpret_cast<const char*>(pf + r * K + k), _MM_HINT_T1);
-    for (const int64_t end = std::min(run_lines, line + run_per_step); line < end; ++line)
-      _mm_prefetch(run + line * 64, _MM_HINT_T1);
+    if constexpr (kRun) {
+      for (const int64_t end = std::min<int64_t>(pf_rows, line + run_per_step); line < end; ++line)
+        _mm_prefetch(run + line * 64, _MM_HINT_T1);
+    } else {
+      for (int r = 0; r < pf_rows; ++r) _mm_prefetch(reinterpret_cast<const char*>(pf + r * K + k), _MM_HINT_T1);
+    }
     V wv[NR];
     for (int j = 0; j < NR; ++j) {
       wv[j] = Vec::load(w + j * K + k);
@@ -148,11 +154,13 @@ void tile(const float* __restrict x, const WT* __restrict w, float* __restrict y
 
 template <typename WT>
 struct Tiles {
-  using Fn = void (*)(const float*, const WT*, float*, const float*, const float*, int64_t, int64_t, const WT*, int,
-                     const char*, int64_t);
+  using Fn = void (*)(const float*, const WT*, float*, const float*, const float*, int64_t, int64_t, const WT*, int);
 #define POLYCHIP_TILES(MR) {tile<WT, MR, 1>, tile<WT, MR, 2>, tile<WT, MR, 3>, tile<WT, MR, 4>, tile<WT, MR, 5>, \
                             tile<WT, MR, 6>, tile<WT, MR, 7>, tile<WT, MR, 8>}
   static constexpr Fn fns[4][8] = {POLYCHIP_TILES(1), POLYCHIP_TILES(2), POLYCHIP_TILES(3), POLYCHIP_TILES(4)};
+  static constexpr Fn run_fns[8] = {tile<WT, 1, 1, true>, tile<WT, 1, 2, true>, tile<WT, 1, 3, true>,
+                                    tile<WT, 1, 4, true>, tile<WT, 1, 5, true>, tile<WT, 1, 6, true>,
+                                    tile<WT, 1, 7, true>, tile<WT, 1, 8, true>};
 #undef POLYCHIP_TILES
 };
 static_assert(Vec::MR <= 4 && Vec::NR <= 8 && Vec::NR1 <= 8, "tile shapes beyond Tiles::fns");
@@ -176,21 +184,23 @@ void tile_rows(const float* x, const WT* w, float* y, const float* b, const floa
   for (int64_t n = n0; n < n1; n += NR) {
     const int nr = static_cast<int>(std::min<int64_t>(NR, n1 - n));
     const int64_t pn = n + kAhead * NR;
-    const char* run_from = nullptr;
-    int64_t run_lines = 0;
-    if (run && pn < N) {
-      const uintptr_t lo = reinterpret_cast<uintptr_t>(w + pn * K) & ~uintptr_t{63};
-      const uintptr_t hi = reinterpret_cast<uintptr_t>(w + std::min(N, pn + NR) * K);
-      run_from = reinterpret_cast<const char*>(lo);
-      run_lines = static_cast<int64_t>((hi - lo + 63) / 64);
+    if (run) {   // the tile kAhead on as one ascending run of lines
+      int64_t lines = 0;
+      uintptr_t lo = 0;
+      if (pn < N) {
+        lo = reinterpret_cast<uintptr_t>(w + pn * K) & ~uintptr_t{63};
+        lines = static_cast<int64_t>((reinterpret_cast<uintptr_t>(w + std::min(N, pn + NR) * K) - lo + 63) / 64);
+      }
+      Tiles<WT>::run_fns[nr - 1](x, w + n * K, y + n, b ? b + n : nullptr, scale ? scale + n : nullptr, K, N,
+                                 lines > 0 ? reinterpret_cast<const WT*>(lo) : w, static_cast<int>(lines));
+      continue;
     }
     for (int64_t m = 0, p = 0; m < M; m += MR, ++p) {
       const int mr = static_cast<int>(std::min<int64_t>(MR, M - m));
       const int64_t r0 = std::min<int64_t>(p * per_pass, NR);
       const int pf_rows = static_cast<int>(std::max<int64_t>(0, std::min({per_pass, NR - r0, N - pn - r0})));
       Tiles<WT>::fns[mr - 1][nr - 1](x + m * K, w + n * K, y + m * N + n, b ? b + n : nullptr,
-                                     scale ? scale + n : nullptr, K, N, pf_rows > 0 ? w + (pn + r0) * K : w, pf_rows,
-                                     run_from, run_lines);
+                                     scale ? scale + n : nullptr, K, N, pf_rows > 0 ? w + (pn + r0) * K : w, pf_rows);
     }
   }
 }
