@@ -261,8 +261,8 @@ def test_serve_dp_size_is_a_router_over_local_replicas(model_factory, tmp_path):
             with ThreadPoolExecutor(6) as pool:
                 answers = list(pool.map(ask, range(6)))
             assert all(r.status_code == 200 and r.headers["x-polychip-device"] == "cpu:0" for r in answers)
-            # both serve six requests at once (the default policy, fastest, sends sequential requests to one
-            # of two equal idle replicas; at once, the first one's queue sends the next ones to the other)
+            # both serve six requests at once (the default policy, fastest: equal replicas take turns, and the
+            # first one's queue sends the next ones to the other)
             seen = Counter(r.headers["x-polychip-replica"] for r in answers)
             assert set(seen) == {"dp0", "dp1"}, seen
             # the replicas are the front's deployment replicas, booked in its device ledger like any workload
