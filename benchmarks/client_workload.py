@@ -49,6 +49,13 @@ def exact_prompts(tokenizer, n: int, input_len: int, seed: int = 0) -> list[str]
     return [r.prompt for r in reqs]
 
 
+def measured_and_warm_prompts(tokenizer, n: int, input_len: int) -> tuple[list[str], str]:
+    """``n`` prompts the clients send, and one more of the same length for the warm-up request before each
+    client run: never one of theirs, so it leaves nothing in the prefix cache they could hit."""
+    prompts = exact_prompts(tokenizer, n + 1, input_len)
+    return prompts[:n], prompts[n]
+
+
 def _stat(pid: int) -> tuple[int, float] | None:
     """(parent pid, utime + stime in clock ticks) of ``pid``, None when it is gone."""
     try:
@@ -72,6 +79,17 @@ def cpu_seconds(pid: int) -> float:
             tree.add(p)
             todo += [c for c, (parent, _) in stats.items() if parent == p]
     return sum(stats[p][1] for p in tree) / os.sysconf("SC_CLK_TCK")
+
+
+def steal_seconds(cpus: set[int] | None) -> float:
+    """Seconds the hypervisor has taken from ``cpus`` (all when None) so far."""
+    total = 0.0
+    with open("/proc/stat") as f:
+        for line in f:
+            name, *fields = line.split()
+            if name.startswith("cpu") and name != "cpu" and (cpus is None or int(name[3:]) in cpus):
+                total += float(fields[7])
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 class CpuSampler:
