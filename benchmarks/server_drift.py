@@ -20,7 +20,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
+import sys
 import time
 import urllib.request
 
@@ -88,6 +90,7 @@ def main() -> None:
     ap.add_argument("--server-cpus", default=None)
     ap.add_argument("--client-cpus", default=None)
     a = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))     # a `timeout` still stops the server it started
     cpus = lambda text: {int(c) for c in text.split(",")} if text else None  # noqa: E731
     server_cpus = cpus(a.server_cpus)
     if a.client_cpus:

@@ -27,6 +27,7 @@ import os
 import resource
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -101,7 +102,13 @@ def run(cmd: list[str], log, env: dict | None = None) -> None:
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**client_env(), **(env or {})})
     if SAMPLER:
         SAMPLER[0].client_pid = proc.pid
-    if proc.wait():
+    try:
+        code = proc.wait()
+    finally:
+        if proc.poll() is None:      # interrupted: the client goes with the script
+            proc.kill()
+            proc.wait()
+    if code:
         raise subprocess.CalledProcessError(proc.returncode, cmd)
 
 
@@ -237,6 +244,7 @@ def main() -> None:
     ap.add_argument("--client-cpus", default=None, help="cores for the clients and this script, e.g. 1 (default: all): "
                     "on a small machine a client on the server's cores slows the server it measures")
     a = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))     # a `timeout` still stops the server it started
     cpus = lambda text: {int(c) for c in text.split(",")} if text else None  # noqa: E731
     server_cpus, client_cpus = cpus(a.server_cpus), cpus(a.client_cpus)
     if client_cpus:
