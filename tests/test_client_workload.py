@@ -82,10 +82,11 @@ def test_cpu_seconds_counts_the_descendants_of_a_process(tmp_path):
 
 
 def test_busy_share_takes_only_the_intervals_in_which_the_server_works():
-    # (time, server cpu s, client cpu s): idle 0-1 s (client starting up: 1 core), busy 1-3 s
-    samples = [(0.0, 0.0, 0.0), (1.0, 0.1, 1.0), (2.0, 1.0, 1.3), (3.0, 1.8, 1.5)]
+    # (time, server, client, whole machine cpu s): idle 0-1 s (client starting up: 1 core), busy 1-3 s,
+    # in which something else used 0.5 then 0.1 of a core
+    samples = [(0.0, 0.0, 0.0, 0.0), (1.0, 0.1, 1.0, 1.1), (2.0, 1.0, 1.3, 2.8), (3.0, 1.8, 1.5, 3.9)]
     got = workload.busy_share(samples)
-    assert got == {"busy_s": 2.0, "server_cores": 0.85, "client_cores": 0.25}
+    assert got == {"busy_s": 2.0, "server_cores": 0.85, "client_cores": 0.25, "other_cores": 0.3}
     assert workload.busy_share(samples[:2])["busy_s"] == 0.0
 
 
@@ -163,7 +164,7 @@ def test_the_warm_up_prompt_has_the_measured_length_and_is_never_measured():
     assert all(os.path.commonprefix([warm.split(), p.split()]) == [] for p in prompts)
 
 
-def test_steal_seconds_reads_the_hypervisors_share_of_the_named_cores(monkeypatch, tmp_path):
+def test_steal_and_busy_seconds_are_read_per_core_from_proc_stat(monkeypatch, tmp_path):
     stat = tmp_path / "stat"
     stat.write_text("cpu  1 2 3 4 5 6 7 300 0 0\ncpu0 1 2 3 4 5 6 7 100 0 0\ncpu1 1 2 3 4 5 6 7 200 0 0\nintr 1\n")
     real_open = open
@@ -172,3 +173,4 @@ def test_steal_seconds_reads_the_hypervisors_share_of_the_named_cores(monkeypatc
     assert workload.steal_seconds({0}) == 100 / tick
     assert workload.steal_seconds({1}) == 200 / tick
     assert workload.steal_seconds(None) == 300 / tick
+    assert workload.machine_busy_seconds() == 2 * (1 + 2 + 3 + 6 + 7) / tick    # user nice system irq softirq
