@@ -49,6 +49,13 @@ def exact_prompts(tokenizer, n: int, input_len: int, seed: int = 0) -> list[str]
     return [r.prompt for r in reqs]
 
 
+def measured_and_warm_prompts(tokenizer, n: int, input_len: int) -> tuple[list[str], str]:
+    """``n`` prompts the clients send, and one more of the same length for the warm-up request before each
+    client run: never one of theirs, so it leaves nothing in the prefix cache they could hit."""
+    prompts = exact_prompts(tokenizer, n + 1, input_len)
+    return prompts[:n], prompts[n]
+
+
 def _stat(pid: int) -> tuple[int, float] | None:
     """(parent pid, utime + stime in clock ticks) of ``pid``, None when it is gone."""
     try:
@@ -74,15 +81,37 @@ def cpu_seconds(pid: int) -> float:
     return sum(stats[p][1] for p in tree) / os.sysconf("SC_CLK_TCK")
 
 
+def _proc_stat_seconds(cpus: set[int] | None, columns: tuple[int, ...]) -> float:
+    """The seconds /proc/stat counts in ``columns`` (0 user, 1 nice, 2 system, ... 7 steal) on ``cpus``."""
+    total = 0.0
+    with open("/proc/stat") as f:
+        for line in f:
+            name, *fields = line.split()
+            if name.startswith("cpu") and name != "cpu" and (cpus is None or int(name[3:]) in cpus):
+                total += sum(float(fields[i]) for i in columns)
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def steal_seconds(cpus: set[int] | None) -> float:
+    """Seconds the hypervisor has taken from ``cpus`` (all when None) so far."""
+    return _proc_stat_seconds(cpus, (7,))
+
+
+def machine_busy_seconds() -> float:
+    """CPU seconds every process on the machine has used so far (user, nice, system, irq, softirq)."""
+    return _proc_stat_seconds(None, (0, 1, 2, 5, 6))
+
+
 class CpuSampler:
     """Samples the CPU seconds of a server's and a client's process trees every ``interval`` s (a thread),
     to tell what the client used while the server was working: its start-up and report writing, when
-    the server is idle, steal nothing from the figures."""
+    the server is idle, steal nothing from the figures. The machine's total tells what everything else used
+    meanwhile: on 2 cores other work on the client's core still slows the server (shared cache and memory)."""
 
     def __init__(self, server_pid: int, interval: float = 0.5):
         import threading
         self.server_pid, self.client_pid, self.interval = server_pid, None, interval
-        self.samples: list[tuple[float, float, float]] = []     # (time, server cpu s, client cpu s)
+        self.samples: list[tuple[float, float, float, float]] = []    # (time, server, client, machine cpu s)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
@@ -90,7 +119,7 @@ class CpuSampler:
         import time
         while not self._stop.is_set():
             client = cpu_seconds(self.client_pid) if self.client_pid else 0.0
-            self.samples.append((time.monotonic(), cpu_seconds(self.server_pid), client))
+            self.samples.append((time.monotonic(), cpu_seconds(self.server_pid), client, machine_busy_seconds()))
             self._stop.wait(self.interval)
 
     def __enter__(self):
@@ -102,15 +131,16 @@ class CpuSampler:
         self._thread.join()
 
 
-def busy_share(samples: list[tuple[float, float, float]], busy_cores: float = 0.5) -> dict:
+def busy_share(samples: list[tuple[float, float, float, float]], busy_cores: float = 0.5) -> dict:
     """Over the sampling intervals in which the server used more than ``busy_cores`` cores: their
-    length, and the mean cores the server and the client used in them."""
-    busy_s = server = client = 0.0
-    for (t0, s0, c0), (t1, s1, c1) in zip(samples, samples[1:]):
+    length, and the mean cores the server, the client and everything else (this script included) used."""
+    busy_s = server = client = other = 0.0
+    for (t0, s0, c0, m0), (t1, s1, c1, m1) in zip(samples, samples[1:]):
         dt = t1 - t0
         if dt > 0 and (s1 - s0) / dt > busy_cores:
             busy_s, server, client = busy_s + dt, server + s1 - s0, client + max(c1 - c0, 0.0)
+            other += max((m1 - m0) - (s1 - s0) - max(c1 - c0, 0.0), 0.0)
     if busy_s == 0:
-        return {"busy_s": 0.0, "server_cores": None, "client_cores": None}
+        return {"busy_s": 0.0, "server_cores": None, "client_cores": None, "other_cores": None}
     return {"busy_s": round(busy_s, 1), "server_cores": round(server / busy_s, 2),
-            "client_cores": round(client / busy_s, 2)}
+            "client_cores": round(client / busy_s, 2), "other_cores": round(other / busy_s, 2)}

@@ -1,6 +1,7 @@
 """Time of one decode step at batch B and context L, and the CPU kernels' share of it.
 
-    .venv/bin/python benchmarks/decode_step_ops.py B L     # e.g. 16 800, or 1 800
+    .venv/bin/python benchmarks/decode_step_ops.py B L [KV_DTYPE [QUANTIZATION]]
+    # e.g. 16 800, 1 800, or 16 1100 bfloat16 int8 (KV_DTYPE: auto, bfloat16, ...; QUANTIZATION: none, int8)
 
 The steps run eager (--disable-cuda-graph): the compiled decode step calls the kernels through the
 dispatcher, past this script's timing wrapper. benchmarks/decode_overhead.py compares the two paths.
@@ -40,7 +41,9 @@ from polychip.engine.llm import LLM  # noqa: E402  (after the kernels are wrappe
 from polychip.engine.sampling_params import SamplingParams  # noqa: E402
 
 B, L = int(sys.argv[1]), int(sys.argv[2])
-llm = LLM(num_threads=2, dtype="float32", disable_cuda_graph=True)
+kv_dtype = sys.argv[3] if len(sys.argv) > 3 else "auto"
+quantization = sys.argv[4] if len(sys.argv) > 4 and sys.argv[4] != "none" else None
+llm = LLM(num_threads=2, dtype="float32", disable_cuda_graph=True, kv_cache_dtype=kv_dtype, quantization=quantization)
 rng = random.Random(0)
 engine = llm.engine
 for _ in range(B):

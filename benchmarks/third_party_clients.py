@@ -3,7 +3,10 @@ virtualenv ``.venv-bench``: ``make bench-tools``) and our ``polychip bench servi
 the same prompts of exactly ``--input-len`` tokens (one list, written in each client's file format by
 ``client_workload.py``), the same request fields (greedy, ``ignore_eos`` and ``min_tokens`` for exactly
 ``--output-len`` tokens, streamed ``/v1/completions`` with usage), every client counting the server's
-usage, and the server's prefix cache flushed before each client. Each client runs in its lightest mode.
+usage, and before each client run a warm-up request (a prompt of the same length that no client sends)
+and a flushed prefix cache. Each client runs in its lightest mode, ``--repeats`` times per concurrency in
+a balanced order (A B C C B A: the server's drift lands on every client alike, ``client_rounds.py``), and
+each figure is the mean of what the client itself reported over its runs.
 
     .venv/bin/python benchmarks/third_party_clients.py --server polychip --server-cpus 0 --client-cpus 1
     .venv/bin/python benchmarks/third_party_clients.py --server llama.cpp --concurrency 1,4 --requests 1,4
@@ -13,7 +16,8 @@ bfloat16 KV cache unless ``--serve-args`` says otherwise); ``--server llama.cpp`
 llama-cpp-python's own OpenAI server (``polychip[llamacpp]``) on the same GGUF. ``--server-cpus`` and
 ``--client-cpus`` pin the two apart (on 2 cores a client next to the server slows what it measures).
 Prints per concurrency and client the output tokens/s, mean TTFT and inter-token latency, the CPU the
-client and the server used, and the spread of the three clients' throughputs (max / min - 1).
+client and the server used and the time the hypervisor took from the server's cores, then per client the
+means over its runs and the spread of the clients' means (max / min - 1).
 """
 from __future__ import annotations
 
@@ -22,6 +26,8 @@ import json
 import os
 import resource
 import shlex
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -29,7 +35,9 @@ import time
 import urllib.request
 
 from polychip.bench.datasets import load_tokenizer
-from client_workload import CpuSampler, busy_share, cpu_seconds, exact_prompts, write_datasets
+from client_rounds import balanced_order, report, summarise
+from client_workload import (CpuSampler, busy_share, cpu_seconds, measured_and_warm_prompts, steal_seconds,
+                             write_datasets)
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 BENCH_BIN = os.path.join(ROOT, ".venv-bench", "bin")
@@ -88,13 +96,19 @@ def client_env() -> dict:
 SAMPLER: list[CpuSampler] = []       # the sampler of the client run in progress, if any
 
 
-def run(cmd: list[str], log) -> None:
+def run(cmd: list[str], log, env: dict | None = None) -> None:
     log.write(("$ " + " ".join(shlex.quote(c) for c in cmd) + "\n").encode())
     log.flush()
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=client_env())
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**client_env(), **(env or {})})
     if SAMPLER:
         SAMPLER[0].client_pid = proc.pid
-    if proc.wait():
+    try:
+        code = proc.wait()
+    finally:
+        if proc.poll() is None:      # interrupted: the client goes with the script
+            proc.kill()
+            proc.wait()
+    if code:
         raise subprocess.CalledProcessError(proc.returncode, cmd)
 
 
@@ -127,7 +141,14 @@ def aiperf_command(url, tok, c, n, a, data, out) -> list[str]:
 
 
 def aiperf(url, tok, c, n, a, data, out, log) -> dict:
-    run(aiperf_command(url, tok, c, n, a, data, out), log)
+    # AIPerf leaves its dataset's memory map (aiperf_mmap_<id>/) and its ipc sockets' folder (tmpXXX/aiperf/)
+    # in the temp folder after every run: it gets a temp folder of its own, removed after the run
+    scratch = tempfile.mkdtemp(prefix="aiperf-run-")     # short: ipc socket paths must fit in 107 bytes
+    try:
+        run(aiperf_command(url, tok, c, n, a, data, out), log,
+            env={"TMPDIR": scratch, "AIPERF_DATASET_MMAP_BASE_PATH": scratch})
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     found = [os.path.join(d, f) for d, _, fs in os.walk(out) for f in fs if f.endswith("aiperf.json")]
     return aiperf_figures(json.load(open(found[0])))
 
@@ -169,10 +190,11 @@ def guidellm_figures(report: dict) -> dict:
             "duration_s": bench.get("duration")}
 
 
-def reset(url: str, kind: str) -> None:
-    """Every client starts on an equally cold server: polychip's prefix cache is flushed; llama-cpp-python
-    keeps only the last prompt's tokens, which a short unrelated request replaces."""
-    post(url, "/v1/completions", {"model": MODEL_NAME, "prompt": "Reset: one, two.", "max_tokens": 2})
+def prepare(url: str, kind: str, warm_prompt: str) -> None:
+    """Every client run starts on an equally warm and equally cold server: one greedy request of a full-length
+    prompt that no client sends (the long-context path runs just before, whatever ran last), then polychip's
+    prefix cache is flushed; llama-cpp-python keeps only the last prompt's tokens, which that request replaced."""
+    post(url, "/v1/completions", {"model": MODEL_NAME, "prompt": warm_prompt, "max_tokens": 16, "temperature": 0.0})
     if kind == "polychip":
         post(url, "/flush_cache", {})
 
@@ -182,10 +204,11 @@ def post(url: str, path: str, body: dict) -> bytes:
     return urllib.request.urlopen(req, timeout=120).read()
 
 
-def measured(fn, server_pid: int, *args) -> dict:
-    """The client's figures, its wall time, and the CPU seconds it and the server spent meanwhile."""
+def measured(fn, server_pid: int, server_cpus: set[int] | None, *args) -> dict:
+    """The client's figures, its wall time, the CPU seconds it and the server spent meanwhile, and the
+    seconds the hypervisor took from the server's cores (steal)."""
     before_client = resource.getrusage(resource.RUSAGE_CHILDREN)
-    before_server, t = cpu_seconds(server_pid), time.time()
+    before_server, steal, t = cpu_seconds(server_pid), steal_seconds(server_cpus), time.time()
     with CpuSampler(server_pid) as sampler:
         SAMPLER[:] = [sampler]
         try:
@@ -196,6 +219,7 @@ def measured(fn, server_pid: int, *args) -> dict:
     cpu = lambda r: r.ru_utime + r.ru_stime  # noqa: E731
     return {**row, "wall_s": round(time.time() - t, 1), "client_cpu_s": round(cpu(after_client) - cpu(before_client), 1),
             "server_cpu_s": round(cpu_seconds(server_pid) - before_server, 1),
+            "server_steal_s": round(steal_seconds(server_cpus) - steal, 2),
             "while_server_busy": busy_share(sampler.samples)}
 
 
@@ -209,7 +233,9 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=31999)
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--requests", default=None, help="requests per concurrency: one number, or one per --concurrency "
-                    "(default: 2 x concurrency, 2 to 16)")
+                    "(default: 8, and 16 from concurrency 16)")
+    ap.add_argument("--repeats", type=int, default=2, help="runs of each client per concurrency, in the order "
+                    "A B C C B A ...; each figure is the mean of its runs")
     ap.add_argument("--input-len", type=int, default=800)
     ap.add_argument("--output-len", type=int, default=512)
     ap.add_argument("--clients", default=",".join(CLIENTS))
@@ -218,6 +244,7 @@ def main() -> None:
     ap.add_argument("--client-cpus", default=None, help="cores for the clients and this script, e.g. 1 (default: all): "
                     "on a small machine a client on the server's cores slows the server it measures")
     a = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))     # a `timeout` still stops the server it started
     cpus = lambda text: {int(c) for c in text.split(",")} if text else None  # noqa: E731
     server_cpus, client_cpus = cpus(a.server_cpus), cpus(a.client_cpus)
     if client_cpus:
@@ -227,37 +254,35 @@ def main() -> None:
     log = open(os.path.join(work, "log.txt"), "wb")
     print(f"log: {log.name}", flush=True)
     url = f"http://127.0.0.1:{a.port}"
-    proc = start_server(a.server, a.port, gguf_path, a.serve_args, log, server_cpus)
     concurrencies = [int(c) for c in a.concurrency.split(",")]
-    counts = [int(n) for n in a.requests.split(",")] if a.requests else [max(2, min(2 * c, 16)) for c in concurrencies]
+    counts = [int(n) for n in a.requests.split(",")] if a.requests else [16 if c >= 16 else 8 for c in concurrencies]
     counts = counts * len(concurrencies) if len(counts) == 1 else counts
     if len(counts) != len(concurrencies):
         raise SystemExit(f"--requests gives {len(counts)} counts for {len(concurrencies)} concurrencies")
     a.server_usage = a.server == "polychip"      # whether its streams end with a usage record
-    prompts = exact_prompts(load_tokenizer(tok), max(counts), a.input_len)
+    prompts, warm_prompt = measured_and_warm_prompts(load_tokenizer(tok), max(counts), a.input_len)
+    proc = start_server(a.server, a.port, gguf_path, a.serve_args, log, server_cpus)
     rows = []
     try:
         for c, n in zip(concurrencies, counts):
             data = write_datasets(prompts[:n], a.output_len, os.path.join(work, f"data-{c}"))
-            for name in a.clients.split(","):
+            for run_index, name in enumerate(balanced_order(a.clients.split(","), a.repeats)):
                 out = tempfile.mkdtemp(dir=work)
-                reset(url, a.server)
+                prepare(url, a.server, warm_prompt)
                 load = os.getloadavg()[0]
-                row = {"server": a.server, "client": name, "concurrency": c, "requests": n,
-                       **measured(CLIENTS[name], proc.pid, url, tok, c, n, a, data, out, log),
+                row = {"server": a.server, "client": name, "concurrency": c, "requests": n, "run": run_index,
+                       **measured(CLIENTS[name], proc.pid, server_cpus, url, tok, c, n, a, data, out, log),
                        "load_avg": [round(load, 2), round(os.getloadavg()[0], 2)]}
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     finally:
         proc.terminate()
         proc.wait(30)
-    for c in sorted({r["concurrency"] for r in rows}):
-        rates = [r["output_tok_s"] for r in rows if r["concurrency"] == c and r["output_tok_s"]]
-        if rates:
-            print(f"concurrency {c}: client spread {max(rates) / min(rates) - 1:.1%}")
+    summary = summarise(rows)
+    print(report(summary), flush=True)
     if a.json:
         with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump({"rows": rows, "summary": summary}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
@@ -45,21 +46,32 @@ def dataset(model_path, folder, n, load) -> tuple[list[str], dict]:
     return prompts, write_datasets(prompts, load.output_len, str(folder))
 
 
+def aiperf_leftovers() -> set[str]:
+    """What AIPerf runs leave in the temp folder: its datasets' memory maps (aiperf_mmap_<id>), its ipc
+    sockets' folders (tmpXXXX/aiperf) and the script's own scratch folder for it (aiperf-run-XXXX)."""
+    top = tempfile.gettempdir()
+    return {name for name in os.listdir(top)
+            if name.startswith("aiperf") or os.path.isdir(os.path.join(top, name, "aiperf"))}
+
+
 @pytest.mark.parametrize("client", ["aiperf", "guidellm"])
-def test_third_party_client_counts_what_it_asked_for(served, model_path, client, tmp_path):
+def test_third_party_client_counts_what_it_asked_for_and_leaves_no_temp_files(served, model_path, client, tmp_path):
     load = SimpleNamespace(input_len=48, output_len=12)
     _, data = dataset(model_path, tmp_path / "data", 4, load)
+    before = aiperf_leftovers()
     with open(tmp_path / "log.txt", "wb") as log:
         got = clients.CLIENTS[client](served.url, model_path, 2, 4, load, data, str(tmp_path), log)
     assert got["completed"] == 4, got
     assert got["output_tok_s"] > 0 and got["ttft_ms"] > 0 and got["itl_ms"] > 0 and got["duration_s"] > 0, got
     assert got["output_tokens"] == 4 * 12, got     # the server's usage, not a re-tokenization of the text
+    assert aiperf_leftovers() - before == set()     # AIPerf's memory map and ipc folder went with its run
 
 
 class Recorder(BaseHTTPRequestHandler):
     """An OpenAI completions stand-in: records each request body, streams max_tokens chunks and usage."""
     protocol_version = "HTTP/1.1"
     bodies: list[dict] = []
+    paths: list[str] = []
 
     def log_message(self, *args):
         pass
@@ -77,6 +89,7 @@ class Recorder(BaseHTTPRequestHandler):
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         Recorder.bodies.append(body)
+        Recorder.paths.append(self.path)
         chunk = lambda **kw: b"data: " + json.dumps({"id": "c", "object": "text_completion", "created": 0,  # noqa: E731
                                                      "model": clients.MODEL_NAME, **kw}).encode() + b"\n\n"
         n = body.get("max_tokens", 1)
@@ -110,3 +123,16 @@ def test_the_three_clients_send_the_same_prompts_and_sampling_fields(recorder, m
         assert [{f: b.get(f) for f in fields} for b in bodies] == \
             [{"temperature": 0.0, "max_tokens": 5, "ignore_eos": True, "min_tokens": 5, "stream": True}] * 3, name
         assert all(b["stream_options"]["include_usage"] for b in bodies), name
+
+
+def test_each_client_run_is_prepared_by_a_warm_up_of_an_unmeasured_prompt_then_a_flush(recorder):
+    Recorder.bodies.clear()
+    Recorder.paths.clear()
+    clients.prepare(recorder, "polychip", "the warm-up prompt")
+    assert Recorder.paths == ["/v1/completions", "/flush_cache"]
+    assert Recorder.bodies[0] == {"model": clients.MODEL_NAME, "prompt": "the warm-up prompt", "max_tokens": 16,
+                                  "temperature": 0.0}
+    Recorder.bodies.clear()
+    Recorder.paths.clear()
+    clients.prepare(recorder, "llama.cpp", "the warm-up prompt")     # no flush there: the request replaces its cache
+    assert Recorder.paths == ["/v1/completions"]

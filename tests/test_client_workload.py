@@ -15,7 +15,8 @@ from polychip.bench import datasets
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-import client_workload as workload  # noqa: E402  (benchmarks/ is not a package)
+import client_rounds as rounds  # noqa: E402  (benchmarks/ is not a package)
+import client_workload as workload  # noqa: E402
 import third_party_clients as clients  # noqa: E402
 
 pytestmark = pytest.mark.device_independent     # no model runs
@@ -81,10 +82,11 @@ def test_cpu_seconds_counts_the_descendants_of_a_process(tmp_path):
 
 
 def test_busy_share_takes_only_the_intervals_in_which_the_server_works():
-    # (time, server cpu s, client cpu s): idle 0-1 s (client starting up: 1 core), busy 1-3 s
-    samples = [(0.0, 0.0, 0.0), (1.0, 0.1, 1.0), (2.0, 1.0, 1.3), (3.0, 1.8, 1.5)]
+    # (time, server, client, whole machine cpu s): idle 0-1 s (client starting up: 1 core), busy 1-3 s,
+    # in which something else used 0.5 then 0.1 of a core
+    samples = [(0.0, 0.0, 0.0, 0.0), (1.0, 0.1, 1.0, 1.1), (2.0, 1.0, 1.3, 2.8), (3.0, 1.8, 1.5, 3.9)]
     got = workload.busy_share(samples)
-    assert got == {"busy_s": 2.0, "server_cores": 0.85, "client_cores": 0.25}
+    assert got == {"busy_s": 2.0, "server_cores": 0.85, "client_cores": 0.25, "other_cores": 0.3}
     assert workload.busy_share(samples[:2])["busy_s"] == 0.0
 
 
@@ -119,3 +121,56 @@ def test_aiperf_counts_the_servers_usage_only_where_the_server_sends_one():
     assert "--use-server-token-count" not in cmd(False)     # llama-cpp-python: none, AIPerf re-tokenises
     body = [cmd(True)[i + 1] for i, arg in enumerate(cmd(True)) if arg == "--extra-inputs"]
     assert body == ["temperature:0.0", "ignore_eos:true", "min_tokens:4"]
+
+
+def test_clients_run_in_a_balanced_order_so_a_steady_drift_lands_on_each_alike():
+    assert rounds.balanced_order(["A", "B", "C"], 2) == ["A", "B", "C", "C", "B", "A"]
+    assert rounds.balanced_order(["A", "B"], 3) == ["A", "B", "B", "A", "A", "B"]
+    with pytest.raises(ValueError):
+        rounds.balanced_order(["A"], 0)
+    # the server slows by 1 tok/s every run: in A B C C B A every client's mean is the same
+    order = rounds.balanced_order(["A", "B", "C"], 2)
+    rows = [{"concurrency": 1, "client": name, "output_tok_s": 100.0 - i, "ttft_ms": 10.0, "itl_ms": 5.0}
+            for i, name in enumerate(order)]
+    summary = rounds.summarise(rows)[0]
+    assert {m["output_tok_s"] for m in summary["clients"].values()} == {97.5}
+    assert summary["spread_output_tok_s"] == 0.0
+    assert summary["clients"]["A"]["own_spread"] == pytest.approx(100 / 95 - 1)
+
+
+def test_the_summary_is_each_clients_mean_of_its_own_runs_and_the_spread_of_those_means():
+    row = lambda c, name, tok_s, ttft, itl: {"concurrency": c, "client": name, "output_tok_s": tok_s,  # noqa: E731
+                                             "ttft_ms": ttft, "itl_ms": itl}
+    rows = [row(1, "ours", 100.0, 1000.0, 7.0), row(1, "aiperf", 110.0, 900.0, None),
+            row(1, "aiperf", 130.0, 1100.0, None), row(1, "ours", 120.0, 1200.0, 9.0),
+            row(4, "ours", 200.0, 3000.0, 15.0)]
+    by_c = {s["concurrency"]: s for s in rounds.summarise(rows)}
+    assert by_c[1]["clients"]["ours"] == {"output_tok_s": 110.0, "ttft_ms": 1100.0, "itl_ms": 8.0, "runs": 2,
+                                          "own_spread": pytest.approx(0.2)}
+    assert by_c[1]["clients"]["aiperf"]["output_tok_s"] == 120.0
+    assert by_c[1]["clients"]["aiperf"]["itl_ms"] is None           # a figure it never reported stays out
+    assert by_c[1]["spread_output_tok_s"] == pytest.approx(120 / 110 - 1)
+    assert by_c[1]["spread_ttft_ms"] == pytest.approx(0.1) and by_c[1]["spread_itl_ms"] is None
+    assert by_c[4]["spread_output_tok_s"] is None and by_c[4]["clients"]["ours"]["runs"] == 1
+    table = rounds.report(list(by_c.values()))
+    assert "| 1 | aiperf | 2 | 120.0 | 18.2% | 1000 | - |" in table and "out tok/s 9.1%" in table
+
+
+def test_the_warm_up_prompt_has_the_measured_length_and_is_never_measured():
+    prompts, warm = workload.measured_and_warm_prompts(WordTokenizer(), 4, 16)
+    assert len(prompts) == 4 and warm not in prompts
+    assert {len(p.split()) for p in [*prompts, warm]} == {16}
+    # the shared prefix with every measured prompt is short: the warm-up leaves nothing they could reuse
+    assert all(os.path.commonprefix([warm.split(), p.split()]) == [] for p in prompts)
+
+
+def test_steal_and_busy_seconds_are_read_per_core_from_proc_stat(monkeypatch, tmp_path):
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  1 2 3 4 5 6 7 300 0 0\ncpu0 1 2 3 4 5 6 7 100 0 0\ncpu1 1 2 3 4 5 6 7 200 0 0\nintr 1\n")
+    real_open = open
+    monkeypatch.setattr("builtins.open", lambda path, *a, **k: real_open(stat if path == "/proc/stat" else path, *a, **k))
+    tick = os.sysconf("SC_CLK_TCK")
+    assert workload.steal_seconds({0}) == 100 / tick
+    assert workload.steal_seconds({1}) == 200 / tick
+    assert workload.steal_seconds(None) == 300 / tick
+    assert workload.machine_busy_seconds() == 2 * (1 + 2 + 3 + 6 + 7) / tick    # user nice system irq softirq

@@ -121,6 +121,11 @@ def test_killing_a_replica_loses_no_request_and_it_comes_back(fleet):
             await asyncio.sleep(0.05)
         await asyncio.sleep(1.0)          # let its streams send tokens: those cannot be retried
         os.kill(victim["pid"], signal.SIGKILL)
+        t1 = time.monotonic()       # the exit marks it down at once, before its restart is counted
+        while not (gone := next(r for r in fleet.replicas() if r["name"] == "sim-0"))["restarts"]:
+            assert time.monotonic() - t1 < 10, "the router did not see sim-0 exit"
+            await asyncio.sleep(0.02)
+        assert not gone["up"], gone       # (its reason: the exit, or a failed health check if that came first)
         return await asyncio.wait_for(load, 180)
 
     results = asyncio.run(run())
@@ -138,8 +143,10 @@ def test_killing_a_replica_loses_no_request_and_it_comes_back(fleet):
     state = "; ".join(f"{r['name']} up={r['up']} inflight={r['inflight']} circuit={r['breaker']} "
                       f"running={r['running']} waiting={r['waiting']} kv={r['kv_cache_usage']} "
                       f"weight={r['weight']} version={r['version']} url={r['url']}" for r in before)
+    story = [l for l in fleet.log.splitlines() if "sim-0" in l and ("circuit" in l or " is " in l or "exited" in l
+                                                                  or "started" in l or "port" in l)]
     assert all(o == "ok" for *_, o in again) and any(r == "sim-0" for r, *_ in again), \
-        f"went to {[r for r, *_ in again]}; before: {state}"
+        f"went to {[r for r, *_ in again]}; before: {state}; sim-0's log: {story[-12:]}"
 
 
 def _prefix_workload(url, groups=3, per_group=6):
@@ -254,8 +261,8 @@ def test_serve_dp_size_is_a_router_over_local_replicas(model_factory, tmp_path):
             with ThreadPoolExecutor(6) as pool:
                 answers = list(pool.map(ask, range(6)))
             assert all(r.status_code == 200 and r.headers["x-polychip-device"] == "cpu:0" for r in answers)
-            # both serve six requests at once (the default policy, fastest, sends sequential requests to one
-            # of two equal idle replicas; at once, the first one's queue sends the next ones to the other)
+            # both serve six requests at once (the default policy, fastest: equal replicas take turns, and the
+            # first one's queue sends the next ones to the other)
             seen = Counter(r.headers["x-polychip-replica"] for r in answers)
             assert set(seen) == {"dp0", "dp1"}, seen
             # the replicas are the front's deployment replicas, booked in its device ledger like any workload

@@ -116,6 +116,22 @@ def test_least_load_counts_inflight_and_reported_load_and_breaks_ties_in_turn():
     assert picks == ["a", "b", "a", "b"]
 
 
+def test_fastest_sends_equal_idle_replicas_requests_in_turn_not_all_to_the_first_by_name():
+    from polychip.router.routing.fastest import Fastest
+    from types import SimpleNamespace
+    f = Fastest()
+    a, b = _replica("a"), _replica("b")
+    ticket = SimpleNamespace(prompt="", prompt_tokens=8, max_tokens=4, slo=None, arrived=0.0)
+    picks = []
+    for _ in range(4):                      # nothing measured yet: by load, equal
+        r = f.pick([a, b], ticket, [a, b])
+        f.placed(r, "")
+        picks.append(r.name)
+    assert picks == ["a", "b", "a", "b"]
+    a.inflight = 1
+    assert f.pick([a, b], ticket, [a, b]) is b       # a real difference still decides
+
+
 def test_least_load_does_not_count_our_finished_requests_from_a_stale_report():
     from polychip.router.fleet.health import HealthChecker
     from polychip.router.fleet.info import ReplicaInfo

@@ -153,13 +153,11 @@ def _linears(plugin, dtype: torch.dtype) -> list[Callable]:
     """``F.linear`` and the device plugin's own ``linear`` op for ``dtype`` when it registers one (the
     CPU plugin's register tiles outrun torch's BLAS on AVX-512: a ceiling below what we run is no
     ceiling)."""
-    from polychip.devices.discovery import open_device
     from polychip.ops.native import register_native
     from polychip.ops.registry import OpRegistry
-    target = plugin if plugin is not None else open_device("cpu")
-    registry = OpRegistry(target.name)
+    registry = OpRegistry(plugin.name)
     register_native(registry)
-    target.register_ops(registry)
+    plugin.register_ops(registry)
     own = registry.resolve("linear", 1, str(dtype).removeprefix("torch."))
     return [F.linear] + ([] if own.is_fallback else [own.fn])
 
@@ -171,14 +169,20 @@ def measure_matmul(shape: ModelShape, tokens: int = 512, reps: int = 5, dtype=to
     ws = [torch.randn(o, i, dtype=dtype, device=device) * 0.02 for o, i in shape.layer_matmuls()]
     xs = {i: torch.randn(tokens, i, dtype=dtype, device=device) for _, i in shape.layer_matmuls()}
     flops = sum(2 * tokens * o * i for o, i in shape.layer_matmuls())
+    from polychip.devices.discovery import open_device
+    own = plugin if plugin is not None else open_device("cpu")       # opened here, destroyed here
     best = 0.0
-    for linear in _linears(plugin, dtype):
-        def layer():
-            for w in ws:
-                linear(xs[w.shape[1]], w)
+    try:
+        for linear in _linears(own, dtype):
+            def layer():
+                for w in ws:
+                    linear(xs[w.shape[1]], w)
 
-        with torch.inference_mode():
-            best = max(best, flops / _best(layer, reps, sync) / 1e9)
+            with torch.inference_mode():
+                best = max(best, flops / _best(layer, reps, sync) / 1e9)
+    finally:
+        if plugin is None:
+            own.destroy()
     return best
 
 

@@ -17,7 +17,7 @@ import time
 
 from polychip.router.fleet.worker import Worker
 from polychip.router.routing.estimate import Expectation, expect, retry_after, shortfall
-from polychip.router.routing.policies import Policy, weighted_load
+from polychip.router.routing.policies import Policy, RoundRobin, weighted_load
 
 
 def _compute_share(r: Worker, candidates: list[Worker]) -> float:
@@ -32,9 +32,20 @@ class Fastest(Policy):
     name = "fastest"
     uses_targets = True
 
+    def __init__(self):
+        self._rr = RoundRobin()           # equal replicas take turns instead of the first by name taking all
+
+    def _best(self, candidates: list[Worker], key) -> Worker:
+        keys = {r.name: key(r) for r in candidates}
+        low = min(keys.values())
+        return self._rr.choose([r for r in candidates if keys[r.name] == low], "")
+
+    def placed(self, replica, prompt):
+        self._rr.placed(replica, prompt)
+
     def choose(self, candidates, prompt):
         """Without a ticket (no token counts, no targets): the least loaded, weighted by declared compute."""
-        return min(candidates, key=lambda r: ((weighted_load(r) + 1) / _compute_share(r, candidates), r.name))
+        return self._best(candidates, lambda r: (weighted_load(r) + 1) / _compute_share(r, candidates))
 
     def pick(self, candidates, ticket, peers):
         now = time.perf_counter()
@@ -51,7 +62,7 @@ class Fastest(Policy):
                                           for r in sorted(candidates, key=lambda r: r.name))
                 ticket.retry_after = retry_after(list(seen.values()), slo)
                 return None
-        return min(fits, key=lambda r: (self._finish(r, seen[r.name], ticket.max_tokens), weighted_load(r), r.name))
+        return self._best(fits, lambda r: (self._finish(r, seen[r.name], ticket.max_tokens), weighted_load(r)))
 
     @staticmethod
     def _finish(r: Worker, e: Expectation, max_tokens: int) -> float:
