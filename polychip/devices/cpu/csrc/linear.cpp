@@ -172,9 +172,9 @@ constexpr int64_t kTilesOneBlockM = 64;   // up to this M, all rows of x in one 
 // tiles on. M > 1: the first of the M/MR passes over a tile loads it into L1; the passes share the
 // prefetch, a line of each of their rows per step. M = 1 (one pass that reads each weight once, bound by
 // memory bandwidth; docs/bench/perf-round4-cpu.md, "the M=1 linears' prefetch"): float32 leaves it to the
-// hardware prefetcher, which streams each thread's ascending walk at ~90% of a plain read (the software
+// hardware prefetcher, which streams each thread's ascending walk at ~86% of a plain read (the software
 // prefetch cut that to ~70%); int8, whose short rows (576 bytes here) the hardware prefetcher does not
-// follow, prefetches the tile as one ascending run, each line once (~15% faster than a line of each row
+// follow, prefetches the tile as one ascending run, each line once (~12% faster than a line of each row
 // per step, four prefetches per line).
 template <typename WT>
 void tile_rows(const float* x, const WT* w, float* y, const float* b, const float* scale, int64_t M, int64_t N,
