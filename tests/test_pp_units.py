@@ -251,14 +251,22 @@ def test_calibrate_measures_each_device_and_moves_layers_off_a_slowed_card(model
                      "--num-threads", "1", "--json", *extra]) == 0     # one thread: no spinning against other load
         return json.loads(capsys.readouterr().out)
 
-    declared, plain, slow = plan(4), plan(1, "--calibrate"), plan(4, "--calibrate")
+    declared = plan(4)
     assert not any(s["measured"] for s in declared["stages"])
-    for p in (plain, slow):
-        assert [s["figures"] for s in p["stages"]] == ["measured (--calibrate)"] * 2
-        assert all(p["stages"][0]["measured"][k] > 0 for k in ("decode_layer", "prefill_layer", "decode_head"))
-    ratio = {k: [p["stages"][1]["measured"][k] / p["stages"][0]["measured"][k] for p in (plain, slow)]
-             for k in ("decode_layer", "prefill_layer")}     # the slowed card against the cpu beside it
-    assert all(slowed > 2 * unslowed for unslowed, slowed in ratio.values()), ratio
+    # Timings on a machine other jobs share: up to three attempts (another process running through one of the
+    # cards' timings once made the unslowed card measure 2x its twin). A calibration blind to the 4x fails all.
+    seen = []
+    for _ in range(3):
+        plain, slow = plan(1, "--calibrate"), plan(4, "--calibrate")
+        for p in (plain, slow):
+            assert [s["figures"] for s in p["stages"]] == ["measured (--calibrate)"] * 2
+            assert all(p["stages"][0]["measured"][k] > 0 for k in ("decode_layer", "prefill_layer", "decode_head"))
+        ratio = {k: [p["stages"][1]["measured"][k] / p["stages"][0]["measured"][k] for p in (plain, slow)]
+                 for k in ("decode_layer", "prefill_layer")}     # the slowed card against the cpu beside it
+        seen.append(ratio)
+        if all(slowed > 2 * unslowed for unslowed, slowed in ratio.values()):
+            break
+    assert all(slowed > 2 * unslowed for unslowed, slowed in ratio.values()), seen
     assert slow["counts"][1] < plain["counts"][1] and slow["counts"][1] < declared["counts"][1], \
         (declared["counts"], plain["counts"], slow["counts"])
 
