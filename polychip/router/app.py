@@ -9,7 +9,7 @@ from polychip.router.fleet.client import ReplicaClient
 from polychip.router.fleet.health import HealthChecker
 from polychip.router.fleet.host import HostInventory
 from polychip.router.fleet.inventory import Inventory
-from polychip.router.fleet.launcher import Launcher
+from polychip.router.fleet.launcher import Launcher, exit_reason
 from polychip.router.fleet.ledger import DeviceLedger
 from polychip.router.reconciler import Reconciler
 from polychip.router.fleet.registry import WorkerRegistry
@@ -106,4 +106,10 @@ class Router:
         self.dispatcher.pump()
 
     def _process_event(self, name: str, kind: str, detail) -> None:
+        """The launcher's news of a replica's process. An exit marks its worker down now, not when the health
+        checks next fail (the restart is counted at once: nothing should see a dead replica up meanwhile)."""
         self.workloads.process_event(name, kind, detail)
+        worker = self.registry.get(name)
+        if kind == "exited" and worker is not None and worker.up:
+            worker.mark_down(f"its process exited ({exit_reason(detail)}); the launcher restarts it")
+            self._replica_changed(worker)

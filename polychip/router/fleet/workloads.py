@@ -203,9 +203,6 @@ class Workloads:
             self._set(w, "loading", "process started", what)
         elif kind == "exited":
             w.restarts += 1
-            replica = self.registry.get(name)
-            if replica is not None:       # down now, not when the health checks next fail: nothing is sent to a dead pid
-                replica.mark_down(f"its process exited ({exit_reason(detail)}); restart {w.restarts} follows")
             last = self._last_line(w.id)
             self._set(w, "failed", "exited", f"{exit_reason(detail)}; restart {w.restarts} follows"
                       + (f"; last output: {last}" if last else ""))
