@@ -259,6 +259,29 @@ def test_plugin_linears_give_a_row_the_same_bits_at_prefill_size():
             assert torch.equal(ops["linear_int8"](x[:m], q, s)[-1], ops["linear_int8"](x[m - 1:m], q, s)[0]), m
 
 
+@pytest.mark.parametrize("n,k", [(3072, 576), (962, 576), (150, 1536), (30, 100)])
+def test_decode_sized_linears_give_a_row_its_own_bits(n, k):
+    """Decode-sized M > 1 runs its passes over groups of weight-row tiles (each pass over the group before
+    the next): every row still gets the bits it gets alone (M = 1), float32 and int8, one and two threads
+    (N off the group, tile and chunk sizes; K off the vector width)."""
+    from polychip.quant.int8 import quantize_int8
+    torch.manual_seed(n + k)
+    x, w, b = torch.randn(64, k), torch.randn(n, k), torch.randn(n)
+    q, s = quantize_int8(w)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            alone = [(kernels.linear_tiles(x[i:i + 1], w, b), kernels.linear_int8_tiles(x[i:i + 1], q, s, b))
+                     for i in range(64)]
+            for m in (2, 5, 16, 64):
+                f, i8 = kernels.linear_tiles(x[:m], w, b), kernels.linear_int8_tiles(x[:m], q, s, b)
+                for r in range(m):
+                    assert torch.equal(f[r], alone[r][0][0]) and torch.equal(i8[r], alone[r][1][0]), (threads, m, r)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_linear_tiles_empty_sizes():
     w, b = torch.randn(4, 0), torch.randn(4)
     torch.testing.assert_close(kernels.linear_tiles(torch.randn(3, 0), w, b), b.expand(3, 4))

@@ -167,10 +167,16 @@ static_assert(Vec::MR <= 4 && Vec::NR <= 8 && Vec::NR1 <= 8, "tile shapes beyond
 
 constexpr int64_t kAhead = 2;   // tiles of weight rows prefetched ahead
 constexpr int64_t kTilesOneBlockM = 64;   // up to this M, all rows of x in one block
+constexpr int64_t kGroupTiles = 2;   // decode-sized M > 1: tiles of weight rows per group of passes (tile_rows)
 
 // all M rows of x against weight rows [n0, n1), NR rows at a time, each tile prefetching the tile kAhead
 // tiles on. M > 1: the first of the M/MR passes over a tile loads it into L1; the passes share the
-// prefetch, a line of each of their rows per step. M = 1 (one pass that reads each weight once, bound by
+// prefetch, a line of each of their rows per step. Decode-sized M > 1 runs the passes over groups of
+// `group` tiles (pass-major: each pass over the group's tiles before the next pass), so that the group's
+// weight rows and one pass's MR rows of x stay in L1 (2 tiles at K = 576: 27.6 + 9.2 KB of Zen 5's 48 KB;
+// tile-major, one tile's rows and all 16 rows of x, 13.8 + 36.9 KB, did not fit). Each output is the same
+// tile call, so its bits are the same. One step's cold float32 linears at M = 16: ~10% faster on one core
+// (docs/bench/perf-round4-cpu.md, "float32 tiles at M = 16"). M = 1 (one pass that reads each weight once, bound by
 // memory bandwidth; docs/bench/perf-round4-cpu.md, "the M=1 linears' prefetch"): float32 leaves it to the
 // hardware prefetcher, which streams each thread's ascending walk at ~86% of a plain read (the software
 // prefetch cut that to ~70%); int8, whose short rows (576 bytes here) the hardware prefetcher does not
@@ -178,9 +184,25 @@ constexpr int64_t kTilesOneBlockM = 64;   // up to this M, all rows of x in one 
 // per step, four prefetches per line).
 template <typename WT>
 void tile_rows(const float* x, const WT* w, float* y, const float* b, const float* scale, int64_t M, int64_t N,
-               int64_t K, int64_t n0, int64_t n1, int MR, int NR) {
+               int64_t K, int64_t n0, int64_t n1, int MR, int NR, int64_t group) {
   const int64_t passes = (M + MR - 1) / MR, per_pass = M > 1 ? (NR + passes - 1) / passes : 0;
   const bool run = M == 1 && !std::is_same_v<WT, float>;
+  // pass p (x rows m..m+MR) over the tile at n of nr weight rows, prefetching its share of the tile at pn
+  const auto pass = [&](int64_t n, int nr, int64_t pn, int64_t m, int64_t p) {
+    const int mr = static_cast<int>(std::min<int64_t>(MR, M - m));
+    const int64_t r0 = std::min<int64_t>(p * per_pass, NR);
+    const int pf_rows = static_cast<int>(std::max<int64_t>(0, std::min({per_pass, NR - r0, N - pn - r0})));
+    Tiles<WT>::fns[mr - 1][nr - 1](x + m * K, w + n * K, y + m * N + n, b ? b + n : nullptr,
+                                   scale ? scale + n : nullptr, K, N, pf_rows > 0 ? w + (pn + r0) * K : w, pf_rows);
+  };
+  if (group > 1 && !run) {
+    for (int64_t g = n0; g < n1; g += group * NR) {
+      const int64_t g1 = std::min(n1, g + group * NR);
+      for (int64_t m = 0, p = 0; m < M; m += MR, ++p)
+        for (int64_t n = g; n < g1; n += NR) pass(n, static_cast<int>(std::min<int64_t>(NR, g1 - n)), n + kAhead * NR, m, p);
+    }
+    return;
+  }
   for (int64_t n = n0; n < n1; n += NR) {
     const int nr = static_cast<int>(std::min<int64_t>(NR, n1 - n));
     const int64_t pn = n + kAhead * NR;
@@ -195,13 +217,7 @@ void tile_rows(const float* x, const WT* w, float* y, const float* b, const floa
                                  lines > 0 ? reinterpret_cast<const WT*>(lo) : w, static_cast<int>(lines));
       continue;
     }
-    for (int64_t m = 0, p = 0; m < M; m += MR, ++p) {
-      const int mr = static_cast<int>(std::min<int64_t>(MR, M - m));
-      const int64_t r0 = std::min<int64_t>(p * per_pass, NR);
-      const int pf_rows = static_cast<int>(std::max<int64_t>(0, std::min({per_pass, NR - r0, N - pn - r0})));
-      Tiles<WT>::fns[mr - 1][nr - 1](x + m * K, w + n * K, y + m * N + n, b ? b + n : nullptr,
-                                     scale ? scale + n : nullptr, K, N, pf_rows > 0 ? w + (pn + r0) * K : w, pf_rows);
-    }
+    for (int64_t m = 0, p = 0; m < M; m += MR, ++p) pass(n, nr, pn, m, p);
   }
 }
 
@@ -230,10 +246,12 @@ torch::Tensor tiles(const torch::Tensor& x, const WT* wp, const float* scale, co
   // block run against the whole chunk before the next (without blocks, every tile of weight rows
   // streamed all of x from L3); decode-sized M: one block
   const int64_t mb = M <= kTilesOneBlockM ? M : std::max<int64_t>(16, (262144 / 4 / K) / Vec::MR * Vec::MR);
+  // decode-sized M > 1: the passes over groups of kGroupTiles tiles (tile_rows); prefill-sized and M = 1: one tile
+  const int64_t group = M > 1 && M <= kTilesOneBlockM ? kGroupTiles : 1;
   const auto chunk = [&](int64_t c) {
     for (int64_t m0 = 0; m0 < M; m0 += mb)
       tile_rows<WT>(xp + m0 * K, wp, yp + m0 * N, bp, scale, std::min(mb, M - m0), N, K, c * rows,
-                    std::min(N, (c + 1) * rows), MR, NR);
+                    std::min(N, (c + 1) * rows), MR, NR, group);
   };
   // M = 1 reads each weight once with one FMA: bandwidth-bound, so each thread walks its own share
   if (M == 1) for_each_chunk_owned((N + rows - 1) / rows, chunk);
