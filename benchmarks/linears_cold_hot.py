@@ -5,7 +5,9 @@
 Cold: the step's 121 linears, each layer with its own random weights, called in order (every weight comes
 from DRAM, as in a decode step). Hot: each call twice, the 2nd timed (weights up to 7 MB come from L3; the
 49152-row LM head never fits). float32 also gets a plain read of the same weights (torch's sum) in the same
-rounds. benchmarks/linear_kernels.py and linear_int8_kernels.py time one weight over and over: the hot case.
+rounds. "cold" sums each shape's median call; "back to back" is the median wall time of the cold steps (the
+Python between calls included). benchmarks/linear_kernels.py and linear_int8_kernels.py time one weight over
+and over: the hot case.
 """
 import collections
 import os
@@ -30,12 +32,15 @@ else:
 xs = {K: torch.randn(M, K, generator=g) for K in (576, 1536)}
 fn = kernels.linear_int8_tiles if int8 else kernels.linear_tiles
 cold, hot, read = (collections.defaultdict(list) for _ in range(3))
+steps = []   # the cold calls' wall time as one step, back to back (Python between calls included)
 with torch.inference_mode():
     for _ in range(7):
+        t_step = time.perf_counter()
         for s, w in zip(shapes, weights):
             t = time.perf_counter()
             fn(xs[s[1]], *w, None)
             cold[s].append(time.perf_counter() - t)
+        steps.append(time.perf_counter() - t_step)
         for s, w in zip(shapes, weights):
             fn(xs[s[1]], *w, None)
             t = time.perf_counter()
@@ -54,5 +59,5 @@ for s in cold:
     total.update({"cold": c * n, "hot": h * n, "read": r * n})
     print(f"M={M} {'int8' if int8 else 'f32'} {s[0]}x{s[1]} (x{n}): cold {c * 1e6:7.1f} us {flop / c / 1e9:4.0f} GFLOP/s "
           f"{nbytes / c / 1e9:5.1f} GB/s | hot {h * 1e6:7.1f} us {flop / h / 1e9:4.0f} GFLOP/s | plain read {nbytes / r / 1e9:5.1f} GB/s")
-print(f"one step's linears: cold {total['cold'] * 1e3:.2f} ms, hot {total['hot'] * 1e3:.2f} ms, plain read of the "
+print(f"one step's linears: cold {total['cold'] * 1e3:.2f} ms (back to back: {statistics.median(steps) * 1e3:.2f} ms), hot {total['hot'] * 1e3:.2f} ms, plain read of the "
       f"weights {total['read'] * 1e3:.2f} ms; threads {torch.get_num_threads()}; load {open('/proc/loadavg').read().split()[:3]}")
