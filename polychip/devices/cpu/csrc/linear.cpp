@@ -175,9 +175,9 @@ constexpr int64_t kGroupTiles = 2;   // decode-sized M > 1: tiles of weight rows
 // `group` tiles (pass-major: each pass over the group's tiles before the next pass), so that the group's
 // weight rows and one pass's MR rows of x stay in L1 (2 tiles at K = 576: 27.6 + 9.2 KB of Zen 5's 48 KB;
 // tile-major, one tile's rows and all 16 rows of x, 13.8 + 36.9 KB, did not fit). Each output is the same
-// tile call, so its bits are the same. One step's cold float32 linears at M = 16: ~10% faster on one core
-// (docs/bench/perf-round4-cpu.md, "float32 tiles at M = 16"). M = 1 (one pass that reads each weight once, bound by
-// memory bandwidth; docs/bench/perf-round4-cpu.md, "the M=1 linears' prefetch"): float32 leaves it to the
+// tile call, so its bits are the same. One step's cold float32 linears at M = 16: 8-9% faster on one core
+// (docs/bench/perf-round4-cpu.md, "float32 tiles at M = 16"). M = 1 (one pass that reads each weight once,
+// bound by memory bandwidth; docs/bench/perf-round4-cpu.md, "the M=1 linears' prefetch"): float32 leaves it to the
 // hardware prefetcher, which streams each thread's ascending walk at ~86% of a plain read (the software
 // prefetch cut that to ~70%); int8, whose short rows (576 bytes here) the hardware prefetcher does not
 // follow, prefetches the tile as one ascending run, each line once (~12% faster than a line of each row
@@ -199,7 +199,8 @@ void tile_rows(const float* x, const WT* w, float* y, const float* b, const floa
     for (int64_t g = n0; g < n1; g += group * NR) {
       const int64_t g1 = std::min(n1, g + group * NR);
       for (int64_t m = 0, p = 0; m < M; m += MR, ++p)
-        for (int64_t n = g; n < g1; n += NR) pass(n, static_cast<int>(std::min<int64_t>(NR, g1 - n)), n + kAhead * NR, m, p);
+        for (int64_t n = g; n < g1; n += NR)
+          pass(n, static_cast<int>(std::min<int64_t>(NR, g1 - n)), n + kAhead * NR, m, p);
     }
     return;
   }
