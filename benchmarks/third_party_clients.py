@@ -125,8 +125,8 @@ def ours_figures(step: dict) -> dict:
     # its tpot_ms is per request (latency - TTFT) / (tokens - 1), AIPerf's and GuideLLM's ITL definition; its
     # itl_ms pools every gap between chunks (the same at one token a chunk and equal lengths), kept beside
     return {"output_tok_s": step["output_throughput"], "ttft_ms": step["ttft_ms"]["mean"],
-            "itl_ms": step["tpot_ms"]["mean"], "pooled_itl_ms": step["itl_ms"]["mean"], "completed": step["completed"], "output_tokens": step["output_tokens"],
-            "input_tokens": step["input_tokens"], "duration_s": step["duration_s"]}
+            "itl_ms": step["tpot_ms"]["mean"], "pooled_itl_ms": step["itl_ms"]["mean"], "completed": step["completed"],
+            "output_tokens": step["output_tokens"], "input_tokens": step["input_tokens"], "duration_s": step["duration_s"]}
 
 
 def aiperf_command(url, tok, c, n, a, data, out) -> list[str]:
@@ -184,12 +184,8 @@ def guidellm_figures(report: dict) -> dict:
     """output_tokens_per_second's mean is weighted by time: its output tokens / its measured window."""
     bench = report["benchmarks"][0]
     metrics = bench["metrics"]
-
-    def mean(name):
-        return metrics[name]["successful"]["mean"]
-
-    def total(name):
-        return (metrics.get(name) or {}).get("successful", {}).get("total_sum")
+    mean = lambda name: metrics[name]["successful"]["mean"]  # noqa: E731
+    total = lambda name: (metrics.get(name) or {}).get("successful", {}).get("total_sum")  # noqa: E731
     return {"output_tok_s": mean("output_tokens_per_second"), "ttft_ms": mean("time_to_first_token_ms"),
             "itl_ms": mean("inter_token_latency_ms"), "completed": metrics["request_totals"]["successful"],
             "output_tokens": total("output_token_count"), "input_tokens": total("prompt_token_count"),
