@@ -51,22 +51,22 @@ def summarise(rows: list[dict]) -> list[dict]:
     return out
 
 
-def passes(rows: list[dict]) -> list[list[dict]]:
-    """The runs of one concurrency in run order, cut into passes of one run of every client; an incomplete
-    last pass is left out."""
+def passes(rows: list[dict], clients: int | None = None) -> list[list[dict]]:
+    """The runs of one concurrency in run order, cut into passes of one run of each of the ``clients`` (by
+    default every client in ``rows``); an incomplete last pass is left out."""
     at = sorted(rows, key=lambda r: r["run"])
-    k = len(dict.fromkeys(r["client"] for r in at))
+    k = clients or len(dict.fromkeys(r["client"] for r in at))
     return [p for i in range(0, len(at), k) if len(p := at[i:i + k]) == k and len({r["client"] for r in p}) == k]
 
 
-def paired(rows: list[dict]) -> list[dict]:
+def paired(rows: list[dict], clients: int | None = None) -> list[dict]:
     """Per concurrency and figure: each client's mean ratio to the mean of its pass (1.0 = the pass's mean), the
     spread of those mean ratios (max / min - 1), the median spread within one pass, and the server's drift
     over the same runs: the range (max / min - 1) of the probe's TPOT and of the server's CPU per token."""
     out = []
     for c in sorted({r["concurrency"] for r in rows}):
         at = [r for r in rows if r["concurrency"] == c]
-        ps = passes(at)
+        ps = passes(at, clients)
         entry = {"concurrency": c, "passes": len(ps)}
         for f in FIGURES:
             ratios: dict[str, list[float]] = {}

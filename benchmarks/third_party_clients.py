@@ -241,10 +241,8 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--requests", default=None, help="requests per concurrency: one number, or one per --concurrency "
                     "(default: 8, and 16 from concurrency 16)")
-    ap.add_argument("--repeats", type=int, default=2, help="runs of each client per concurrency, in the order "
-                    "A B C C B A ...; each figure is the mean of its runs")
-    ap.add_argument("--probe-tokens", type=int, default=64, help="output tokens of the warm-up request before each "
-                    "client run, timed by this script: the server's own speed then")
+    ap.add_argument("--repeats", type=int, default=2, help="runs of each client per concurrency (A B C C B A ...)")
+    ap.add_argument("--probe-tokens", type=int, default=64, help="output tokens of the timed warm-up before each run")
     ap.add_argument("--input-len", type=int, default=800)
     ap.add_argument("--output-len", type=int, default=512)
     ap.add_argument("--clients", default=",".join(CLIENTS))
@@ -284,10 +282,12 @@ def main() -> None:
                        "load_avg": [round(load, 2), round(os.getloadavg()[0], 2)]}
                 print(json.dumps(row), flush=True)
                 rows.append(row)
+    except SystemExit as stop:      # a `timeout`: what ran so far is still summed up (an incomplete pass unpaired)
+        print(f"stopped ({stop.code}) after {len(rows)} runs", flush=True)
     finally:
         proc.terminate()
         proc.wait(30)
-    summary, pairs = summarise(rows), paired(rows)
+    summary, pairs = summarise(rows), paired(rows, len(a.clients.split(",")))
     print("\n".join([runs_table(rows), "", report(summary), "", paired_report(pairs)]), flush=True)
     if a.json:
         with open(a.json, "w") as f:

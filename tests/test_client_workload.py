@@ -202,5 +202,6 @@ def test_runs_are_paired_by_pass_so_a_late_step_in_the_servers_speed_cancels():
     assert got["drift_probe_tpot_ms"] == pytest.approx(0.2) and got["drift_server_cpu_ms_per_token"] == 0.0
     # an incomplete last pass is no pass
     assert len(rounds.passes(rows[:-1])) == 3
+    assert rounds.passes(rows[:2], clients=3) == [] and rounds.paired(rows[:2], clients=3)[0]["passes"] == 0
     text = rounds.paired_report([got]) + rounds.runs_table(rows)
     assert "probe TPOT 20.0%" in text and "| 1 | 11 | ours | 80.0 | 1000 | - | 900 | 8.40 | 9.00 |" in text
