@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import json
 import os
+import time
+import urllib.request
 
 FORMATS = {
     "ours": lambda text, out: {"prompt": text, "completion": ""},
@@ -54,6 +56,36 @@ def measured_and_warm_prompts(tokenizer, n: int, input_len: int) -> tuple[list[s
     client run: never one of theirs, so it leaves nothing in the prefix cache they could hit."""
     prompts = exact_prompts(tokenizer, n + 1, input_len)
     return prompts[:n], prompts[n]
+
+
+def timed_request(url: str, model: str, prompt: str, output_len: int, greedy: bool = True) -> dict:
+    """One streamed completion timed here, with no benchmark client in the way: TTFT (send to the first text
+    chunk) and TPOT ((last text chunk - first) / (tokens - 1)); tokens from the server's usage, else (a stream
+    without usage, as llama-cpp-python's) the text chunks counted."""
+    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "min_tokens": output_len,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    if greedy:
+        body["temperature"] = 0.0
+    req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    start = time.perf_counter()
+    first = last = None
+    usage = chunks = 0
+    with urllib.request.urlopen(req, timeout=600) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"]["completion_tokens"]
+            if any(c.get("text") for c in chunk.get("choices") or []):
+                last = time.perf_counter()
+                first, chunks = first or last, chunks + 1
+    tokens = usage or chunks
+    if first is None or tokens < 2:
+        raise RuntimeError(f"{url}: a streamed completion of {tokens} tokens; asked for {output_len}")
+    return {"ttft_ms": round((first - start) * 1e3, 1), "tpot_ms": round((last - first) * 1e3 / (tokens - 1), 2),
+            "wall_s": last - start, "tokens": tokens}
 
 
 def _stat(pid: int) -> tuple[int, float] | None:

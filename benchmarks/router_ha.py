@@ -87,8 +87,9 @@ def wait_http(url: str, ok, timeout: float = 120, proc: "Proc | None" = None) ->
 class Stack:
     """etcd members, fake replicas and routers as processes; ``stop()`` ends all of them."""
 
-    def __init__(self, n_routers: int, state: str | None, ttl: float, etcd_members: int = 3):
-        self.dir = tempfile.mkdtemp(prefix="/tmp/state-ha-")
+    def __init__(self, n_routers: int, state: str | None, ttl: float, etcd_members: int = 3,
+                 log_dir: str | None = None):
+        self.dir = log_dir or tempfile.mkdtemp(prefix="/tmp/state-ha-")   # kept: the logs outlive a failed run
         self.etcd = EtcdCluster(etcd_members) if state is None else None
         self.state = state or self.etcd.spec
         self.replicas, self.replica_urls, self.routers, self.urls = [], [], [], []
@@ -278,8 +279,9 @@ def _f(x) -> str:
     return "-" if x is None else f"{x:.2f}"
 
 
-def run_ha(duration: float = 120, concurrency: int = 16, ttl: float = 3) -> tuple[Client, dict]:
-    stack = Stack(3, None, ttl)
+def run_ha(duration: float = 120, concurrency: int = 16, ttl: float = 3,
+           log_dir: str | None = None) -> tuple[Client, dict]:
+    stack = Stack(3, None, ttl, log_dir=log_dir)
     try:
         client = Client(stack.urls)
         res = asyncio.run(ha_scenario(stack, client, duration, concurrency, ttl))

@@ -24,40 +24,12 @@ import signal
 import statistics
 import sys
 import time
-import urllib.request
 
 from polychip.bench.datasets import load_tokenizer
-from client_workload import cpu_seconds, exact_prompts, steal_seconds
+from client_workload import cpu_seconds, exact_prompts, steal_seconds, timed_request
 from third_party_clients import MODEL_NAME, local_model, post, start_server
 
 CONDITIONS = ("flush", "idle", "sample", "cached")
-
-
-def timed_request(url: str, prompt: str, output_len: int, greedy: bool) -> dict:
-    """One streamed completion: TTFT and the decode rate after the first chunk, from the usage count."""
-    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": output_len, "min_tokens": output_len,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    if greedy:
-        body["temperature"] = 0.0
-    req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
-    start = time.perf_counter()
-    first = last = None
-    tokens = 0
-    with urllib.request.urlopen(req, timeout=600) as resp:
-        for raw in resp:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-            if any(c.get("text") for c in chunk.get("choices", [])):
-                last = time.perf_counter()
-                first = first or last
-    if tokens != output_len or first is None:
-        raise RuntimeError(f"asked for {output_len} tokens, the server counted {tokens}")
-    return {"ttft_ms": round((first - start) * 1e3, 1), "tpot_ms": round((last - first) * 1e3 / (tokens - 1), 2),
-            "wall_s": last - start, "tokens": tokens}
 
 
 def round_of(condition: str, url: str, prompts: list[str], a, server_pid: int, server_cpus) -> dict:
@@ -68,7 +40,9 @@ def round_of(condition: str, url: str, prompts: list[str], a, server_pid: int, s
     if condition == "idle":
         time.sleep(10)
     cpu0, steal0, t0 = cpu_seconds(server_pid), steal_seconds(server_cpus), time.perf_counter()
-    reqs = [timed_request(url, p, a.output_len, greedy=condition != "sample") for p in prompts]
+    reqs = [timed_request(url, MODEL_NAME, p, a.output_len, greedy=condition != "sample") for p in prompts]
+    if any(r["tokens"] != a.output_len for r in reqs):
+        raise RuntimeError(f"asked for {a.output_len} tokens, the server counted {[r['tokens'] for r in reqs]}")
     wall = time.perf_counter() - t0
     tokens = sum(r["tokens"] for r in reqs)
     return {"round": condition, "out_tok_s": round(tokens / wall, 1),

@@ -3,8 +3,8 @@ virtualenv ``.venv-bench``: ``make bench-tools``) and our ``polychip bench servi
 the same prompts of exactly ``--input-len`` tokens (one list, written in each client's file format by
 ``client_workload.py``), the same request fields (greedy, ``ignore_eos`` and ``min_tokens`` for exactly
 ``--output-len`` tokens, streamed ``/v1/completions`` with usage), every client counting the server's
-usage, and before each client run a warm-up request (a prompt of the same length that no client sends)
-and a flushed prefix cache. Each client runs in its lightest mode, ``--repeats`` times per concurrency in
+usage, and before each client run a warm-up request (a prompt of the same length that no client sends,
+timed here: the server's own speed then) and a flushed prefix cache. Each client runs in its lightest mode, ``--repeats`` times per concurrency in
 a balanced order (A B C C B A: the server's drift lands on every client alike, ``client_rounds.py``), and
 each figure is the mean of what the client itself reported over its runs.
 
@@ -17,7 +17,8 @@ llama-cpp-python's own OpenAI server (``polychip[llamacpp]``) on the same GGUF. 
 ``--client-cpus`` pin the two apart (on 2 cores a client next to the server slows what it measures).
 Prints per concurrency and client the output tokens/s, mean TTFT and inter-token latency, the CPU the
 client and the server used and the time the hypervisor took from the server's cores, then per client the
-means over its runs and the spread of the clients' means (max / min - 1).
+means over its runs, the spread of the clients' means (max / min - 1), and the runs paired by pass
+(``client_rounds.paired``) beside the server's own drift.
 """
 from __future__ import annotations
 
@@ -35,9 +36,9 @@ import time
 import urllib.request
 
 from polychip.bench.datasets import load_tokenizer
-from client_rounds import balanced_order, report, summarise
+from client_rounds import balanced_order, paired, paired_report, report, runs_table, summarise
 from client_workload import (CpuSampler, busy_share, cpu_seconds, measured_and_warm_prompts, steal_seconds,
-                             write_datasets)
+                             timed_request, write_datasets)
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 BENCH_BIN = os.path.join(ROOT, ".venv-bench", "bin")
@@ -117,10 +118,15 @@ def ours(url, tok, c, n, a, data, out, log) -> dict:
          "--concurrency", str(c), "--num-prompts", str(n), "--input-len", str(a.input_len), "--output-len",
          str(a.output_len), "--dataset", "sharegpt-like", data["ours"], "--tokenizer", tok,
          "--out-dir", out, "--name", "ours", "--no-progress", "--seed", "0"], log)
-    step = json.load(open(os.path.join(out, "ours.json")))["steps"][0]
+    return ours_figures(json.load(open(os.path.join(out, "ours.json")))["steps"][0])
+
+
+def ours_figures(step: dict) -> dict:
+    # its tpot_ms is per request (latency - TTFT) / (tokens - 1), AIPerf's and GuideLLM's ITL definition; its
+    # itl_ms pools every gap between chunks (the same at one token a chunk and equal lengths), kept beside
     return {"output_tok_s": step["output_throughput"], "ttft_ms": step["ttft_ms"]["mean"],
-            "itl_ms": step["itl_ms"]["mean"], "completed": step["completed"], "output_tokens": step["output_tokens"],
-            "input_tokens": step["input_tokens"], "duration_s": step["duration_s"]}
+            "itl_ms": step["tpot_ms"]["mean"], "pooled_itl_ms": step["itl_ms"]["mean"], "completed": step["completed"],
+            "output_tokens": step["output_tokens"], "input_tokens": step["input_tokens"], "duration_s": step["duration_s"]}
 
 
 def aiperf_command(url, tok, c, n, a, data, out) -> list[str]:
@@ -178,25 +184,24 @@ def guidellm_figures(report: dict) -> dict:
     """output_tokens_per_second's mean is weighted by time: its output tokens / its measured window."""
     bench = report["benchmarks"][0]
     metrics = bench["metrics"]
-
-    def mean(name):
-        return metrics[name]["successful"]["mean"]
-
-    def total(name):
-        return (metrics.get(name) or {}).get("successful", {}).get("total_sum")
+    mean = lambda name: metrics[name]["successful"]["mean"]  # noqa: E731
+    total = lambda name: (metrics.get(name) or {}).get("successful", {}).get("total_sum")  # noqa: E731
     return {"output_tok_s": mean("output_tokens_per_second"), "ttft_ms": mean("time_to_first_token_ms"),
             "itl_ms": mean("inter_token_latency_ms"), "completed": metrics["request_totals"]["successful"],
             "output_tokens": total("output_token_count"), "input_tokens": total("prompt_token_count"),
             "duration_s": bench.get("duration")}
 
 
-def prepare(url: str, kind: str, warm_prompt: str) -> None:
+def prepare(url: str, kind: str, warm_prompt: str, probe_tokens: int) -> dict:
     """Every client run starts on an equally warm and equally cold server: one greedy request of a full-length
     prompt that no client sends (the long-context path runs just before, whatever ran last), then polychip's
-    prefix cache is flushed; llama-cpp-python keeps only the last prompt's tokens, which that request replaced."""
-    post(url, "/v1/completions", {"model": MODEL_NAME, "prompt": warm_prompt, "max_tokens": 16, "temperature": 0.0})
+    prefix cache is flushed; llama-cpp-python keeps only the last prompt's tokens, which that request replaced.
+    That request is timed here, with no client in the way: its TTFT and TPOT are the server's own speed just
+    before the client run (the drift beside each client's figures; nothing is corrected by it)."""
+    probe = timed_request(url, MODEL_NAME, warm_prompt, probe_tokens)
     if kind == "polychip":
         post(url, "/flush_cache", {})
+    return {"probe_ttft_ms": probe["ttft_ms"], "probe_tpot_ms": probe["tpot_ms"]}
 
 
 def post(url: str, path: str, body: dict) -> bytes:
@@ -217,8 +222,10 @@ def measured(fn, server_pid: int, server_cpus: set[int] | None, *args) -> dict:
             SAMPLER.clear()
     after_client = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = lambda r: r.ru_utime + r.ru_stime  # noqa: E731
+    server_cpu = cpu_seconds(server_pid) - before_server
     return {**row, "wall_s": round(time.time() - t, 1), "client_cpu_s": round(cpu(after_client) - cpu(before_client), 1),
-            "server_cpu_s": round(cpu_seconds(server_pid) - before_server, 1),
+            "server_cpu_s": round(server_cpu, 2),
+            "server_cpu_ms_per_token": round(server_cpu * 1e3 / row["output_tokens"], 2) if row.get("output_tokens") else None,
             "server_steal_s": round(steal_seconds(server_cpus) - steal, 2),
             "while_server_busy": busy_share(sampler.samples)}
 
@@ -234,8 +241,8 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--requests", default=None, help="requests per concurrency: one number, or one per --concurrency "
                     "(default: 8, and 16 from concurrency 16)")
-    ap.add_argument("--repeats", type=int, default=2, help="runs of each client per concurrency, in the order "
-                    "A B C C B A ...; each figure is the mean of its runs")
+    ap.add_argument("--repeats", type=int, default=2, help="runs of each client per concurrency (A B C C B A ...)")
+    ap.add_argument("--probe-tokens", type=int, default=64, help="output tokens of the timed warm-up before each run")
     ap.add_argument("--input-len", type=int, default=800)
     ap.add_argument("--output-len", type=int, default=512)
     ap.add_argument("--clients", default=",".join(CLIENTS))
@@ -268,21 +275,23 @@ def main() -> None:
             data = write_datasets(prompts[:n], a.output_len, os.path.join(work, f"data-{c}"))
             for run_index, name in enumerate(balanced_order(a.clients.split(","), a.repeats)):
                 out = tempfile.mkdtemp(dir=work)
-                prepare(url, a.server, warm_prompt)
+                probe = prepare(url, a.server, warm_prompt, a.probe_tokens)
                 load = os.getloadavg()[0]
-                row = {"server": a.server, "client": name, "concurrency": c, "requests": n, "run": run_index,
+                row = {"server": a.server, "client": name, "concurrency": c, "requests": n, "run": run_index, **probe,
                        **measured(CLIENTS[name], proc.pid, server_cpus, url, tok, c, n, a, data, out, log),
                        "load_avg": [round(load, 2), round(os.getloadavg()[0], 2)]}
                 print(json.dumps(row), flush=True)
                 rows.append(row)
+    except SystemExit as stop:      # a `timeout`: what ran so far is still summed up (an incomplete pass unpaired)
+        print(f"stopped ({stop.code}) after {len(rows)} runs", flush=True)
     finally:
         proc.terminate()
         proc.wait(30)
-    summary = summarise(rows)
-    print(report(summary), flush=True)
+    summary, pairs = summarise(rows), paired(rows, len(a.clients.split(",")))
+    print("\n".join([runs_table(rows), "", report(summary), "", paired_report(pairs)]), flush=True)
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"rows": rows, "summary": summary}, f, indent=1)
+            json.dump({"rows": rows, "summary": summary, "paired": pairs}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -125,14 +125,17 @@ def test_the_three_clients_send_the_same_prompts_and_sampling_fields(recorder, m
         assert all(b["stream_options"]["include_usage"] for b in bodies), name
 
 
-def test_each_client_run_is_prepared_by_a_warm_up_of_an_unmeasured_prompt_then_a_flush(recorder):
+def test_each_client_run_is_prepared_by_a_timed_warm_up_of_an_unmeasured_prompt_then_a_flush(recorder):
     Recorder.bodies.clear()
     Recorder.paths.clear()
-    clients.prepare(recorder, "polychip", "the warm-up prompt")
+    probe = clients.prepare(recorder, "polychip", "the warm-up prompt", 6)
     assert Recorder.paths == ["/v1/completions", "/flush_cache"]
-    assert Recorder.bodies[0] == {"model": clients.MODEL_NAME, "prompt": "the warm-up prompt", "max_tokens": 16,
-                                  "temperature": 0.0}
+    assert Recorder.bodies[0] == {"model": clients.MODEL_NAME, "prompt": "the warm-up prompt", "max_tokens": 6,
+                                  "min_tokens": 6, "ignore_eos": True, "temperature": 0.0, "stream": True,
+                                  "stream_options": {"include_usage": True}}
+    # the server's own speed, timed by the script: a first chunk, then a time per token after it
+    assert set(probe) == {"probe_ttft_ms", "probe_tpot_ms"} and probe["probe_ttft_ms"] > 0 and probe["probe_tpot_ms"] >= 0
     Recorder.bodies.clear()
     Recorder.paths.clear()
-    clients.prepare(recorder, "llama.cpp", "the warm-up prompt")     # no flush there: the request replaces its cache
+    clients.prepare(recorder, "llama.cpp", "the warm-up prompt", 6)     # no flush there: the request replaces its cache
     assert Recorder.paths == ["/v1/completions"]

@@ -112,6 +112,13 @@ def test_the_third_party_reports_are_read_as_documented():
                                                   "output_tokens": 2048, "input_tokens": 3200, "duration_s": 21.0}
 
 
+def test_our_itl_is_the_per_request_tpot_as_the_third_parties_define_it():
+    step = {"output_throughput": 120.0, "ttft_ms": {"mean": 900.0}, "tpot_ms": {"mean": 6.5}, "itl_ms": {"mean": 6.4},
+            "completed": 2, "output_tokens": 1024, "input_tokens": 1600, "duration_s": 8.5}
+    assert clients.ours_figures(step) == {"output_tok_s": 120.0, "ttft_ms": 900.0, "itl_ms": 6.5, "pooled_itl_ms": 6.4,
+                                          "completed": 2, "output_tokens": 1024, "input_tokens": 1600, "duration_s": 8.5}
+
+
 def test_aiperf_counts_the_servers_usage_only_where_the_server_sends_one():
     from types import SimpleNamespace
     load = SimpleNamespace(input_len=8, output_len=4)
@@ -174,3 +181,27 @@ def test_steal_and_busy_seconds_are_read_per_core_from_proc_stat(monkeypatch, tm
     assert workload.steal_seconds({1}) == 200 / tick
     assert workload.steal_seconds(None) == 300 / tick
     assert workload.machine_busy_seconds() == 2 * (1 + 2 + 3 + 6 + 7) / tick    # user nice system irq softirq
+
+
+def test_runs_are_paired_by_pass_so_a_late_step_in_the_servers_speed_cancels():
+    # three clients, four passes A B C / C B A / A B C / C B A; the server is 20% slower from run 6 on, and
+    # the probe (the server alone) sees it; aiperf reads 2% above its pass's mean and guidellm 2% below, always
+    order = rounds.balanced_order(["ours", "aiperf", "guidellm"], 4)
+    bias = {"ours": 1.0, "aiperf": 1.02, "guidellm": 0.98}
+    rows = [{"concurrency": 1, "run": i, "client": name, "output_tok_s": (100.0 if i < 6 else 80.0) * bias[name],
+             "ttft_ms": 1000.0, "itl_ms": None, "probe_tpot_ms": 7.0 if i < 6 else 8.4, "probe_ttft_ms": 900.0,
+             "server_cpu_ms_per_token": 9.0} for i, name in enumerate(order)]
+    assert [[r["client"] for r in p] for p in rounds.passes(rows)][:2] == [["ours", "aiperf", "guidellm"],
+                                                                           ["guidellm", "aiperf", "ours"]]
+    got = rounds.paired(rows)[0]
+    assert got["passes"] == 4
+    assert got["output_tok_s"]["ratio"] == pytest.approx(bias)             # the step cancels within each pass
+    assert got["output_tok_s"]["spread"] == pytest.approx(1.02 / 0.98 - 1)
+    assert got["output_tok_s"]["median_pass_spread"] == pytest.approx(1.02 / 0.98 - 1)
+    assert got["ttft_ms"]["spread"] == 0.0 and got["itl_ms"]["spread"] is None    # a figure no client reported
+    assert got["drift_probe_tpot_ms"] == pytest.approx(0.2) and got["drift_server_cpu_ms_per_token"] == 0.0
+    # an incomplete last pass is no pass
+    assert len(rounds.passes(rows[:-1])) == 3
+    assert rounds.passes(rows[:2], clients=3) == [] and rounds.paired(rows[:2], clients=3)[0]["passes"] == 0
+    text = rounds.paired_report([got]) + rounds.runs_table(rows)
+    assert "probe TPOT 20.0%" in text and "| 1 | 11 | ours | 80.0 | 1000 | - | 900 | 8.40 | 9.00 |" in text

@@ -14,8 +14,8 @@ pytestmark = pytest.mark.device_independent
 TTL = 3.0
 
 
-def test_three_routers_survive_a_router_and_an_etcd_member_dying():
-    client, res = run_ha(duration=20, concurrency=16, ttl=TTL)
+def test_three_routers_survive_a_router_and_an_etcd_member_dying(tmp_path):
+    client, res = run_ha(duration=20, concurrency=16, ttl=TTL, log_dir=str(tmp_path))   # pytest keeps the logs
     assert client.sent > 100 and client.failed == 0 and client.answered == client.sent, res["errors"]
     assert client.refused > 0, "the killed router's URL must have refused connections"
     # the survivors agree on a new leader once the dead one's lease runs out (TTL, and etcd checks
