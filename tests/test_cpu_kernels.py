@@ -211,7 +211,9 @@ def test_attention_is_the_registrys_frame_with_the_kernels_as_its_halves():
         return "framed"
 
     ops = cpu_ops.make_ops(kernels, lambda name: frame if name == "attention" else NATIVE.native(name))
-    assert ops["attention"]("q", "k") == "framed" and seen["args"] == ("q", "k")
+    meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long))     # no decode rows
+    args = ("q", "k", "v", "kc", "vc", meta, 0.5)
+    assert ops["attention"](*args) == "framed" and seen["args"] == args
     assert callable(seen["decode_fn"]) and callable(seen["prefill_fn"])
 
 

@@ -8,6 +8,9 @@ namespace py = pybind11;
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_table, torch::Tensor lens, double scale, double k_scale,
                                      double v_scale);
+torch::Tensor paged_decode_attention_kv(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_cache,
+                                        torch::Tensor v_cache, torch::Tensor slots, torch::Tensor block_table,
+                                        torch::Tensor lens, double scale);
 void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor out,
                              torch::Tensor segments, torch::Tensor block_table, double scale, double k_scale,
                              double v_scale);
@@ -34,6 +37,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "paged decode attention (float32 q; float32, bfloat16 or fp8 caches with their scales)", py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"), py::arg("lens"), py::arg("scale"),
         py::arg("k_scale") = 1.0, py::arg("v_scale") = 1.0);
+  m.def("paged_decode_attention_kv", &paged_decode_attention_kv,
+        "a decode-only step's attention: k, v stored at their slots (float32 or bfloat16 caches), then "
+        "paged_decode_attention", py::arg("q"), py::arg("k"), py::arg("v"), py::arg("k_cache"), py::arg("v_cache"),
+        py::arg("slots"), py::arg("block_table"), py::arg("lens"), py::arg("scale"));
   m.def("paged_prefill_attention", &paged_prefill_attention,
         "causal paged attention for prefill chunks, written into out's rows (float32 q; float32, bfloat16 or "
         "fp8 caches with their scales)", py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("out"),
@@ -75,6 +82,8 @@ std::tuple<torch::Tensor, torch::Tensor> rotary_embedding_op(torch::Tensor q, to
 TORCH_LIBRARY(polychip_cpu, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor lens, "
         "float scale, float k_scale=1., float v_scale=1.) -> Tensor");
+  m.def("paged_decode_attention_kv(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+        "Tensor slots, Tensor block_table, Tensor lens, float scale) -> Tensor");
   m.def("paged_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor(a!) out, Tensor segments, "
         "Tensor block_table, float scale, float k_scale=1., float v_scale=1.) -> ()");
   m.def("linear_tiles(Tensor x, Tensor w, Tensor? bias) -> Tensor");
@@ -94,6 +103,7 @@ TORCH_LIBRARY(polychip_cpu, m) {
 
 TORCH_LIBRARY_IMPL(polychip_cpu, CPU, m) {
   m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("paged_decode_attention_kv", &paged_decode_attention_kv);
   m.impl("paged_prefill_attention", &paged_prefill_attention);
   m.impl("linear_tiles", &linear_tiles);
   m.impl("linear_blocks", &linear_blocks);
