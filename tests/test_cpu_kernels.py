@@ -349,6 +349,29 @@ def test_an_earlier_build_is_imported_directly_and_a_broken_one_is_rebuilt(tmp_p
     assert cpu_kernels._import_built(kernels.__name__, built).linear_tiles is not None
 
 
+def test_a_library_built_in_this_process_is_known_by_its_bytes(tmp_path, monkeypatch):
+    """After a build (not an import of an earlier one) the library's sha256 is recorded: pins see it, and
+    importing the same file again gives the loaded module instead of a second dlopen, whose op library
+    would register twice and abort the process."""
+    import hashlib
+    import types
+    from torch.utils import cpp_extension
+    built = types.SimpleNamespace(linear_tiles="the built module")
+
+    def build(name, sources, build_directory, **kw):
+        (tmp_path / f"{name}.so").write_bytes(b"freshly built bytes")
+        return built
+    monkeypatch.setattr(cpu_kernels, "_state", {})             # this process has loaded nothing yet
+    monkeypatch.setattr(cpu_kernels, "_by_digest", {})
+    monkeypatch.setattr(cpu_kernels, "_name", lambda: "fresh")
+    monkeypatch.setattr(cpu_kernels, "_build_dir", lambda name: str(tmp_path))
+    monkeypatch.setattr(cpp_extension, "load", build)
+    monkeypatch.delenv("POLYCHIP_CPU_KERNELS", raising=False)
+    assert cpu_kernels.load() is built
+    assert cpu_kernels.loaded_sha256() == hashlib.sha256(b"freshly built bytes").hexdigest()
+    assert cpu_kernels._import_built("fresh", str(tmp_path / "fresh.so")) is built
+
+
 @pytest.mark.parametrize("n", [1, 8, 23, 48, 49, 100, 3072])
 def test_decode_row_linears_cover_every_weight_row_in_thread_shares(n):
     """At M = 1 each intra-op thread walks its own share of the weight-row chunks, then helps with the

@@ -107,14 +107,19 @@ def _import_built(name: str, path: str):
         module = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, loader, origin=memfd))
         loader.exec_module(module)
         module.__file__ = module.__spec__.origin = path
-        _state["sha256"], _state["name"] = digest, name
-        _by_digest[digest] = module
+        _remember(name, digest, module)
         return module
     except ImportError as e:        # a half-written build: build again
         log.warning("CPU kernels at %s did not import (%s); building again", path, e)
         return None
     finally:
         os.close(fd)
+
+
+def _remember(name: str, digest: str, module) -> None:
+    """The library this process loaded: its sha256 (for pins) and, by it, the module (never dlopened twice)."""
+    _state["sha256"], _state["name"] = digest, name
+    _by_digest[digest] = module
 
 
 def load():
@@ -140,6 +145,8 @@ def load():
             log.info("building CPU kernels (once per machine; about a minute)")
             _state["module"] = cpp_extension.load(name, _SOURCES, extra_cflags=_FLAGS, build_directory=folder,
                                                   verbose=False)
+            with open(os.path.join(folder, name + ".so"), "rb") as f:   # known by its bytes, as an import is
+                _remember(name, hashlib.sha256(f.read()).hexdigest(), _state["module"])
     except Exception as e:  # a missing compiler or ninja must only cost speed, never correctness
         first = str(e).splitlines()[0][:200] if str(e) else ""
         return _unavailable(f"CPU kernels did not build ({type(e).__name__}: {first})", logging.WARNING)
