@@ -224,7 +224,7 @@ def test_gguf_weight_bytes_are_the_files_tensors():
 def test_peers_shared_prefix_check_runs_a_cold_then_a_warm_wave():
     """Two waves share one prefix with new suffixes; speedups are against the distinct run."""
     import random
-    from polychip.bench import peers
+    from polychip.bench import peer_targets, peers
     from polychip.bench.peer_engines import WorkloadRun
 
     class FakeEngine:
@@ -242,10 +242,28 @@ def test_peers_shared_prefix_check_runs_a_cold_then_a_warm_wave():
     cold, warm = eng.waves
     assert all(p[:8] == cold[0][:8] for p in cold + warm) and len({tuple(p[8:]) for p in cold + warm}) == 6
     assert res["ttft_speedup"] == 5.0 and res["warm_ttft_speedup"] == 10.0
-    report = peers.targets_report({"config": {"output_len": 1}, "ratios": {},
+    report = peer_targets.targets_report({"config": {"output_len": 1}, "ratios": {},
                                    "engines": {"polychip": {"pct_workload_roofline": 50.0, "pct_decode_roofline": 10.0,
                                                             "shared_prefix": res}}})
     assert "cold: first wave: mean TTFT >= 4x lower | 5.00x (10.00 s -> 2.00 s) | yes" in report
     assert "warm: prefix cached by an earlier wave: mean TTFT lower | 10.00x" in report
     assert "| % of workload roofline (auto KV) | 50.0% | - |" in report     # the 80% target is for 512 output tokens
     assert "single-stream decode, float32 weights, >= 70% of its roofline | 10.0% | NO" in report
+
+
+def test_peers_targets_at_800_in_512_out_are_issue_38s():
+    """Our users' workload (512 output tokens) is held to issue 38's targets: 80% of the roofline, 3x
+    transformers' static batch, int8 single-stream at 60% of its roofline, a cold shared-prefix wave 5x."""
+    from polychip.bench import peer_targets
+    shared = {"prefix_len": 700, "ttft_speedup": 4.5, "distinct_mean_ttft_s": 9.0, "mean_ttft_s": 2.0,
+              "warm_ttft_speedup": 6.0, "warm_mean_ttft_s": 1.5}
+    engines = {"polychip": {"pct_workload_roofline": 81.0, "pct_decode_roofline": 71.0, "shared_prefix": shared,
+                            "decode_tok_s": 90.0},
+               "polychip-int8": {"pct_decode_roofline": 59.0, "decode_tok_s": 260.0},
+               "hf-static": {"engine": "transformers static batch"}}
+    report = peer_targets.targets_report({"config": {"output_len": 512, "kv_cache_dtype": "bfloat16"},
+                                          "ratios": {"hf-static": 2.9}, "engines": engines})
+    assert ">= 3.0x transformers static batch | 2.90x | NO" in report
+    assert "| % of workload roofline (bfloat16 KV) >= 80% | 81.0% | yes |" in report
+    assert "int8 weights, bfloat16 KV, >= 60% of its roofline | 59.0% | NO" in report
+    assert "cold: first wave: mean TTFT >= 5x lower | 4.50x (9.00 s -> 2.00 s) | NO" in report

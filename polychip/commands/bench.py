@@ -139,7 +139,8 @@ def run_peers_cmd(args) -> int:
     import torch
 
     from polychip.bench import report
-    from polychip.bench.peers import ENGINES, PeersConfig, peers_table, run_peers, targets_report
+    from polychip.bench.peer_targets import targets_report
+    from polychip.bench.peers import ENGINES, PeersConfig, peers_table, run_peers
     torch.set_num_threads(args.num_threads or os.cpu_count() or 1)
     engines = tuple(e.strip() for e in args.engines.split(",") if e.strip())
     unknown = set(engines) - set(ENGINES)
