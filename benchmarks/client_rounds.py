@@ -86,10 +86,17 @@ def paired(rows: list[dict], clients: int | None = None) -> list[dict]:
     return out
 
 
+def num(v, digits: int) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def pct(v) -> str:
+    return "-" if v is None else f"{v:.1%}"
+
+
 def runs_table(rows: list[dict]) -> str:
     """Every run in time order: what the client reported, beside the server's own speed just before (probe)
     and the server's CPU per output token during the run."""
-    num = lambda v, d: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
     lines = ["| conc | run | client | out tok/s | TTFT ms | ITL ms | probe TTFT ms | probe TPOT ms | server CPU ms/token |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["concurrency"], r["run"])):
@@ -100,7 +107,6 @@ def runs_table(rows: list[dict]) -> str:
 
 
 def paired_report(pairs: list[dict]) -> str:
-    pct = lambda v: "-" if v is None else f"{v:.1%}"  # noqa: E731
     lines = []
     for e in pairs:
         for f in FIGURES:
@@ -115,8 +121,6 @@ def paired_report(pairs: list[dict]) -> str:
 
 def report(summary: list[dict]) -> str:
     """The summary as a markdown table, one row a client and concurrency, then the spreads."""
-    pct = lambda v: "-" if v is None else f"{v:.1%}"  # noqa: E731
-    num = lambda v, d: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
     lines = ["| conc | client | runs | out tok/s (mean) | own runs' spread | TTFT ms | ITL ms |", "|---|---|---|---|---|---|---|"]
     for s in summary:
         for name, m in s["clients"].items():
