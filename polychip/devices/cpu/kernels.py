@@ -1,5 +1,5 @@
-"""The CPU plugin's C++ fast paths (``csrc/bindings.cpp`` binding ``decode_attention.cpp``,
-``prefill_attention.cpp``, ``linear.cpp`` and ``elementwise.cpp``), built once per
+"""The CPU plugin's C++ fast paths (``csrc/bindings.cpp`` binding the ``_SOURCES`` below: attention,
+linears, quantized linears, row ops and the step replay), built once per
 machine with torch's extension builder and cached under the torch extensions folder.
 
 ``load()`` returns the module, or None with the reason logged once: no compiler, no ninja,
@@ -26,8 +26,9 @@ import torch
 log = logging.getLogger("polychip.devices.cpu")
 
 _DIR = os.path.join(os.path.dirname(__file__), "csrc")
-_SOURCES = [os.path.join(_DIR, f) for f in ("bindings.cpp", "decode_attention.cpp", "prefill_attention.cpp",
-                                          "linear.cpp", "quant_linear.cpp", "elementwise.cpp", "replay.cpp")]
+_SOURCES = [os.path.join(_DIR, f) for f in ("bindings.cpp", "decode_attention.cpp", "decode_kv_write.cpp",
+                                          "prefill_attention.cpp", "linear.cpp", "quant_linear.cpp", "elementwise.cpp",
+                                          "replay.cpp")]
 _HEADERS = [os.path.join(_DIR, "common.h")]
 _state: dict = {}          # one build attempt per process: {"module": module or None}
 _by_digest: dict = {}      # sha256 of library bytes -> the module loaded from them (each loaded once)
