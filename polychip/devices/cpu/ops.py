@@ -40,9 +40,9 @@ BLOCK_ROWS_PREFILL = 256    # 576-row outputs split evenly across 2 threads; 512
 
 
 #: the extension's kernels, each also a torch operator ``torch.ops.polychip_cpu.<name>`` (csrc/bindings.cpp)
-KERNELS = ("paged_decode_attention", "paged_decode_attention_kv", "paged_prefill_attention", "linear_tiles", "linear_blocks",
-           "linear_int8_tiles", "linear_int8_blocks", "rms_norm", "add_rms_norm", "silu_mul", "rotary_embedding",
-           "linear_w8a8", "linear_w4a16", "linear_fp8")
+KERNELS = ("paged_decode_attention", "paged_decode_attention_kv", "paged_prefill_attention", "linear_tiles",
+           "linear_blocks", "linear_int8_tiles", "linear_int8_blocks", "rms_norm", "add_rms_norm", "silu_mul",
+           "rotary_embedding", "linear_w8a8", "linear_w4a16", "linear_fp8")
 
 
 class KernelTable:

@@ -3,6 +3,8 @@
 // (float32, bfloat16, fp8 e4m3 / e5m2: each element widened in registers, see KvKind in common.h).
 #include "common.h"
 
+#include <numeric>
+
 using namespace polychip_cpu;
 
 namespace {
@@ -360,9 +362,8 @@ void run_decode(const float* qp, const void* kc, const void* vc, const int64_t* 
   // starts its walks afresh (cold, ~10% of an 800-token row a piece, benchmarks/attention_kernel.py)
   const int64_t threads = at::get_num_threads();
   const int64_t most = std::max<int64_t>(1, std::min<int64_t>((2 * threads + seqs - 1) / seqs, (max_len + 255) / 256));
-  int64_t splits = 1;
-  while (splits < most && seqs * splits % threads != 0) ++splits;
-  while (splits > 1 && seqs * splits % threads != 0) --splits;
+  const int64_t fewest = threads / std::gcd(seqs, threads);   // the fewest with seqs * splits a multiple of threads
+  const int64_t splits = fewest <= most ? fewest : 1;
   std::vector<float> part_acc(B * splits * H * D), part_ml(B * splits * 2 * H, 0.f);
   float* pa = part_acc.data();
   float* pml = part_ml.data();
