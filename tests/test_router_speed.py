@@ -40,3 +40,20 @@ def test_the_first_answers_are_taken_as_they_come():
     _answer(speed, 0.2)
     _answer(speed, 0.01)
     assert speed.decode.predict(1) == pytest.approx((0.5 * 0.2 + 0.01) / 1.5, rel=1e-6)
+
+
+def test_a_stalled_first_answer_is_capped_when_the_line_becomes_trusted():
+    speed = Speed(alpha=0.1)
+    _answer(speed, 1.0)                        # a fresh replica's first answer carries its warm-up
+    _answer(speed, 0.01)
+    assert speed.decode.predict(1) > 0.4       # not yet trusted: taken as it came
+    _answer(speed, 0.01)
+    assert speed.decode.predict(1) == pytest.approx((0.81 * OUTLIER * 0.01 + 0.9 * 0.01 + 0.01) / 2.71, rel=1e-6)
+
+
+def test_a_slower_first_answer_explained_by_more_work_is_kept():
+    speed = Speed(alpha=0.1)
+    for tokens in (5, 5, 800):                 # the longer prompt takes 80 times as long: not a stall
+        job = Job(sent_at=0.0, prompt_tokens=tokens, max_tokens=4, prefill_tokens=tokens, batch=1, first_token_by=0.0)
+        speed.answered(job, 0.0005 * tokens, 0.0005 * tokens + 0.03, 4, 1)
+    assert speed.prefill.predict(800) == pytest.approx(0.4, rel=1e-3)

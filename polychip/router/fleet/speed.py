@@ -10,6 +10,7 @@ number of requests decoding beside it. The slope of the first is the inverse of 
 """
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -25,6 +26,7 @@ class LinearFit:
         self.alpha, self.proportional = alpha, proportional
         self.n = 0
         self._w = self._x = self._y = self._xx = self._xy = 0.0
+        self._first: list[tuple[float, float]] = []      # the answers before the line is trusted
 
     def add(self, x: float, y: float) -> None:
         keep = 1.0 - self.alpha
@@ -61,6 +63,21 @@ class LinearFit:
         if self.n >= MIN_SAMPLES:
             y = min(y, OUTLIER * max(self.predict(x), 1e-6))
         self.add(x, y)
+        if self.n < MIN_SAMPLES:
+            self._first.append((x, y))
+        elif self.n == MIN_SAMPLES:
+            self._settle(self._first + [(x, y)])
+
+    def _settle(self, first: list[tuple[float, float]]) -> None:
+        """The line becomes trusted: a first answer more than ``OUTLIER`` times slower than the median
+        one, with no more work (``x``) than the median to explain it, is taken as a stall (a fresh
+        replica's first answer carries its warm-up) and capped, so that it cannot keep the replica
+        looking slow while the router, believing it, sends it nothing to learn better from."""
+        mid_x, cap = statistics.median(x for x, _ in first), OUTLIER * statistics.median(y for _, y in first)
+        self.n, self._w, self._x, self._y, self._xx, self._xy = 0, 0.0, 0.0, 0.0, 0.0, 0.0
+        for x, y in first:
+            self.add(x, min(y, cap) if x <= mid_x else y)
+        self._first = []
 
 
 @dataclass
