@@ -11,31 +11,16 @@ import random
 import sys
 import time
 
-from polychip.devices.cpu import kernels as cpu_kernels
+import timed_kernels
 
 spent = collections.defaultdict(float)
 
 
-class Timed:
-    """Wraps the kernels module, summing seconds per (kernel, rows, weight rows / pool pages)."""
-
-    def __init__(self, module):
-        self.module = module
-
-    def __getattr__(self, name):
-        fn = getattr(self.module, name)
-
-        def timed(*args):
-            t = time.perf_counter()
-            out = fn(*args)
-            spent[(name, args[0].shape[0], args[1].shape[0])] += time.perf_counter() - t
-            return out
-        return timed
+def _seen(name, fn, args, wall, cpu):
+    spent[(name, args[0].shape[0], args[1].shape[0])] += wall
 
 
-kernels = cpu_kernels.load()
-if kernels is not None:
-    cpu_kernels._state["module"] = Timed(kernels)
+timed_kernels.wrap(_seen)
 
 from polychip.engine.llm import LLM  # noqa: E402  (after the kernels are wrapped)
 from polychip.engine.sampling_params import SamplingParams  # noqa: E402

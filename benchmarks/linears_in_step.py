@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from polychip.devices.cpu import kernels as cpu_kernels
+import timed_kernels
 
 LINEARS = ("linear_tiles", "linear_int8_tiles")
 spent = collections.defaultdict(float)
@@ -28,27 +28,14 @@ calls = []
 recording = [False]
 
 
-class Timed:
-    """Wraps the kernels module: wall and calling-thread CPU seconds per kernel; records linears' calls."""
-
-    def __init__(self, module):
-        self.module = module
-
-    def __getattr__(self, name):
-        fn = getattr(self.module, name)
-
-        def timed(*args):
-            c, t = time.thread_time(), time.perf_counter()
-            out = fn(*args)
-            spent[name] += time.perf_counter() - t
-            spent["cpu:" + name] += time.thread_time() - c
-            if recording[0] and name in LINEARS:
-                calls.append((fn, args))
-            return out
-        return timed
+def _seen(name, fn, args, wall, cpu):
+    spent[name] += wall
+    spent["cpu:" + name] += cpu
+    if recording[0] and name in LINEARS:
+        calls.append((fn, args))
 
 
-cpu_kernels._state["module"] = Timed(cpu_kernels.load())
+timed_kernels.wrap(_seen)
 
 from polychip.engine.llm import LLM  # noqa: E402  (after the kernels are wrapped)
 from polychip.engine.sampling_params import SamplingParams  # noqa: E402
