@@ -19,7 +19,8 @@ from __future__ import annotations
 import json
 import os
 import time
-import urllib.request
+
+import httpx
 
 FORMATS = {
     "ours": lambda text, out: {"prompt": text, "completion": ""},
@@ -66,13 +67,13 @@ def timed_request(url: str, model: str, prompt: str, output_len: int, greedy: bo
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     if greedy:
         body["temperature"] = 0.0
-    req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
     start = time.perf_counter()
     first = last = None
     usage = chunks = 0
-    with urllib.request.urlopen(req, timeout=600) as resp:
-        for raw in resp:
-            line = raw.decode().strip()
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as resp:
+        resp.raise_for_status()
+        for line in resp.iter_lines():
+            line = line.strip()
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])

@@ -33,7 +33,8 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
+
+import httpx
 
 from polychip.bench.datasets import load_tokenizer
 from client_rounds import balanced_order, paired, paired_report, report, runs_table, summarise
@@ -76,8 +77,8 @@ def start_server(kind: str, port: int, gguf_path: str, serve_args: str, log, cpu
         if proc.poll() is not None:
             raise SystemExit(f"{kind} server exited with {proc.returncode}: {' '.join(cmd)}")
         try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2).read()
-        except OSError:
+            httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).raise_for_status()
+        except httpx.HTTPError:
             time.sleep(1)
             continue
         post(f"http://127.0.0.1:{port}", "/v1/completions", {"model": MODEL_NAME, "prompt": "Hello, hello.", "max_tokens": 8})
@@ -205,8 +206,9 @@ def prepare(url: str, kind: str, warm_prompt: str, probe_tokens: int) -> dict:
 
 
 def post(url: str, path: str, body: dict) -> bytes:
-    req = urllib.request.Request(url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    return urllib.request.urlopen(req, timeout=120).read()
+    r = httpx.post(url + path, json=body, timeout=120)
+    r.raise_for_status()
+    return r.content
 
 
 def measured(fn, server_pid: int, server_cpus: set[int] | None, *args) -> dict:
