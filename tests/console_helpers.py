@@ -57,13 +57,21 @@ class ConsolePage:
         self.page = context.new_page()
         self.console: list[tuple[str, str, str]] = []      # (type, text, url)
         self.failed: list[str] = []
-        self.http_errors: list[tuple[int, str]] = []       # (status, path)
-        self.keyless_errors = 0
+        self.http_errors: list[tuple[int, str]] = []       # (status, path) of requests sent with the key
+        self.keyless_errors: list[tuple[int, str]] = []    # the same of requests sent without one
         self.page.on("console", lambda m: self.console.append((m.type, m.text, m.location.get("url", ""))))
         self.page.on("pageerror", lambda e: self.console.append(("pageerror", str(e), "")))
         self.page.on("requestfailed", lambda r: self.failed.append(f"{r.url}: {r.failure}"))
-        self.page.on("response", lambda r: r.status >= 400 and self.http_errors.append(
-            (r.status, r.url.removeprefix(self.base).split("?")[0])))
+        self.page.on("response", self._saw)
+
+    def _saw(self, response) -> None:
+        if response.status < 400:
+            return
+        seen = (response.status, response.url.removeprefix(self.base).split("?")[0])
+        # by the request's own header, not by when it came back: a keyless poll sent before the key was
+        # given may answer after it
+        keyed = "authorization" in response.request.headers
+        (self.http_errors if keyed else self.keyless_errors).append(seen)
 
     def open(self, view: str = "room"):
         self.page.goto(f"{self.base}/console#{view}")
@@ -79,7 +87,6 @@ class ConsolePage:
         self.page.fill('input[name="api-key"]', key)
         self.page.click('.keybox button[type="submit"]')
         self.page.wait_for_selector(".keyset")
-        self.keyless_errors = len(self.http_errors)      # the 401s before this were the page asking keyless
 
     def shot(self, folder: Path, name: str) -> Path:
         path = Path(folder) / f"{name}.png"
@@ -88,12 +95,11 @@ class ConsolePage:
 
     def assert_clean(self, missing: set[str] = frozenset(), locked: bool = False):
         """No console error, no failed request, no HTTP error but the 404s of ``missing`` routes
-        and 401s from the page's reads before the key was given (all along when ``locked``)."""
+        and 401s of the page's reads sent without the key (of keyed ones too when ``locked``)."""
         probes = {p for paths in PROBES.values() for p in paths} | {"/server_info"}
         allowed = {404: set(missing), 401: probes if locked else set()}
-        keyless = self.http_errors[:self.keyless_errors]
-        unexpected = [(s, p) for s, p in self.http_errors[self.keyless_errors:] if p not in allowed.get(s, ())]
-        unexpected += [(s, p) for s, p in keyless if not (s == 401 and p in probes or p in missing)]
+        unexpected = [(s, p) for s, p in self.http_errors if p not in allowed.get(s, ())]
+        unexpected += [(s, p) for s, p in self.keyless_errors if not (s == 401 and p in probes or p in missing)]
         assert not unexpected, f"unexpected HTTP errors: {unexpected}"
         assert not self.failed, f"failed requests: {self.failed}"
         if self.keyless_errors:
