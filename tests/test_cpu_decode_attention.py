@@ -1,8 +1,9 @@
 """paged_decode_attention (the CPU plugin's decode kernel) against a float64 reference, on the edge
 cases of its AVX-512 path: 2 or 4 token streams per piece in blocks of 16 / S steps (lengths around
 a block and a stream), pages smaller than a block, head sizes that take each code path (16 .. 128 in
-steps of 16; 24 and 144 the portable path), grouped heads, peaked softmaxes, and block tables whose
-unused entries must not be read."""
+steps of 16 on AVX-512; other multiples of 8, and every size on an AVX2 build, the AVX2 path; 20 the
+portable one), grouped heads (1 to 8 query heads a kv head: each register count of the AVX2 value
+pass), peaked softmaxes, and block tables whose unused entries must not be read."""
 import pytest
 import torch
 
@@ -60,7 +61,7 @@ def _check(args, threads=2):
 LENGTHS = [1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 129]
 
 
-@pytest.mark.parametrize("d", [16, 32, 48, 64, 80, 96, 112, 128, 24, 144])
+@pytest.mark.parametrize("d", [16, 32, 48, 64, 80, 96, 112, 128, 24, 144, 8, 40, 20])
 def test_head_sizes(d):
     _check(_case(9, 3, d, LENGTHS, seed=d))
 

@@ -5,6 +5,10 @@
 
 #include <numeric>
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include "decode_attention_avx2.h"
+#endif
+
 using namespace polychip_cpu;
 
 namespace {
@@ -332,6 +336,9 @@ void decode_piece(const float* qb, const typename Kv<K>::T* kp, const typename K
     case 128: return decode_piece_avx512<8, 2, K>(qb, kp, vp, pages, t0, t1, page, H, Hkv, scale, acc, m, l, scores);
     default: break;
   }
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+  if (D % 8 == 0) return decode_piece_avx2<K>(qb, kp, vp, pages, t0, t1, page, H, Hkv, D, scale, acc, m, l, scores);
 #endif
   decode_piece_portable<K>(qb, kp, vp, pages, t0, t1, page, H, Hkv, D, scale, acc, m, l, scores);
 }
