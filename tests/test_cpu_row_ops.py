@@ -41,6 +41,21 @@ def test_row_ops_match_native_on_fused_projection_slices(rows, threads):
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("cols", [1, 7, 8, 13, 1536])
+def test_silu_mul_over_the_whole_range_and_row_tails(cols):
+    """Large |g| on both sides (sigmoid saturates, e^g would overflow), zeros, and rows whose tail is shorter
+    than a vector: the same values as the native op."""
+    torch.manual_seed(cols)
+    gate = torch.cat([torch.randn(3, cols) * 4, torch.full((1, cols), 95.0), torch.full((1, cols), -95.0),
+                      torch.full((1, cols), -0.0), torch.linspace(-120, 120, cols).unsqueeze(0)])
+    up = torch.randn_like(gate)
+    with torch.inference_mode():
+        got = kernels.silu_mul(gate, up)
+    torch.testing.assert_close(got, torch.nn.functional.silu(gate) * up)
+    torch.testing.assert_close(got[3], 95.0 * up[3])                    # sigmoid(95) is 1 in float32
+    assert got[4].abs().max() < 1e-30 and (got[5] == 0).all()           # sigmoid(-95) ~ 6e-42; g = -0
+
+
 def test_row_ops_leave_their_inputs_untouched():
     x, res, w = torch.randn(4, 32), torch.randn(4, 32), torch.randn(32)
     x0, res0 = x.clone(), res.clone()

@@ -2,6 +2,7 @@
 // microseconds of dispatch, which at batch 1 costs more than the arithmetic). Rows are the last
 // dimension; a row stride lets them read the column slices of a fused projection's output.
 #include "common.h"
+#include "simd_exp.h"
 
 using namespace polychip_cpu;
 
@@ -62,6 +63,28 @@ inline void silu_mul_row(const float* g, const float* u, float* o, int64_t n) {
     const __m512 gv = _mm512_maskz_loadu_ps(m, g + i), uv = _mm512_maskz_loadu_ps(m, u + i);
     const __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv));
     _mm512_mask_storeu_ps(o + i, m, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), e)), uv));
+  }
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+// o = silu(g) * u over one row, 8 at a time: sigmoid(g) from e = e^-|g| (never overflows): 1 / (1 + e) for
+// g >= 0, e / (1 + e) below. libm's expf is not vectorised here (the portable loop was 4 ms of a 16-stream
+// decode step on Zen 3, torch's silu twice as fast).
+inline void silu_mul_row(const float* g, const float* u, float* o, int64_t n) {
+  const __m256 sign = _mm256_set1_ps(-0.f), one = _mm256_set1_ps(1.f);
+  const auto eight = [&](__m256 gv, __m256 uv) {
+    const __m256 e = exp_nonpos8(_mm256_or_ps(gv, sign));   // e^-|g|
+    const __m256 d = _mm256_div_ps(one, _mm256_add_ps(one, e));
+    const __m256 s = _mm256_blendv_ps(d, _mm256_mul_ps(e, d), gv);   // g's sign bit picks e / (1 + e)
+    return _mm256_mul_ps(_mm256_mul_ps(gv, s), uv);
+  };
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(o + i, eight(_mm256_loadu_ps(g + i), _mm256_loadu_ps(u + i)));
+  if (i < n) {   // the tail through a buffer: every element by the same arithmetic
+    float gb[8] = {}, ub[8] = {}, ob[8];
+    std::copy(g + i, g + n, gb);
+    std::copy(u + i, u + n, ub);
+    _mm256_storeu_ps(ob, eight(_mm256_loadu_ps(gb), _mm256_loadu_ps(ub)));
+    std::copy(ob, ob + (n - i), o + i);
   }
 }
 #else
