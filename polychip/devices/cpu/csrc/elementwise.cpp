@@ -66,16 +66,13 @@ inline void silu_mul_row(const float* g, const float* u, float* o, int64_t n) {
   }
 }
 #elif defined(__AVX2__) && defined(__FMA__)
-// o = silu(g) * u over one row, 8 at a time: sigmoid(g) from e = e^-|g| (never overflows): 1 / (1 + e) for
-// g >= 0, e / (1 + e) below. libm's expf is not vectorised here (the portable loop was 4 ms of a 16-stream
-// decode step on Zen 3, torch's silu twice as fast).
+// o = silu(g) * u over one row, 8 at a time, as the portable loop computes it (g / (1 + e^-g) * u) with e^-g
+// from exp_rounded8 (libm's expf nearly always): the same numbers, 3.8x faster (libm's expf is not vectorised
+// here; the portable loop was 4 ms of a 16-stream decode step on Zen 3).
 inline void silu_mul_row(const float* g, const float* u, float* o, int64_t n) {
-  const __m256 sign = _mm256_set1_ps(-0.f), one = _mm256_set1_ps(1.f);
-  const auto eight = [&](__m256 gv, __m256 uv) {
-    const __m256 e = exp_nonpos8(_mm256_or_ps(gv, sign));   // e^-|g|
-    const __m256 d = _mm256_div_ps(one, _mm256_add_ps(one, e));
-    const __m256 s = _mm256_blendv_ps(d, _mm256_mul_ps(e, d), gv);   // g's sign bit picks e / (1 + e)
-    return _mm256_mul_ps(_mm256_mul_ps(gv, s), uv);
+  const auto eight = [](__m256 gv, __m256 uv) {
+    const __m256 e = exp_rounded8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+    return _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.f), e)), uv);
   };
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) _mm256_storeu_ps(o + i, eight(_mm256_loadu_ps(g + i), _mm256_loadu_ps(u + i)));
@@ -94,10 +91,12 @@ inline void silu_mul_row(const float* g, const float* u, float* o, int64_t n) {
 }
 #endif
 
-// threads only when there is enough work to pay for the fork
-constexpr int64_t kGrainElems = 1 << 15;
+// threads only when there is enough work to pay for the fork (silu's exps: ~2 ns an element, a smaller grain)
+constexpr int64_t kGrainElems = 1 << 15, kSiluGrainElems = 1 << 12;
 
-inline int64_t grain_rows(int64_t cols) { return std::max<int64_t>(1, kGrainElems / std::max<int64_t>(cols, 1)); }
+inline int64_t grain_rows(int64_t cols, int64_t elems = kGrainElems) {
+  return std::max<int64_t>(1, elems / std::max<int64_t>(cols, 1));
+}
 
 }  // namespace
 
@@ -151,7 +150,7 @@ torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up) {
   auto y = torch::empty(gate.sizes(), gate.options());
   const int64_t rows = gate.numel() / std::max<int64_t>(n, 1);
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, rows, grain_rows(n), [&](int64_t b, int64_t e) {
+  at::parallel_for(0, rows, grain_rows(n, kSiluGrainElems), [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) silu_mul_row(gp + r * gs, up_ + r * us, yp + r * n, n);
   });
   return y;
