@@ -67,8 +67,8 @@ inline void silu_mul_row(const float* g, const float* u, float* o, int64_t n) {
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 // o = silu(g) * u over one row, 8 at a time, as the portable loop computes it (g / (1 + e^-g) * u) with e^-g
-// from exp_rounded8 (libm's expf nearly always): the same numbers, 3.8x faster (libm's expf is not vectorised
-// here; the portable loop was 4 ms of a 16-stream decode step on Zen 3).
+// from exp_rounded8 (libm's expf nearly always): the same numbers, 90 -> 34 us at 16 x 1536 on Zen 3 (libm's
+// expf is not vectorised here; the portable loop was 4 ms of a 16-stream decode step).
 inline void silu_mul_row(const float* g, const float* u, float* o, int64_t n) {
   const auto eight = [](__m256 gv, __m256 uv) {
     const __m256 e = exp_rounded8(_mm256_sub_ps(_mm256_setzero_ps(), gv));

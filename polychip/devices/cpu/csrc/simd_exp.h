@@ -27,7 +27,6 @@ inline __m256 exp_nonpos8(__m256 x) {
   return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(bits)), live);   // n >= -126: a normal 2^n
 }
 
-
 // e^x for every float x, computed in double and rounded once to float (error ~1e-15 before that rounding):
 // nearly always the float libm's expf gives (within 0.502 ulp), so a kernel that moves from the scalar loop
 // to this one keeps its numbers (W8A8 models, chaotic under 1-ulp changes, keep their tokens). Degree-11
