@@ -21,23 +21,7 @@
 #include <string>
 #include <vector>
 
-namespace polychip_cpu {   // what decode_attention_avx2.h takes from common.h (which needs torch)
-enum class KvKind { F32, BF16, E4M3, E5M2 };
-template <KvKind K> struct Kv;
-template <> struct Kv<KvKind::F32> {
-  using T = float;
-  static float raw(T x) { return x; }
-};
-template <> struct Kv<KvKind::BF16> {
-  using T = uint16_t;
-  static float raw(T x) {
-    const uint32_t bits = static_cast<uint32_t>(x) << 16;
-    float f;
-    std::memcpy(&f, &bits, 4);
-    return f;
-  }
-};
-}  // namespace polychip_cpu
+#include "kv_kinds.h"   // what decode_attention_avx2.h takes from common.h (which needs torch)
 #include "decode_attention_avx2.h"
 
 using polychip_cpu::KvKind;

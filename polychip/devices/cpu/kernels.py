@@ -29,7 +29,8 @@ _DIR = os.path.join(os.path.dirname(__file__), "csrc")
 _SOURCES = [os.path.join(_DIR, f) for f in ("bindings.cpp", "decode_attention.cpp", "decode_kv_write.cpp",
                                           "prefill_attention.cpp", "linear.cpp", "quant_linear.cpp", "elementwise.cpp",
                                           "replay.cpp")]
-_HEADERS = [os.path.join(_DIR, f) for f in ("common.h", "decode_attention_avx2.h", "linear_tiles.h", "simd_exp.h")]
+_HEADERS = [os.path.join(_DIR, f) for f in ("common.h", "decode_attention_avx2.h", "kv_kinds.h", "linear_tiles.h",
+                                         "simd_exp.h")]
 _state: dict = {}          # one build attempt per process: {"module": module or None}
 _by_digest: dict = {}      # sha256 of library bytes -> the module loaded from them (each loaded once)
 # -fopenmp, not just -fopenmp-simd: without _OPENMP, ATen's at::parallel_for compiles to a serial loop
