@@ -83,8 +83,8 @@ void widened_groups(const float* x, const int8_t* w, float* y, const float* b, c
 // tile call, so its bits are the same. One step's cold float32 linears at M = 16: 8-9% faster on one core
 // (docs/bench/perf-round4-cpu.md, "float32 tiles at M = 16"). M = 1 (one pass that reads each weight once,
 // bound by memory bandwidth; docs/bench/perf-round4-cpu.md, "the M=1 linears' prefetch"): float32 leaves it to the
-// hardware prefetcher, which streams each thread's ascending walk at ~86% of a plain read (the software
-// prefetch cut that to ~70%); int8, whose short rows (576 bytes here) the hardware prefetcher does not
+// hardware prefetcher, which streams each thread's ascending walk (8 rows a tile on AVX2, Vec::NR1) at ~92-98%
+// of a plain read (the software prefetch cut that to ~70%); int8, whose short rows (576 bytes here) the hardware prefetcher does not
 // follow, prefetches the tile as one ascending run, each line once (~12% faster than a line of each row
 // per step, four prefetches per line).
 template <typename WT>
@@ -144,7 +144,7 @@ torch::Tensor tiles(const torch::Tensor& x, const WT* wp, const float* scale, co
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int MR = static_cast<int>(std::min<int64_t>(M, Vec::MR));
-  const int NR = M == 1 ? Vec::NR1 : Vec::NR;
+  const int NR = M > 1 ? Vec::NR : std::is_same_v<WT, float> ? Vec::NR1 : Vec::NR1_INT8;
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   // chunks of weight rows (a multiple of NR): ~64 KiB at M=1, ~512 KiB above (each chunk's first
   // tiles miss the prefetch), at least 4 per thread

@@ -13,7 +13,7 @@ namespace {
 struct Vec {
   using V = __m512;
   static constexpr int W = 16;
-  static constexpr int MR = 4, NR = 6, NR1 = 8;   // tile shapes: MR*NR + NR + 1 <= 32 registers
+  static constexpr int MR = 4, NR = 6, NR1 = 8, NR1_INT8 = 8;   // tile shapes: MR*NR + NR + 1 <= 32 registers
   // AVX2's two choices below, left as they were here (unmeasured on AVX-512)
   static constexpr bool kPinX = false, kWidenOnce = false;
   static V zero() { return _mm512_setzero_ps(); }
@@ -41,7 +41,10 @@ struct Vec {
   static constexpr int W = 8;
   // 4 x 3: 12 accumulators + 3 weight rows + 1 row of x = all 16 registers, 7 loads for 12 FMAs. The 2 x 4
   // tiles before (GCC folding x into every FMA: 12 loads for 8 FMAs, load-bound) ran ~25% slower at M = 16.
-  static constexpr int MR = 4, NR = 3, NR1 = 4;
+  static constexpr int MR = 4, NR = 3;
+  // M = 1: float32 8 weight rows a tile (8 ascending streams): ~102-109% of a plain read of the weights, against
+  // ~110-121% with 4 (linears_cold_hot.py 1, Zen 3); int8, bound by its widening there, keeps 4 (8 was slower hot)
+  static constexpr int NR1 = 8, NR1_INT8 = 4;
   // kPinX: x's vector held in a register (GCC would load it again in each FMA); kWidenOnce: int8 weights
   // at M > 1 widened to float32 once per group of tiles, not once per pass (tile_rows)
   static constexpr bool kPinX = true, kWidenOnce = true;
@@ -145,6 +148,6 @@ struct Tiles {
                                     tile<WT, 1, 7, true>, tile<WT, 1, 8, true>};
 #undef POLYCHIP_TILES
 };
-static_assert(Vec::MR <= 4 && Vec::NR <= 8 && Vec::NR1 <= 8, "tile shapes beyond Tiles::fns");
+static_assert(Vec::MR <= 4 && Vec::NR <= 8 && Vec::NR1 <= 8 && Vec::NR1_INT8 <= 8, "tile shapes beyond Tiles::fns");
 
 }  // namespace
