@@ -10,7 +10,7 @@
 // A walk that widened a block of 8-16 rows into a scratch first (or read a block's rows head by head)
 // left the reads and the arithmetic adding up; reading each row in order, with the arithmetic on it
 // straight away, overlaps them (benchmarks/decode_attention_overlap.cpp). Zen 3, 2 threads, bf16 KV,
-// 16 x 1100 tokens, 30 layers: 30-34 -> 22-24 ms a step from DRAM (a plain read: 17 ms), 24 -> 17 ms
+// 16 x 1100 tokens, 30 layers: 30-34 -> 21-24 ms a step from DRAM (a plain read: 12-17 ms), 24 -> 17 ms
 // with the pool in L2.
 // Lane order: a 16-element bf16 chunk of a head widens as its even elements, then its odd ones (a shift
 // and an and, no shuffle), so the scaled queries and the accumulators are kept in that lane order
