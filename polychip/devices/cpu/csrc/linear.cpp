@@ -83,10 +83,10 @@ void widened_groups(const float* x, const int8_t* w, float* y, const float* b, c
 // tile call, so its bits are the same. One step's cold float32 linears at M = 16: 8-9% faster on one core
 // (docs/bench/perf-round4-cpu.md, "float32 tiles at M = 16"). M = 1 (one pass that reads each weight once,
 // bound by memory bandwidth; docs/bench/perf-round4-cpu.md, "the M=1 linears' prefetch"): float32 leaves it to the
-// hardware prefetcher, which streams each thread's ascending walk (8 rows a tile on AVX2, Vec::NR1) at ~92-98%
-// of a plain read (the software prefetch cut that to ~70%); int8, whose short rows (576 bytes here) the hardware prefetcher does not
-// follow, prefetches the tile as one ascending run, each line once (~12% faster than a line of each row
-// per step, four prefetches per line).
+// hardware prefetcher, which streams each thread's ascending walk (8 rows a tile on AVX2, Vec::NR1) at ~92-101%
+// of a plain read's speed (the software prefetch cut that to ~70%); int8, whose short rows (576 bytes here) the
+// hardware prefetcher does not follow, prefetches the tile as one ascending run, each line once (~12% faster
+// than a line of each row per step, four prefetches per line).
 template <typename WT>
 void tile_rows(const float* x, const WT* w, float* y, const float* b, const float* scale, int64_t M, int64_t N,
                int64_t K, int64_t n0, int64_t n1, int MR, int NR, int64_t group) {

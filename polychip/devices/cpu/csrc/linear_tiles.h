@@ -42,8 +42,8 @@ struct Vec {
   // 4 x 3: 12 accumulators + 3 weight rows + 1 row of x = all 16 registers, 7 loads for 12 FMAs. The 2 x 4
   // tiles before (GCC folding x into every FMA: 12 loads for 8 FMAs, load-bound) ran ~25% slower at M = 16.
   static constexpr int MR = 4, NR = 3;
-  // M = 1: float32 8 weight rows a tile (8 ascending streams): ~102-109% of a plain read of the weights, against
-  // ~110-121% with 4 (linears_cold_hot.py 1, Zen 3); int8, bound by its widening there, keeps 4 (8 was slower hot)
+  // M = 1: float32 8 weight rows a tile (8 ascending streams): 0.99-1.09x the time of a plain read of the weights,
+  // against 1.08-1.21x with 4 (linears_cold_hot.py 1, Zen 3); int8, bound by its widening, keeps 4 (8 was slower hot)
   static constexpr int NR1 = 8, NR1_INT8 = 4;
   // kPinX: x's vector held in a register (GCC would load it again in each FMA); kWidenOnce: int8 weights
   // at M > 1 widened to float32 once per group of tiles, not once per pass (tile_rows)
