@@ -97,7 +97,8 @@ def test_logits_within_tolerance_of_a_float32_pool(model_factory, test_device, a
 # Free-running, one different token changes everything after it: "List three prime numbers" has its
 # first token's top two 0.005 apart in float32 logits, so bfloat16's rounding (or another CPU's kernel
 # order) flips it and the whole prompt differs. The teacher-forced top-1 is the per-step agreement, and
-# the floor for all three: bfloat16 >= 98%, fp8 >= 85%.
+# the floor for all three: bfloat16 >= 98%, fp8 >= 85%. (The free-running figures above were measured once; the
+# test no longer decodes free-running per dtype, since it asserted nothing on it.)
 SMOL_PROMPTS = ["The history of the Roman empire is", "def quicksort(arr):\n    ", "What is the capital of France?",
                 "Write a short poem about the sea.", "Explain photosynthesis to a child.",
                 "List three prime numbers and explain why.", "Translate 'good morning' into French and Spanish.",
@@ -116,14 +117,10 @@ def test_smollm2_greedy_agreement(test_device):
     total, lines = len(prompts) * steps, []
     for name, floor in SMOL_FLOORS.items():
         llm = LLM(kv_cache_dtype=name, **kw)
-        got = greedy(llm, prompts, steps)
-        free = sum(a == b for x, y in zip(ref, got) for a, b in zip(x, y)) / total
-        prefix = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), steps) for x, y in zip(ref, got)]
         forced = teacher_forced(llm, prompts, ref)
         top1 = sum(int(forced[k].argmax() == ref_logits[k].argmax()) for k in ref_logits) / total
         llm.engine.shutdown()
-        lines.append(f"{name}: free-running {free:.3f} (tokens before the first difference {prefix}), "
-                     f"teacher-forced top-1 {top1:.3f}")
+        lines.append(f"{name}: teacher-forced top-1 {top1:.3f}")
         print(lines[-1])
         assert top1 >= floor, "\n".join(lines)
 
