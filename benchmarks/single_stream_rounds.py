@@ -22,6 +22,7 @@ import torch
 
 from polychip.bench import peers, roofline as rl
 from polychip.bench.peer_engines import LlamaCppPeer, PolychipPeer
+from polychip.devices.discovery import open_device
 from polychip.dtypes import KV_CACHE_DTYPES
 
 LLAMA_CPP = "llama.cpp Q4_1, float16 KV"
@@ -64,7 +65,8 @@ def main() -> None:
     folder, gguf_path = peers._model_files(None)
     from polychip.models.loader import read_config
     shape = rl.ModelShape.from_config(read_config(folder))
-    before = rl.measure_machine(shape)
+    cpu = open_device("cpu")   # its alloc: the memory the engines read (2 MiB pages), for the read's ceiling
+    before = rl.measure_machine(shape, plugin=cpu)
     labels = [e[0] for e in POLYCHIP]
     try:
         import llama_cpp  # noqa: F401
@@ -79,7 +81,7 @@ def main() -> None:
                                  check=True, timeout=600)
             rates[label].append(float(out.stdout.strip().splitlines()[-1]))
         print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in rates.items()), flush=True)
-    machine = rl.best_of(before, rl.measure_machine(shape))
+    machine = rl.best_of(before, rl.measure_machine(shape, plugin=cpu))
     print(f"\nmachine: read {machine.bandwidth_gbs:.1f} GB/s, matmul {machine.matmul_gflops:.1f} GFLOP/s, "
           f"{torch.get_num_threads()} threads; {args.input_len}-token prompt, {args.decode_tokens} decode tokens, "
           f"{args.rounds} rounds\n")

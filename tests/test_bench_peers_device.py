@@ -8,6 +8,7 @@ import torch
 from polychip.bench import peers, roofline
 from polychip.commands import bench
 from polychip.devices.discovery import open_device
+from polychip.errors import PluginError
 
 pytestmark = pytest.mark.device_independent   # names its devices, or runs none (conftest.py)
 
@@ -51,6 +52,27 @@ def test_roofline_syncs_the_plugin_before_each_clock_read():
     assert roofline.measure_matmul(SHAPE, tokens=4, reps=2, plugin=p) > 0
     assert p.syncs == 6 + 2 * 3                                   # F.linear's and the plugin's, 3 each
     assert p.linear_calls == 3 * len(SHAPE.layer_matmuls())      # the plugin's own linear is timed too
+
+
+class AllocatingPlugin(CountingPlugin):
+    """A plugin with its own allocator: the roofline's bandwidth buffers must come from it."""
+
+    def __init__(self, wrong: bool = False):
+        super().__init__()
+        self.allocs, self.wrong = [], wrong
+
+    def alloc(self, shape, dtype):
+        self.allocs.append((shape, dtype))
+        return torch.empty(3, dtype=torch.int8) if self.wrong else torch.empty(shape, dtype=dtype)
+
+
+def test_the_bandwidth_is_measured_in_the_memory_the_plugin_allocates():
+    p = AllocatingPlugin()
+    read, copy = roofline.measure_bandwidth(mib=1, reps=2, plugin=p)
+    assert read > 0 and copy > 0 and p.allocs == [((2**18,), torch.float32)] * 2     # x and y, 1 MiB each
+    with pytest.raises(PluginError, match=r"counting: alloc\(\(262144,\), torch.float32\) returned "
+                                          r"torch.Size\(\[3\]\) torch.int8"):
+        roofline.measure_bandwidth(mib=1, reps=2, plugin=AllocatingPlugin(wrong=True))
 
 
 def test_roofline_on_the_cpu_plugin_records_its_device():
