@@ -41,6 +41,9 @@ class CountingPlugin:
     def device_handle(self):
         return torch.device("cpu")
 
+    def alloc(self, shape, dtype):
+        return torch.empty(shape, dtype=dtype)
+
     def synchronize(self):
         self.syncs += 1
 
@@ -70,8 +73,8 @@ def test_the_bandwidth_is_measured_in_the_memory_the_plugin_allocates():
     p = AllocatingPlugin()
     read, copy = roofline.measure_bandwidth(mib=1, reps=2, plugin=p)
     assert read > 0 and copy > 0 and p.allocs == [((2**18,), torch.float32)] * 2     # x and y, 1 MiB each
-    with pytest.raises(PluginError, match=r"counting: alloc\(\(262144,\), torch.float32\) returned "
-                                          r"torch.Size\(\[3\]\) torch.int8"):
+    with pytest.raises(PluginError, match=r"plugin 'counting': alloc returned a bad value: got a torch.int8 tensor "
+                                          r"of shape \(3,\) .*; expected a torch.float32 tensor of shape \(262144,\)"):
         roofline.measure_bandwidth(mib=1, reps=2, plugin=AllocatingPlugin(wrong=True))
 
 

@@ -9,7 +9,7 @@ from polychip.config import EngineConfig
 from polychip.devices import memory
 from polychip.devices.discovery import open_device
 from polychip.engine.engine import Engine
-from polychip.errors import DeviceOutOfMemoryError
+from polychip.errors import DeviceOutOfMemoryError, PluginValueError
 
 pytestmark = pytest.mark.device_independent   # names its devices, or runs none (conftest.py)
 
@@ -171,3 +171,17 @@ def test_smollm2_loads_on_the_600_mib_card_where_fusion_used_to_leave_holes():
     assert engine.pool.num_pages >= 20 and pool <= 0.8 * (alloc.free_bytes + pool)
     out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=2))[0]
     assert len(out.outputs[0].token_ids) == 2
+
+
+def test_an_alloc_that_returns_the_wrong_tensor_is_named_as_the_plugins_mistake():
+    plugin = open_device("cpu")
+    plugin.alloc = lambda shape, dtype: torch.empty(4, dtype=torch.int8)      # not what was asked for
+    with pytest.raises(PluginValueError, match=r"plugin 'cpu': alloc returned a bad value: got a torch.int8 tensor "
+                                               r"of shape \(4,\) for the KV pool; expected a torch.float32 tensor "
+                                               r"of shape \(2, 3\)"):
+        memory.alloc(plugin, "the KV pool", (2, 3), torch.float32)
+    plugin.alloc = lambda shape, dtype: None
+    with pytest.raises(PluginValueError, match=r"got NoneType for the KV pool"):
+        memory.alloc(plugin, "the KV pool", (2, 3), torch.float32)
+    del plugin.alloc
+    assert memory.alloc(plugin, "the KV pool", (2, 3), torch.float32).shape == (2, 3)

@@ -13,7 +13,7 @@ import torch
 from polychip.devices import boundary
 from polychip.devices.plugin import DevicePlugin
 from polychip.devices.spec import fmt_bytes
-from polychip.errors import DeviceOutOfMemoryError, PolychipError
+from polychip.errors import DeviceOutOfMemoryError, PluginValueError, PolychipError
 
 #: what a failed allocation may raise; the engine maps each to one DeviceOutOfMemoryError
 OOM_ERRORS = (MemoryError, torch.OutOfMemoryError)
@@ -49,11 +49,17 @@ def out_of_memory(plugin, what: str, nbytes: int, cause: BaseException) -> Devic
 
 
 def alloc(plugin, what: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """``plugin.alloc`` with an out-of-memory failure mapped to one clear error."""
+    """``plugin.alloc`` with an out-of-memory failure mapped to one clear error, and its tensor checked: the
+    shape and dtype asked for, or one PluginValueError naming the plugin."""
     try:
-        return plugin.alloc(tuple(shape), dtype)
+        t = plugin.alloc(tuple(shape), dtype)
     except OOM_ERRORS as e:
         raise out_of_memory(plugin, what, nbytes_of(shape, dtype), e) from None
+    if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+        got = f"a {t.dtype} tensor of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise PluginValueError(plugin.name, "alloc", "", f"{got} for {what}",
+                               f"a {dtype} tensor of shape {tuple(shape)}")
+    return t
 
 
 def place(plugin, what: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
