@@ -88,6 +88,24 @@ def test_cpu_w8a8_decode_rows_get_the_bits_of_the_batched_gemm(cpu_ops):
             assert torch.equal(op(x[:m], q, s, b), batched[:m]), m
 
 
+@pytest.mark.parametrize("m,n,k", [(1, 1539, 576), (2, 66, 1536), (3, 9, 576), (4, 130, 100), (5, 70, 576),
+                                   (16, 131, 576), (37, 64, 960), (1, 7, 40)])
+def test_cpu_w8a8_int32_sums_are_exact_for_every_int8_weight(cpu_ops, m, n, k):
+    """Rows of x whose largest |value| is 127 quantise to themselves (scale 1), so with unit weight
+    scales y is the exact integer product: every int8 weight (-128 too, which AVX2's sign trick cannot
+    negate) against every x in [-127, 127], tiles, 1-3 leftover rows and a K that is no multiple of 32."""
+    op = cpu_ops("linear_w8a8")
+    g = torch.Generator().manual_seed(m * 1000 + n)
+    x = torch.randint(-127, 128, (m, k), generator=g)
+    x[:, 0] = 127
+    x[0, 1:] = -127                                                   # the extremes: |sum| near K * 127 * 128
+    w = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    w[0] = -128
+    want = (x @ w.long().t()).float()                                 # |sum| < 2^24: exact in float32
+    with torch.inference_mode():
+        assert torch.equal(op(x.float(), w, torch.ones(n)), want)
+
+
 @pytest.mark.parametrize("m,n,k,group", [(1, 96, 64, 32), (3, 130, 128, 64), (17, 64, 576, 128), (80, 100, 256, 32),
                                          (1, 70, 576, 64), (2, 33, 512, 128), (5, 9, 512, 256),
                                          (2, 48, 96, 96)])

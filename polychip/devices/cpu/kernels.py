@@ -30,7 +30,7 @@ _SOURCES = [os.path.join(_DIR, f) for f in ("bindings.cpp", "decode_attention.cp
                                           "prefill_attention.cpp", "linear.cpp", "quant_linear.cpp", "elementwise.cpp",
                                           "replay.cpp")]
 _HEADERS = [os.path.join(_DIR, f) for f in ("common.h", "decode_attention_avx2.h", "kv_kinds.h", "linear_tiles.h",
-                                         "simd_exp.h")]
+                                         "simd_exp.h", "w8a8_avx2.h")]
 _state: dict = {}          # one build attempt per process: {"module": module or None}
 _by_digest: dict = {}      # sha256 of library bytes -> the module loaded from them (each loaded once)
 # -fopenmp, not just -fopenmp-simd: without _OPENMP, ATen's at::parallel_for compiles to a serial loop

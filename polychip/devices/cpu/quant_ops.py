@@ -1,8 +1,9 @@
 """The CPU plugin's quantised ops (``polychip.devices.ops.SCHEME_OPS``), float32 activations:
 
-* ``linear_w8a8``: x quantised per row in C++, one int8 GEMM through ``at::_int_mm`` (oneDNN's VNNI
-  kernels; against our own float32 kernels on int8 weights: see benchmarks/quant_kernels.py), the
-  rescale fused in the same call;
+* ``linear_w8a8``: x quantised per row in C++, one int8 GEMM with exact int32 sums, the rescale fused
+  in the same call: ``at::_int_mm`` (oneDNN's VNNI kernels) on AVX512-VNNI above 4 rows, our VNNI rows
+  up to 4; AVX2 builds without VNNI run our own AVX2 tiles for every M (``csrc/w8a8_avx2.h``: torch's
+  ``_int_mm`` has no fast kernel there, 1/25 of float32's speed on a Zen 3);
 * ``linear_w4a16``: nibbles unpacked and dequantised in registers (decode) or per block of rows
   before BLAS (prefill), in C++; act-order checkpoints permute x first;
 * ``linear_fp8`` / ``linear_fp8_block``: the same tiles reading fp8 e4m3, per-row or block scales.

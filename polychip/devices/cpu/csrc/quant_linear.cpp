@@ -2,7 +2,8 @@
 // linear_w8a8: each row of x quantised to int8 (symmetric, round half to even, the op contract's
 //   rule), one int8 GEMM with int32 sums (at::_int_mm: oneDNN's VNNI kernels, 6-9x float32 BLAS
 //   here at prefill sizes), then y = sum * s_x[m] * s_w[n] (+ b) in one pass; decode sizes (M <= 4, K a
-//   multiple of 64) on AVX512-VNNI run w8a8_vnni_rows instead (the same int32 sums, no oneDNN call).
+//   multiple of 64) on AVX512-VNNI run w8a8_vnni_rows instead (the same int32 sums, no oneDNN call);
+//   AVX2 builds without VNNI run w8a8_avx2.h for every M (the same sums; oneDNN has no fast kernel there).
 // dq_tiles: decode-sized M. Register tiles of MR x rows by NR weight rows, each weight vector
 //   dequantised in registers once and used for all MR rows: 4-bit groups (linear_w4a16, two
 //   nibbles per byte, runs of 32 inputs), fp8 e4m3 with per-row scales (linear_fp8) or 2-D block
@@ -12,6 +13,11 @@
 #include "common.h"
 
 #include <type_traits>
+
+#if defined(__AVX2__) && !(defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__))
+#define POLYCHIP_W8A8_AVX2 1
+#include "w8a8_avx2.h"
+#endif
 
 using namespace polychip_cpu;
 
@@ -29,26 +35,46 @@ void check_x(const torch::Tensor& x, int64_t k) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "x must be [M, K] with the weight's K");
 }
 
-// rows [m0, m1) of x -> int8 q and scales (s = max|x| / 127, 1 for an all-zero row; q = round(x / s))
+// v, hidden from the optimiser: -ffast-math turns a division by a reused (or constant) divisor into a
+// multiplication by its reciprocal, which can land on a tie the true quotient misses (x / s = -40.500004
+// became -40.5 and rounded to -40, not -41); the op contract divides
+template <typename V>
+inline V opaque(V v) {
+  asm("" : "+x"(v));
+  return v;
+}
+
+// rows [m0, m1) of x -> int8 q and scales (s = max|x| / 127, 1 for an all-zero row; q = round(x / s)),
+// each a true division
 void quantize_rows(const float* x, int8_t* q, float* s, int64_t m0, int64_t m1, int64_t K) {
   for (int64_t m = m0; m < m1; ++m) {
     const float* xr = x + m * K;
     float amax = 0.f;
     for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(xr[k]));
-    const float scale = amax > 0.f ? amax / 127.f : 1.f;
+    const float scale = amax > 0.f ? amax / opaque(127.f) : 1.f;
     s[m] = scale;
     int8_t* qr = q + m * K;
     int64_t k = 0;
 #ifdef __AVX512F__
     const __m512 sv = _mm512_set1_ps(scale), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
     for (; k + 16 <= K; k += 16) {
-      __m512 v = _mm512_div_ps(_mm512_loadu_ps(xr + k), sv);
+      __m512 v = _mm512_div_ps(_mm512_loadu_ps(xr + k), opaque(sv));
       v = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
       v = _mm512_min_ps(_mm512_max_ps(v, lo), hi);
       _mm_storeu_si128(reinterpret_cast<__m128i*>(qr + k), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v)));
     }
+#elif defined(__AVX2__)
+    const __m256 sv = _mm256_set1_ps(scale), lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
+    for (; k + 8 <= K; k += 8) {
+      __m256 v = _mm256_div_ps(_mm256_loadu_ps(xr + k), opaque(sv));
+      v = _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      const __m256i i = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(v, lo), hi));
+      const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(qr + k), _mm_packs_epi16(w, w));
+    }
 #endif
-    for (; k < K; ++k) qr[k] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(xr[k] / scale))));
+    for (; k < K; ++k)
+      qr[k] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(xr[k] / opaque(scale)))));
   }
 }
 
@@ -115,6 +141,24 @@ torch::Tensor w8a8_vnni_sums(const int8_t* xq, const torch::Tensor& w, int64_t M
 }
 #endif
 
+#ifdef POLYCHIP_W8A8_AVX2
+// the int32 sums [M, N] of the quantised rows of x against w, any M (w8a8_avx2.h)
+torch::Tensor w8a8_avx2_sums(const int8_t* xq, const torch::Tensor& w, int64_t M) {
+  const int64_t N = w.size(0), K = w.size(1);
+  auto acc = torch::empty({M, N}, w.options().dtype(torch::kInt32));
+  const int8_t* wp = w.data_ptr<int8_t>();
+  int32_t* ap = acc.data_ptr<int32_t>();
+  const int64_t rows = 64;   // weight rows per chunk (37-98 KB at K = 576-1536): 16, 32 or 128 were no better
+  const auto fn = [&](int64_t c) {
+    w8a8_avx2::chunk(xq, wp, M, c * rows, std::min(N, (c + 1) * rows), K, N, ap);
+  };
+  // decode sizes read each weight once: bandwidth-bound, each thread walks its own share in order
+  if (M <= 4) for_each_chunk_owned((N + rows - 1) / rows, fn);
+  else for_each_chunk((N + rows - 1) / rows, fn);
+  return acc;
+}
+#endif
+
 }  // namespace
 
 torch::Tensor linear_w8a8(torch::Tensor x, torch::Tensor w, torch::Tensor scales, c10::optional<torch::Tensor> bias) {
@@ -134,6 +178,8 @@ torch::Tensor linear_w8a8(torch::Tensor x, torch::Tensor w, torch::Tensor scales
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
   auto acc = M >= 1 && M <= W8A8_VNNI_MAX_M && K % 64 == 0 ? w8a8_vnni_sums(xq.data_ptr<int8_t>(), w, M)
                                                           : at::_int_mm(xq, w.t());
+#elif defined(POLYCHIP_W8A8_AVX2)
+  auto acc = w8a8_avx2_sums(xq.data_ptr<int8_t>(), w, M);
 #else
   auto acc = at::_int_mm(xq, w.t());
 #endif
