@@ -95,7 +95,7 @@ def test_llama_cpp_is_skipped_off_the_cpu_or_without_a_gguf():
 
 def test_peers_cli_device_cpu_is_in_the_json_and_the_table(model_factory, tmp_path, monkeypatch):
     small = roofline.measure_machine
-    monkeypatch.setattr(roofline, "measure_machine", lambda shape, plugin=None: small(shape, 1, plugin, mib=2))
+    monkeypatch.setattr(roofline, "measure_machine", lambda shape, plugin=None, **kw: small(shape, 1, plugin, mib=2, **kw))
     out = tmp_path / "peers.json"
     threads = torch.get_num_threads()       # the CLI sets the process's thread count
     try:

@@ -1,4 +1,5 @@
 """Bench units: statistics, datasets, compare thresholds, metric parsing, roofline arithmetic."""
+import dataclasses
 import json
 import math
 
@@ -151,6 +152,14 @@ def test_honest_roofline_counts_every_byte_and_flop_by_hand():
     assert (step.bytes, step.flops, step.seconds) == (pytest.approx(3552), pytest.approx(8192), pytest.approx(1.0))
     compute_bound = roofline.Machine(bandwidth_gbs=4 * 3552e-9, copy_gbs=1.0, matmul_gflops=8192e-9 / 2, threads=1)
     assert roofline.decode_step(shape, int8, compute_bound, [10, 30]).seconds == pytest.approx(2.0)
+    # W8A8: the same bytes, its 5632 matmul FLOPs at the int8 rate, attention's 2560 at the float one
+    w8a8 = dataclasses.replace(int8, label="w8a8", int8_matmuls=True)
+    with pytest.raises(ValueError, match="int8 rate was not measured"):
+        roofline.decode_step(shape, w8a8, compute_bound, [10, 30])
+    fast_int8 = dataclasses.replace(compute_bound, int8_gops=2 * 5632e-9)
+    step = roofline.decode_step(shape, w8a8, fast_int8, [10, 30])
+    assert (step.flops, step.seconds) == (8192, pytest.approx(0.5 + 2560 / (8192 / 2)))
+    assert roofline.decode_step(shape, int8, fast_int8, [10, 30]).seconds == pytest.approx(2.0)   # weight-only: float
 
     # prefill of prompts of 3 and 5 tokens: matmuls, an LM-head row each, causal attention (6 + 15 keys)
     p = roofline.prefill(shape, int8, mem_bound, [3, 5])

@@ -1,4 +1,4 @@
-"""`polychip bench peers` runs an int8 row beside the float32 one, in the same run."""
+"""`polychip bench peers` runs int8 and W8A8 rows beside the float32 one, in the same run."""
 from __future__ import annotations
 
 import json
@@ -12,13 +12,13 @@ from polychip.commands import bench
 pytestmark = pytest.mark.device_independent   # runs the default device (cpu), as the command it checks does
 
 
-def test_peers_has_an_int8_row(model_factory, tmp_path, monkeypatch):
+def test_peers_has_int8_and_w8a8_rows(model_factory, tmp_path, monkeypatch):
     small = roofline.measure_machine
-    monkeypatch.setattr(roofline, "measure_machine", lambda shape, plugin=None: small(shape, 1, plugin, mib=2))
+    monkeypatch.setattr(roofline, "measure_machine", lambda shape, plugin=None, **kw: small(shape, 1, plugin, mib=2, **kw))
     out = tmp_path / "peers.json"
     threads = torch.get_num_threads()
     try:
-        rc = bench.main(["peers", "--model-path", model_factory("llama", False), "--engines", "polychip,polychip-int8",
+        rc = bench.main(["peers", "--model-path", model_factory("llama", False), "--engines", "polychip,polychip-int8,polychip-w8a8",
                          "--input-len", "8", "--output-len", "3", "--concurrency", "2", "--decode-tokens", "2",
                          "--shared-prefix-len", "0", "--num-threads", "1", "--json", str(out)])
     finally:
@@ -30,3 +30,7 @@ def test_peers_has_an_int8_row(model_factory, tmp_path, monkeypatch):
     assert "polychip-int8" in res["ratios"]
     table = (tmp_path / "peers.md").read_text()
     assert "| polychip int8 |" in table and "its % columns are of its own int8 roofline" in table
+    w8a8 = res["engines"]["polychip-w8a8"]
+    assert w8a8["engine"] == "polychip w8a8" and w8a8["output_tokens"] == 6 and w8a8["pct_workload_roofline"] > 0
+    assert res["machine"]["int8_gops"] > 0 and "int8 activations" in res["rooflines"]["polychip-w8a8"]["storage"]
+    assert "| polychip w8a8 |" in table and "W8A8 matmul" in table and "int8 activations quantised per token" in table

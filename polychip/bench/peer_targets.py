@@ -32,6 +32,12 @@ def targets_report(res: dict) -> str:
     if int8 and long_output:
         add(f"single-stream decode, int8 weights, {kv} KV, >= 60% of its roofline", f"{int8['pct_decode_roofline']:.1f}%",
             int8["pct_decode_roofline"] >= 60)
+    w8a8 = res["engines"].get("polychip-w8a8")
+    if w8a8:   # another model's outputs (int8 activations): for information, not the float32 engine's targets
+        peers = ", ".join(f"{w8a8['output_tok_s'] / res['engines'][p]['output_tok_s']:.2f}x {res['engines'][p]['engine']}"
+                          for p in ("hf-static", "llama.cpp") if p in res["engines"])
+        add("polychip w8a8 (int8 activations): out tok/s, % of its roofline" + (", against" if peers else ""),
+            f"{w8a8['output_tok_s']:.1f}, {w8a8['pct_workload_roofline']:.1f}%" + (f", {peers}" if peers else ""), None)
     sp, cold = eng.get("shared_prefix"), 5 if long_output else 4
     if sp:
         add(f"shared {sp['prefix_len']}-token prefix, cold: first wave: mean TTFT >= {cold}x lower",

@@ -16,8 +16,10 @@ from polychip.bench.peer_engines import LlamaCppPeer, PolychipPeer, Transformers
 
 log = logging.getLogger("polychip.bench")
 
-# polychip-int8: the same engine with --quantization int8 (its rooflines are of its int8 weights)
-ENGINES = ("polychip", "polychip-int8", "hf-naive", "hf-static", "llama.cpp")
+# polychip-int8: the same engine with --quantization int8 (its rooflines are of its int8 weights);
+# polychip-w8a8: with --quantization w8a8 (int8 activations too: its matmuls at the measured int8 rate)
+ENGINES = ("polychip", "polychip-int8", "polychip-w8a8", "hf-naive", "hf-static", "llama.cpp")
+QUANTIZED = {"polychip-int8": "int8", "polychip-w8a8": "w8a8"}
 
 
 @dataclass
@@ -57,9 +59,9 @@ def _make(name: str, cfg: PeersConfig, folder: str, gguf_path: str | None, plugi
     if name == "polychip":
         return PolychipPeer(cfg.model_path, cfg.device, max_running_requests=max(cfg.concurrency, 1),
                             kv_cache_dtype=cfg.kv_cache_dtype)
-    if name == "polychip-int8":
+    if name in QUANTIZED:
         return PolychipPeer(cfg.model_path, cfg.device, max_running_requests=max(cfg.concurrency, 1),
-                            quantization="int8", kv_cache_dtype=cfg.kv_cache_dtype)
+                            quantization=QUANTIZED[name], kv_cache_dtype=cfg.kv_cache_dtype)
     if name in ("hf-naive", "hf-static"):
         return TransformersPeer(folder, name == "hf-static", plugin)
     if name == "llama.cpp":
@@ -89,6 +91,9 @@ def storage_of(name: str, cfg: PeersConfig, gguf_path: str | None) -> rl.Storage
     if name == "polychip-int8":
         return rl.Storage(f"int8 weights + float32 row scales, {kv} KV", weight_bytes=1, row_scale_bytes=4,
                           kv_bytes=rl.kv_itemsize(kv))
+    if name == "polychip-w8a8":
+        return rl.Storage(f"int8 weights + float32 row scales, int8 activations, {kv} KV", weight_bytes=1,
+                          row_scale_bytes=4, kv_bytes=rl.kv_itemsize(kv), int8_matmuls=True)
     if name == "llama.cpp" and gguf_path:
         nbytes = gguf_weight_bytes(gguf_path)
         return rl.Storage(f"GGUF weights as stored ({nbytes / 1e6:.1f} MB), float16 KV", kv_bytes=2,
@@ -129,7 +134,8 @@ def _run_on(cfg: PeersConfig, plugin) -> dict:
     mcfg = read_config(folder)
     shape = rl.ModelShape.from_config(mcfg)
     log.info("measuring %s (bandwidth, matmul at the model's shapes)", plugin.device_handle())
-    before = rl.measure_machine(shape, plugin=plugin)
+    int8 = "polychip-w8a8" in cfg.engines
+    before = rl.measure_machine(shape, plugin=plugin, int8=int8)
     rng = random.Random(cfg.seed)
     n = cfg.num_prompts or cfg.concurrency
     single = random_prompts(1, cfg.input_len, mcfg.vocab_size, rng)[0]
@@ -167,7 +173,7 @@ def _run_on(cfg: PeersConfig, plugin) -> dict:
             eng.close()
             del eng
             gc.collect()
-    after = rl.measure_machine(shape, plugin=plugin)
+    after = rl.measure_machine(shape, plugin=plugin, int8=int8)
     machine = rl.best_of(before, after)
     storages = {name: storage_of(name, cfg, gguf_path) for name in engines}
     res = _analyse(cfg, n, shape, machine, [before, after], engines, skipped, storages)
@@ -232,7 +238,8 @@ def peers_table(res: dict) -> str:
     lines = [f"Machine ({device}, best of {len(res['machine_measurements'])} in this run, "
              f"{res['torch_threads']} threads): "
              f"read {m['bandwidth_gbs']:.1f} GB/s, copy {m['copy_gbs']:.1f} GB/s, "
-             f"matmul {m['matmul_gflops']:.1f} GFLOP/s at the model's shapes",
+             f"matmul {m['matmul_gflops']:.1f} GFLOP/s at the model's shapes"
+             + (f", W8A8 matmul {m['int8_gops']:.1f} int8 GOP/s" if m.get("int8_gops") else ""),
              f"Rooflines of {c['num_prompts']} x {c['input_len']} in / {c['output_len']} out at concurrency "
              f"{c['concurrency']}, each engine's own: every byte a step reads (weights as stored, the batch's KV "
              "at its length) and every FLOP (attention included), the slower limit per step:"]
@@ -259,4 +266,8 @@ def peers_table(res: dict) -> str:
     if "polychip-int8" in res["engines"]:
         lines += ["", "polychip int8: weight-only int8 (--quantization int8); its % columns are of its own int8 "
                       "roofline, and the polychip x column is float32 over int8"]
+    if "polychip-w8a8" in res["engines"]:
+        lines += ["", "polychip w8a8: int8 weights and int8 activations quantised per token (--quantization w8a8, "
+                      "not the float32 model's outputs); its roofline counts its matmuls at the W8A8 rate measured "
+                      "above, and the polychip x column is float32 over w8a8"]
     return "\n".join(lines)

@@ -2,13 +2,14 @@
 
 * memory bandwidth: the best of a few full reads (sum) of a tensor far larger than the caches;
 * matmul FLOP/s: the best of a few passes over one decoder layer's matmuls at the model's shapes;
+  where a W8A8 engine runs, the same for its int8 matmuls (``linear_w8a8``: int8 ops/s);
 * the workload roofline: every step takes the larger of its bytes / bandwidth and its FLOPs /
   FLOP/s. A step's bytes are everything it must read: the weights as the engine stores them
   (``Storage``: float32 4 bytes, int8 1 byte plus its per-row scales, a GGUF file's own tensor
   bytes), the embedding rows of its tokens, and the KV cache of every sequence in the batch at
   its current length in the KV dtype. Its FLOPs are the matmuls' (2 per weight per token, the LM
-  head only for the rows that sample) plus attention's (4 x heads x head_dim per query token per
-  key it attends to, causal in prefill).
+  head only for the rows that sample; at the int8 rate for a W8A8 storage) plus attention's (4 x
+  heads x head_dim per query token per key it attends to, causal in prefill, always float).
 
 ``weights_only_*`` is the roofline before issue 17 (float32 weights, no KV bytes, no attention
 FLOPs), kept to show the change once beside the honest one.
@@ -86,6 +87,7 @@ class Storage:
     kv_bytes: float = 4
     float_bytes: int = 4
     file_weight_bytes: int | None = None
+    int8_matmuls: bool = False      # W8A8: the matmuls run as int8 x int8 at the machine's int8 rate
 
     def weights(self, shape: ModelShape) -> int:
         """Bytes of weights one forward reads: every layer's matmuls and norms, the final norm and
@@ -116,6 +118,15 @@ class Machine:
     matmul_gflops: float      # at the model's shapes
     threads: int
     device: str = "cpu"       # the torch device the ceilings were measured on
+    int8_gops: float = 0.0    # W8A8 matmuls at the model's shapes (int8 ops/s); 0: not measured
+
+    def matmul_rate(self, st: "Storage") -> float:
+        """FLOP/s (or int8 op/s) of ``st``'s matmuls; a W8A8 storage needs the measured int8 rate."""
+        if not st.int8_matmuls:
+            return self.matmul_gflops * 1e9
+        if self.int8_gops <= 0:
+            raise ValueError(f"{st.label}: int8 matmuls, but the int8 rate was not measured (measure_machine(int8=True))")
+        return self.int8_gops * 1e9
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -198,17 +209,46 @@ def measure_matmul(shape: ModelShape, tokens: int = 512, reps: int = 5, dtype=to
     return best
 
 
-def measure_machine(shape: ModelShape, reps: int = 5, plugin=None, mib: int = 512) -> Machine:
-    """The ceilings of ``plugin``'s device (the CPU when None)."""
+def measure_int8_matmul(shape: ModelShape, tokens: int = 512, reps: int = 5, plugin=None) -> float:
+    """int8 GOP/s of one layer's W8A8 matmuls on ``tokens`` float32 rows, through the op the engine
+    runs (the plugin's ``linear_w8a8``, or the native one it falls back to), best of ``reps``."""
+    from polychip.devices.discovery import open_device
+    from polychip.ops.native import register_native
+    from polychip.ops.registry import OpRegistry
+    device, sync = _target(plugin)
+    own = plugin if plugin is not None else open_device("cpu")
+    try:
+        registry = OpRegistry(own.name)
+        register_native(registry)
+        own.register_ops(registry)
+        op = registry.resolve("linear_w8a8", 1, "float32").fn
+        ws = [(torch.randint(-127, 128, (o, i), dtype=torch.int8, device=device),
+               torch.rand(o, device=device) * 1e-3) for o, i in shape.layer_matmuls()]
+        xs = {i: torch.randn(tokens, i, device=device) for _, i in shape.layer_matmuls()}
+        ops = sum(2 * tokens * o * i for o, i in shape.layer_matmuls())
+
+        def layer():
+            for w, s in ws:
+                op(xs[w.shape[1]], w, s)
+
+        with torch.inference_mode():
+            return ops / _best(layer, reps, sync) / 1e9
+    finally:
+        if plugin is None:
+            own.destroy()
+
+
+def measure_machine(shape: ModelShape, reps: int = 5, plugin=None, mib: int = 512, int8: bool = False) -> Machine:
+    """The ceilings of ``plugin``'s device (the CPU when None); ``int8``: the W8A8 rate too."""
     read, copy = measure_bandwidth(mib, reps, plugin=plugin)
     return Machine(read, copy, measure_matmul(shape, reps=reps, plugin=plugin), torch.get_num_threads(),
-                   str(_target(plugin)[0]))
+                   str(_target(plugin)[0]), measure_int8_matmul(shape, reps=reps, plugin=plugin) if int8 else 0.0)
 
 
 def best_of(a: Machine, b: Machine) -> Machine:
     """The machine's ceiling from two measurements in one run (noise only ever slows it down)."""
     return Machine(max(a.bandwidth_gbs, b.bandwidth_gbs), max(a.copy_gbs, b.copy_gbs),
-                   max(a.matmul_gflops, b.matmul_gflops), a.threads, a.device)
+                   max(a.matmul_gflops, b.matmul_gflops), a.threads, a.device, max(a.int8_gops, b.int8_gops))
 
 
 @dataclass(frozen=True)
@@ -220,8 +260,9 @@ class Step:
     seconds: float
 
 
-def _step(nbytes: float, flops: float, m: Machine) -> Step:
-    return Step(nbytes, flops, max(nbytes / (m.bandwidth_gbs * 1e9), flops / (m.matmul_gflops * 1e9)))
+def _step(nbytes: float, matmul_flops: float, attention_flops: float, m: Machine, st: Storage) -> Step:
+    compute = matmul_flops / m.matmul_rate(st) + attention_flops / (m.matmul_gflops * 1e9)
+    return Step(nbytes, matmul_flops + attention_flops, max(nbytes / (m.bandwidth_gbs * 1e9), compute))
 
 
 def decode_step(shape: ModelShape, st: Storage, m: Machine, contexts: list[int]) -> Step:
@@ -229,8 +270,7 @@ def decode_step(shape: ModelShape, st: Storage, m: Machine, contexts: list[int])
     cached ones and the new one): the weights once, the sequences' KV, their embedding rows."""
     tokens = sum(contexts)
     nbytes = st.weights(shape) + tokens * st.kv_per_token(shape) + len(contexts) * shape.hidden * st.float_bytes
-    flops = len(contexts) * 2 * shape.decode_params + tokens * shape.attention_flops_per_key
-    return _step(nbytes, flops, m)
+    return _step(nbytes, len(contexts) * 2 * shape.decode_params, tokens * shape.attention_flops_per_key, m, st)
 
 
 def prefill(shape: ModelShape, st: Storage, m: Machine, prompt_lens: list[int]) -> Step:
@@ -238,9 +278,9 @@ def prefill(shape: ModelShape, st: Storage, m: Machine, prompt_lens: list[int]) 
     prompt token, the LM head for each prompt's last token, causal attention over each prompt."""
     tokens = sum(prompt_lens)
     causal_keys = sum(n * (n + 1) // 2 for n in prompt_lens)
-    flops = (tokens * 2 * shape.non_embedding_params + len(prompt_lens) * 2 * shape.lm_head_params
-             + causal_keys * shape.attention_flops_per_key)
-    return _step(st.weights(shape) + tokens * shape.hidden * st.float_bytes, flops, m)
+    matmuls = tokens * 2 * shape.non_embedding_params + len(prompt_lens) * 2 * shape.lm_head_params
+    return _step(st.weights(shape) + tokens * shape.hidden * st.float_bytes, matmuls,
+                 causal_keys * shape.attention_flops_per_key, m, st)
 
 
 def single_stream_decode_ceiling(shape: ModelShape, st: Storage, m: Machine, prompt_len: int, tokens: int) -> float:
