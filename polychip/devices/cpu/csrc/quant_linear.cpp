@@ -1,9 +1,10 @@
 // Quantised linear kernels (float32 x), the CPU plugin's implementations of the scheme ops:
 // linear_w8a8: each row of x quantised to int8 (symmetric, round half to even, the op contract's
-//   rule), one int8 GEMM with int32 sums (at::_int_mm: oneDNN's VNNI kernels, 6-9x float32 BLAS
-//   here at prefill sizes), then y = sum * s_x[m] * s_w[n] (+ b) in one pass; decode sizes (M <= 4, K a
-//   multiple of 64) on AVX512-VNNI run w8a8_vnni_rows instead (the same int32 sums, no oneDNN call);
-//   AVX2 builds without VNNI run w8a8_avx2.h for every M (the same sums; oneDNN has no fast kernel there).
+//   rule), one int8 GEMM with int32 sums (at::_int_mm: oneDNN's VNNI kernels, 6-9x float32 BLAS at
+//   prefill sizes on an AVX512-VNNI CPU), then y = sum * s_x[m] * s_w[n] (+ b) in one pass; decode
+//   sizes (M <= 4, K a multiple of 64) on AVX512-VNNI run w8a8_vnni_rows instead (the same int32 sums,
+//   no oneDNN call); AVX2 builds without VNNI run w8a8_avx2.h for every M (the same sums; oneDNN has no
+//   fast kernel there).
 // dq_tiles: decode-sized M. Register tiles of MR x rows by NR weight rows, each weight vector
 //   dequantised in registers once and used for all MR rows: 4-bit groups (linear_w4a16, two
 //   nibbles per byte, runs of 32 inputs), fp8 e4m3 with per-row scales (linear_fp8) or 2-D block

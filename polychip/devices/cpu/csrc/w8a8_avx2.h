@@ -5,8 +5,9 @@
 // A pair of products is at most 2 * 128 * 127 = 32512, within int16 (x + 128 would saturate), and
 // vpmaddwd by ones widens the pairs to int32: the sums are exact, as oneDNN's and VNNI's.
 // Tiles of MR rows of x by NR weight rows; a thread takes chunks of weight rows, which stay in L1/L2
-// while every block of MR rows of x passes over them. Decode sizes walk each thread's share of the rows in
-// order and prefetch the tile after next as one run of lines (the rows of a tile are contiguous).
+// while every block of MR rows of x passes over them. The first block's pass prefetches the tile after
+// next (its rows are contiguous), a line at a time inside the K loop; decode sizes walk each thread's
+// share of the chunks in order (quant_linear.cpp).
 #pragma once
 #include <immintrin.h>
 
@@ -68,7 +69,7 @@ inline void tile(const int8_t* __restrict x, const int8_t* __restrict w, int64_t
 }
 
 // rows [m0, m0 + MR) of x against weight rows [n0, n1): NR rows a tile, the rest one at a time;
-// prefetch: at M <= 4 the tile after next's bytes, as one ascending run of lines
+// prefetch: the tile after next's bytes, spread over each tile's K steps (the first block of x rows)
 template <int MR, int NR>
 void rows(const int8_t* x, const int8_t* w, int64_t m0, int64_t n0, int64_t n1, int64_t K, int64_t N, int32_t* acc,
           bool prefetch) {
