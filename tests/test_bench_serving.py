@@ -146,9 +146,9 @@ def test_cli_rates_each_step_against_the_servers_roofline(fake_server, tmp_path,
     small = roofline.measure_machine
     calls = []
 
-    def measure(shape, plugin=None):
+    def measure(shape, plugin=None, **kw):
         calls.append(plugin.name)
-        return small(shape, 1, plugin, mib=2)
+        return small(shape, 1, plugin, mib=2, **kw)
     monkeypatch.setattr(roofline, "measure_machine", measure)
     state["server_info"] = {"model_path": model_factory("llama", False), "dtype": "float32",
                             "kv_cache_dtype": "bfloat16", "quantization": None, "plugin": "cpu"}

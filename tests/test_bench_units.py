@@ -219,6 +219,8 @@ def test_serving_roofline_reads_the_servers_storage():
     assert (st.weight_bytes, st.row_scale_bytes, st.kv_bytes, st.float_bytes) == (1, 2, 1, 2)
     st = storage_of_server({"dtype": "float32"})                   # a server from before kv_cache_dtype
     assert (st.weight_bytes, st.row_scale_bytes, st.kv_bytes) == (4, 0, 4)
+    st = storage_of_server({"dtype": "float32", "kv_cache_dtype": "bfloat16", "quantization": "w8a8"})
+    assert (st.weight_bytes, st.row_scale_bytes, st.kv_bytes, st.int8_matmuls) == (1, 4, 2, True)
 
 
 def test_gguf_weight_bytes_are_the_files_tensors():

@@ -37,6 +37,9 @@ def storage_of_server(info: dict) -> rl.Storage:
     if info.get("quantization") == "int8":
         return rl.Storage(f"int8 weights + {dtype} row scales, {kv} KV", weight_bytes=1, row_scale_bytes=compute,
                           kv_bytes=rl.kv_itemsize(kv), float_bytes=compute)
+    if info.get("quantization") == "w8a8":       # int8 activations too: its matmuls at the measured int8 rate
+        return rl.Storage(f"int8 weights + float32 row scales, int8 activations, {kv} KV", weight_bytes=1,
+                          row_scale_bytes=4, kv_bytes=rl.kv_itemsize(kv), float_bytes=compute, int8_matmuls=True)
     return rl.Storage(f"{dtype} weights, {kv} KV", weight_bytes=compute, kv_bytes=rl.kv_itemsize(kv),
                       float_bytes=compute)
 
@@ -64,7 +67,7 @@ def measure(roof: ServingRoofline) -> None:
     from polychip.devices.discovery import open_device
     plugin = open_device(roof.device)
     try:
-        m = rl.measure_machine(roof.shape, plugin=plugin)
+        m = rl.measure_machine(roof.shape, plugin=plugin, int8=roof.storage.int8_matmuls)
     finally:
         plugin.destroy()
     roof.measurements += (m,)
