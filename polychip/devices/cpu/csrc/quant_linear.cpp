@@ -41,7 +41,13 @@ void check_x(const torch::Tensor& x, int64_t k) {
 // became -40.5 and rounded to -40, not -41); the op contract divides
 template <typename V>
 inline V opaque(V v) {
-  asm("" : "+x"(v));
+#if defined(__x86_64__) || defined(__i386__)
+  asm("" : "+x"(v));   // kept in its SSE/AVX register
+#elif defined(__aarch64__)
+  asm("" : "+w"(v));   // its FP/SIMD register
+#else
+  asm("" : "+m"(v));   // elsewhere through memory
+#endif
   return v;
 }
 
