@@ -172,16 +172,21 @@ def measure_bandwidth(mib: int = 512, reps: int = 5, dtype=torch.float32, plugin
     return read, copy
 
 
-def _linears(plugin, dtype: torch.dtype) -> list[Callable]:
-    """``F.linear`` and the device plugin's own ``linear`` op for ``dtype`` when it registers one (the
-    CPU plugin's register tiles outrun torch's BLAS on AVX-512: a ceiling below what we run is no
-    ceiling)."""
+def _resolve(plugin, op: str, dtype: str):
+    """What the engine runs for ``op`` on ``plugin``: its own implementation, or the native one it falls back to."""
     from polychip.ops.native import register_native
     from polychip.ops.registry import OpRegistry
     registry = OpRegistry(plugin.name)
     register_native(registry)
     plugin.register_ops(registry)
-    own = registry.resolve("linear", 1, str(dtype).removeprefix("torch."))
+    return registry.resolve(op, 1, dtype)
+
+
+def _linears(plugin, dtype: torch.dtype) -> list[Callable]:
+    """``F.linear`` and the device plugin's own ``linear`` op for ``dtype`` when it registers one (the
+    CPU plugin's register tiles outrun torch's BLAS on AVX-512: a ceiling below what we run is no
+    ceiling)."""
+    own = _resolve(plugin, "linear", str(dtype).removeprefix("torch."))
     return [F.linear] + ([] if own.is_fallback else [own.fn])
 
 
@@ -213,15 +218,10 @@ def measure_int8_matmul(shape: ModelShape, tokens: int = 512, reps: int = 5, plu
     """int8 GOP/s of one layer's W8A8 matmuls on ``tokens`` float32 rows, through the op the engine
     runs (the plugin's ``linear_w8a8``, or the native one it falls back to), best of ``reps``."""
     from polychip.devices.discovery import open_device
-    from polychip.ops.native import register_native
-    from polychip.ops.registry import OpRegistry
     device, sync = _target(plugin)
     own = plugin if plugin is not None else open_device("cpu")
     try:
-        registry = OpRegistry(own.name)
-        register_native(registry)
-        own.register_ops(registry)
-        op = registry.resolve("linear_w8a8", 1, "float32").fn
+        op = _resolve(own, "linear_w8a8", "float32").fn
         ws = [(torch.randint(-127, 128, (o, i), dtype=torch.int8, device=device),
                torch.rand(o, device=device) * 1e-3) for o, i in shape.layer_matmuls()]
         xs = {i: torch.randn(tokens, i, device=device) for _, i in shape.layer_matmuls()}
