@@ -186,10 +186,14 @@ void decode_piece_avx2(const float* qb, const typename Kv<K>::T* kp, const typen
   float* unfolded = ap + H * D; // [H, 8 tokens, 8 lanes] score accumulators before fold8
   for (int64_t h = 0; h < H; ++h)
     for (int64_t d = 0; d < D; ++d) qs[h * D + lane_of<K>(d, D)] = qb[h * D + d] * scale;
-  // row of token t of the piece; past its end, the last row (its score is masked, its weight 0)
+  // row of token t of the piece; past its end, the last row (its score is masked, its weight 0). A page
+  // size that is a power of two takes a shift and a mask: a division a row cost ~1 ms of a 15 ms step
+  const int64_t shift = __builtin_ctzll(static_cast<unsigned long long>(page));
+  const bool pow2 = page == (int64_t{1} << shift);
   const auto row_at = [&](const T* base, int64_t t) {
     const int64_t tt = t0 + std::min(t, n - 1);
-    return base + (pages[tt / page] * page + tt % page) * row;
+    const int64_t slot = pow2 ? (pages[tt >> shift] << shift) + (tt & (page - 1)) : pages[tt / page] * page + tt % page;
+    return base + slot * row;
   };
   const auto prefetch = [&](const T* base, int64_t b) {   // the rows of tokens b .. b + kBlock into L2
     for (int64_t t = b; t < std::min(n, b + kBlock); ++t) {
