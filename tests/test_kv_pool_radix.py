@@ -150,3 +150,37 @@ def test_no_prefix_cache_honours_the_contract():
     c.unlock(None)
     assert c.num_pages == c.evictable_pages() == c.evict(5) == 0
     c.check_integrity()
+
+
+def test_allocator_hands_out_runs_of_consecutive_pages():
+    a = PageAllocator(64)
+    x = a.alloc(5)
+    assert x == [0, 1, 2, 3, 4]
+    y = a.alloc(3)                                   # another holder takes the ids after x
+    assert a.alloc(2, after=x[-1]) == [8, 9]         # x's next ids are taken: the next run off the stack
+    assert a.alloc(2, after=y[-1]) == [10, 11]       # y's next ids (8, 9) too
+    z = a.alloc(3, after=63)                         # past the pool's end: off the stack
+    assert z == [12, 13, 14]
+    a.decref(x)
+    assert a.alloc(3) == [0, 1, 2]                   # a freed run comes back in order
+    assert a.alloc(1, after=2) == [3]                # and a holder's next free id follows its last page
+    a.check_integrity()
+
+
+def test_allocator_never_hands_a_page_out_twice():
+    # pages taken out of turn stay on the free stack (stale); freed and taken again, repeatedly,
+    # they must come out once and the free list must not grow without bound
+    rng = random.Random(1)
+    a = PageAllocator(40)
+    held: list[list[int]] = []
+    for _ in range(3000):
+        if held and (rng.random() < 0.45 or a.num_free == 0):
+            a.decref(held.pop(rng.randrange(len(held))))
+        else:
+            n = rng.randint(1, min(5, a.num_free))
+            after = rng.choice(held)[-1] if held and rng.random() < 0.7 else None
+            held.append(a.alloc(n, after=after))
+        out = [p for h in held for p in h]
+        assert len(out) == len(set(out)) and a.num_free == 40 - len(out)
+        assert len(a._free) <= 2 * 40 + 5
+        a.check_integrity()

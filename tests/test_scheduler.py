@@ -168,3 +168,35 @@ def test_lpm_ordering_leaves_tree_and_eviction_order_alone():
     gone = s.pages.allocator.num_free - freed
     assert gone == 4 and s.pages.cached_prefix_len(req("q", old + [0])) == 0
     assert s.pages.cached_prefix_len(req("q", new + [0])) == 16
+
+
+def test_decoding_requests_take_their_pages_in_runs():
+    # 4 requests decode side by side; each new page would otherwise be the next free id, one each in turn
+    from polychip.engine.scheduler import RUN_PAGES
+    s = make(num_pages=256, budget=64, max_running=4)
+    reqs = [req(f"r{i}", list(range(i * 100, i * 100 + 8)), max_tokens=60) for i in range(4)]
+    for r in reqs:
+        s.add(r)
+    fake_step(s)
+    for r in reqs:
+        assert len(r.pages) == 2                      # the prompts: one run each
+    fake_step(s)                                      # token 9 of each: a third page, with a run after it
+    for r in reqs:
+        assert len(r.pages) == 2 + RUN_PAGES
+        assert r.pages[2:] == list(range(r.pages[2], r.pages[2] + RUN_PAGES))
+    run_all(s)
+    assert s.pages.allocator.num_free + s.pages.cache.num_pages == 256
+
+
+def test_no_pages_taken_ahead_when_the_pool_is_short():
+    # 16 pages for 2 requests of 8 + 40 tokens (12 pages each at most): no room for runs beyond need
+    s = make(num_pages=16, budget=64, max_running=2, radix=False)
+    reqs = [req(f"r{i}", list(range(i * 100, i * 100 + 8)), max_tokens=40) for i in range(2)]
+    for r in reqs:
+        s.add(r)
+    fake_step(s)
+    fake_step(s)
+    for r in reqs:
+        assert len(r.pages) == 3
+    run_all(s)
+    assert [len(r.output_ids) for r in reqs] == [40, 40]

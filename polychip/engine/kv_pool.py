@@ -43,26 +43,49 @@ def resolve_kv_dtype(kv_cache_dtype: str, plugin, compute: torch.dtype) -> torch
 
 
 class PageAllocator:
-    """Free list plus a reference count per page. A page is free when its count is 0."""
+    """Free pages plus a reference count per page. A page is free when its count is 0.
+
+    Pages are handed out in runs of consecutive ids where the free pages allow it: a sequence whose
+    rows lie in one run is read as one stream. On the CPU a sequence with a page of its own every 16
+    tokens (what decoding 16 sequences side by side gives when each takes the next free page) read
+    1.5-1.9x slower in the decode attention than one in a single run, 1.1x with runs of 8 pages
+    (benchmarks/decode_attention_overlap.cpp, 16 x 1100 bf16)."""
 
     def __init__(self, num_pages: int):
         if num_pages < 1:
             raise ConfigError(f"the KV pool needs at least one page, got {num_pages}")
         self.num_pages = num_pages
         self.refs = [0] * num_pages
-        self._free = list(range(num_pages - 1, -1, -1))   # pop() hands out low ids first
+        # a stack (pop() hands out low ids first); a page a run took out of turn stays on it, stale
+        # (count > 0), and is skipped when popped
+        self._free = list(range(num_pages - 1, -1, -1))
+        self._num_free = num_pages
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return self._num_free
 
-    def alloc(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise OutOfPagesError(f"need {n} pages, {len(self._free)} free")
-        pages = [self._free.pop() for _ in range(n)]
-        for p in pages:
-            self.refs[p] = 1
+    def alloc(self, n: int, after: int | None = None) -> list[int]:
+        """``n`` free pages: those right after page ``after`` first (a request's last page) while they
+        are free, then each page off the stack followed by the free ids after it."""
+        if n > self._num_free:
+            raise OutOfPagesError(f"need {n} pages, {self._num_free} free")
+        pages: list[int] = []
+        nxt = -1 if after is None else after + 1
+        while len(pages) < n:
+            if not (0 <= nxt < self.num_pages and self.refs[nxt] == 0):
+                nxt = self._pop()
+            self.refs[nxt] = 1
+            pages.append(nxt)
+            nxt += 1
+        self._num_free -= n
         return pages
+
+    def _pop(self) -> int:
+        while True:
+            p = self._free.pop()
+            if self.refs[p] == 0:
+                return p
 
     def incref(self, pages) -> None:
         for p in pages:
@@ -71,21 +94,30 @@ class PageAllocator:
             self.refs[p] += 1
 
     def decref(self, pages) -> None:
+        freed = []
         for p in pages:
             r = self.refs[p] - 1
             if r < 0:
                 raise RuntimeError(f"decref of free page {p}")
             self.refs[p] = r
             if r == 0:
-                self._free.append(p)
+                freed.append(p)
+        self._free.extend(reversed(freed))    # popped in the order they were held: a run stays a run
+        self._num_free += len(freed)
+        if len(self._free) > 2 * self.num_pages:   # stale entries: keep each free page once, in order
+            seen: set[int] = set()
+            self._free = [p for p in reversed(self._free)
+                          if self.refs[p] == 0 and not (p in seen or seen.add(p))][::-1]
 
     def check_integrity(self) -> None:
-        free = set(self._free)
-        if len(free) != len(self._free):
-            raise IntegrityError("a page is on the free list twice")
-        for p, r in enumerate(self.refs):
-            if (r == 0) != (p in free):
-                raise IntegrityError(f"page {p}: refcount {r} but {'on' if p in free else 'off'} the free list")
+        free = {p for p, r in enumerate(self.refs) if r == 0}
+        if len(free) != self._num_free:
+            raise IntegrityError(f"{len(free)} pages have refcount 0 but the free list counts {self._num_free}")
+        missing = free - set(self._free)
+        if missing:
+            raise IntegrityError(f"page {min(missing)} is free but not on the free list")
+        if any(r < 0 for r in self.refs):
+            raise IntegrityError("a page has a negative refcount")
 
 
 class KVPool:

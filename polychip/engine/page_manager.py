@@ -44,12 +44,13 @@ class PageManager:
         return self.cache.peek_prefix_len(req.tokens(0, req.num_tokens - 1))
 
     # changes
-    def allocate(self, n: int) -> list[int]:
+    def allocate(self, n: int, after: int | None = None) -> list[int]:
         """``n`` fresh pages, evicting from the cache as needed; check ``can_allocate`` first
-        (raises ``OutOfPagesError`` otherwise)."""
+        (raises ``OutOfPagesError`` otherwise). ``after``: the holder's last page, which the new ones
+        follow where those ids are free (``PageAllocator.alloc``)."""
         if n > self.allocator.num_free:
             self.cache.evict(n - self.allocator.num_free)
-        return self.allocator.alloc(n)
+        return self.allocator.alloc(n, after)
 
     def acquire_prefix(self, req: Request) -> int:
         """Give ``req`` the cache's pages for its longest cached prefix and lock them;
@@ -98,8 +99,8 @@ class PageManager:
         req.cache_node = node
 
     def trim(self, req: Request) -> None:
-        """Give back the pages past ``req``'s computed tokens (those only rejected draft tokens used).
-        They are past every page the cache holds, so ``req`` is their only holder."""
+        """Give back the pages past ``req``'s computed tokens (those only rejected draft tokens used, and
+        those taken ahead). They are past every page the cache holds, so ``req`` is their only holder."""
         keep = self.pages_for(req.num_computed_tokens)
         if len(req.pages) > keep:
             self.allocator.decref(req.pages[keep:])

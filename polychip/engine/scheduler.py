@@ -17,6 +17,11 @@ from polychip.engine.stop import check_stop
 
 log = logging.getLogger("polychip.scheduler")
 
+#: pages a decoding request takes at a time while the pool has room for every running request to: one run
+#: of ids, read as one stream by the CPU decode attention (1.1x a single run's time, against 1.5-1.9x with
+#: a page of its own every 16 tokens; PageAllocator)
+RUN_PAGES = 8
+
 
 @dataclass
 class SchedulerOutput:
@@ -211,8 +216,21 @@ class Scheduler:
             if victim is req:
                 return False
         if need > 0:
-            req.pages += self.pages.allocate(need)
+            req.pages += self.pages.allocate(need + self._ahead(req, need), after=req.pages[-1] if req.pages else None)
         return True
+
+    def _ahead(self, req: Request, need: int) -> int:
+        """Pages a decoding ``req`` takes beyond ``need`` so that its pages come RUN_PAGES at a time,
+        one run of ids where the pool allows (PageAllocator): up to what its max_tokens can use, and
+        only while every running request could take a run from the free pages. Prefill chunks are runs
+        already; a rejected draft's pages are given back by ``trim`` as before."""
+        if req.num_computed_tokens < len(req.prompt_ids) or need >= RUN_PAGES:
+            return 0
+        last = min(self.max_model_len, len(req.prompt_ids) + req.params.max_tokens)
+        ahead = min(RUN_PAGES - need, self.pages.pages_for(last) - len(req.pages) - need)
+        if ahead <= 0 or self.pages.num_free < need + ahead + RUN_PAGES * len(self.running):
+            return 0
+        return ahead
 
     def _admit(self, out: SchedulerOutput, budget: int, room: int) -> None:
         for req in self._order_waiting():
@@ -226,7 +244,7 @@ class Scheduler:
             if not self.pages.can_allocate(need):
                 self.pages.release(req)      # nothing computed yet: just gives the prefix back
                 return
-            req.pages += self.pages.allocate(need)
+            req.pages += self.pages.allocate(need, after=req.pages[-1] if req.pages else None)
             req.num_computed_tokens = cached
             if req.num_preemptions == 0:
                 req.num_cached_tokens = cached
