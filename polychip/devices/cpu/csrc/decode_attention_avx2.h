@@ -171,11 +171,13 @@ inline void value_heads(const typename Kv<K>::T* const* r, int cnt, int64_t off,
   if (d < D) value_rows<K, NH, 8>(r, cnt, off + d, w, nw, D, acc + d);
 }
 
-template <KvKind K>
+// DC: the head size D when the caller compiles one for it (0: D at run time)
+template <KvKind K, int DC = 0>
 void decode_piece_avx2(const float* qb, const typename Kv<K>::T* kp, const typename Kv<K>::T* vp,
                        const int64_t* pages, int64_t t0, int64_t t1, int64_t page, int64_t H, int64_t Hkv,
-                       int64_t D, float scale, float* acc, float* m, float* l, std::vector<float>& scratch) {
+                       int64_t head_size, float scale, float* acc, float* m, float* l, std::vector<float>& scratch) {
   using T = typename Kv<K>::T;
+  const int64_t D = DC ? DC : head_size;
   constexpr int64_t kBlock = 16;   // tokens a block: the scores' padding, and the prefetch's unit
   constexpr int64_t kAhead = 32;   // tokens prefetched ahead into L2 (without it, +20% from DRAM)
   const int64_t G = H / Hkv, row = Hkv * D, n = t1 - t0, nb = (n + kBlock - 1) / kBlock * kBlock;
