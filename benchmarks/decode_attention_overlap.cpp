@@ -9,6 +9,10 @@
 // read: the same rows in the same order, loads only (the reads' own time). synth: the same reads with 128
 // register FMAs a row, no other loads (what overlap looks like when it happens). resident: every sequence's
 // pages are the same 8 (the pool in L2: the arithmetic's own time). Prints the best of 9 steps, in ms.
+// Environment: RUNS=R puts each sequence's pages in runs of R ids, the 16 sequences' runs interleaved (what
+// decoding side by side allocates; unset: one run a sequence); HUGE=1 asks for 2 MiB pages, as the CPU plugin
+// does for the KV pool. The page size (16) and D (64) reach the kernel as the engine passes them: the page
+// size at run time, D as the op's compiled head size.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -20,6 +24,8 @@
 #include <cstring>
 #include <string>
 #include <vector>
+
+#include <sys/mman.h>
 
 #include "kv_kinds.h"   // what decode_attention_avx2.h takes from common.h (which needs torch)
 #include "decode_attention_avx2.h"
@@ -47,16 +53,27 @@ static float reads(Row kp, Row vp, const int64_t* pages, int64_t L, int64_t page
 int main(int argc, char** argv) {
   if (argc < 3) return std::fprintf(stderr, "usage: %s kernel|read|synth L [resident]\n", argv[0]), 2;
   const std::string mode = argv[1];
-  const int64_t B = 16, L = std::atoi(argv[2]), H = 9, Hkv = 3, D = 64, page = 16, layers = 30;
-  const bool resident = argc > 3;
-  const int64_t width = (L + page - 1) / page, row = Hkv * D, pool = width * B * page * row;
-  std::vector<std::vector<uint16_t>> K(layers, std::vector<uint16_t>(pool)), V = K;
-  for (auto* kv : {&K, &V})
-    for (auto& layer : *kv)
-      for (auto& x : layer) x = 0x3f80 ^ (std::rand() & 0x80ff);   // bf16 in (-2, 2)
+  constexpr int64_t D = 64;
+  const int64_t B = 16, L = std::atoi(argv[2]), H = 9, Hkv = 3, layers = 30;
+  volatile int64_t page_at_run_time = 16;
+  const int64_t page = page_at_run_time;
+  const bool resident = argc > 3, huge = std::getenv("HUGE") != nullptr;
+  const int64_t runs = std::getenv("RUNS") ? std::max(1, std::atoi(std::getenv("RUNS"))) : 0;
+  const int64_t width = (L + page - 1) / page, row = Hkv * D, pool = (width + runs) * B * page * row;
+  const auto layer_pool = [&]() {   // one mapping a layer's K or V, bf16 in (-2, 2)
+    const size_t bytes = (pool * 2 + (2 << 20) - 1) & ~size_t((2 << 20) - 1);
+    void* m = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (huge) madvise(m, bytes, MADV_HUGEPAGE);
+    auto* p = static_cast<uint16_t*>(m);
+    for (int64_t i = 0; i < pool; ++i) p[i] = 0x3f80 ^ (std::rand() & 0x80ff);
+    return static_cast<const uint16_t*>(p);
+  };
+  std::vector<const uint16_t*> K, V;
+  for (int64_t i = 0; i < layers; ++i) K.push_back(layer_pool()), V.push_back(layer_pool());
   std::vector<int64_t> table(B * width);
   for (int64_t b = 0; b < B; ++b)
-    for (int64_t i = 0; i < width; ++i) table[b * width + i] = resident ? i % 8 : b * width + i;
+    for (int64_t i = 0; i < width; ++i)
+      table[b * width + i] = resident ? i % 8 : runs ? ((i / runs) * B + b) * runs + i % runs : b * width + i;
   std::vector<float> q(B * H * D), acc(B * H * D), ml(B * 2 * H);
   for (auto& x : q) x = (std::rand() % 2000 - 1000) / 1000.f;
   double best = 1e30, sink = 0;
@@ -71,11 +88,11 @@ int main(int argc, char** argv) {
         for (int64_t b = 0; b < B; ++b) {
           const int64_t* pages = table.data() + b * width;
           if (mode == "kernel")
-            polychip_cpu::decode_piece_avx2<KvKind::BF16>(q.data() + b * H * D, K[i].data(), V[i].data(), pages, 0, L,
+            polychip_cpu::decode_piece_avx2<KvKind::BF16, D>(q.data() + b * H * D, K[i], V[i], pages, 0, L,
                                                          page, H, Hkv, D, 0.125f, acc.data() + b * H * D,
                                                          ml.data() + b * 2 * H, ml.data() + b * 2 * H + H, scratch);
           else
-            sink += reads(K[i].data(), V[i].data(), pages, L, page, row, mode == "synth" ? 16 : 0);
+            sink += reads(K[i], V[i], pages, L, page, row, mode == "synth" ? 16 : 0);
         }
       }
       ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
