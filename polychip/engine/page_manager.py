@@ -52,6 +52,10 @@ class PageManager:
             self.cache.evict(n - self.allocator.num_free)
         return self.allocator.alloc(n, after)
 
+    def extend(self, req: Request, n: int) -> None:
+        """Append ``n`` fresh pages to ``req``'s, following its last page where those ids are free."""
+        req.pages += self.allocate(n, after=req.pages[-1] if req.pages else None)
+
     def acquire_prefix(self, req: Request) -> int:
         """Give ``req`` the cache's pages for its longest cached prefix and lock them;
         returns the number of cached tokens. Splits a tree edge and touches LRU."""

@@ -216,7 +216,7 @@ class Scheduler:
             if victim is req:
                 return False
         if need > 0:
-            req.pages += self.pages.allocate(need + self._ahead(req, need), after=req.pages[-1] if req.pages else None)
+            self.pages.extend(req, need + self._ahead(req, need))
         return True
 
     def _ahead(self, req: Request, need: int) -> int:
@@ -244,7 +244,7 @@ class Scheduler:
             if not self.pages.can_allocate(need):
                 self.pages.release(req)      # nothing computed yet: just gives the prefix back
                 return
-            req.pages += self.pages.allocate(need, after=req.pages[-1] if req.pages else None)
+            self.pages.extend(req, need)
             req.num_computed_tokens = cached
             if req.num_preemptions == 0:
                 req.num_cached_tokens = cached
