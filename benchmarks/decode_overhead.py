@@ -4,6 +4,7 @@ one process so that both see the same machine load.
     .venv/bin/python benchmarks/decode_overhead.py                          # overhead: shrunk model, batch 1
     .venv/bin/python benchmarks/decode_overhead.py --model smollm2 --batch 1 16 --context 800
     .venv/bin/python benchmarks/decode_overhead.py --model smollm2 --batch 1 16 --quantization int8
+    .venv/bin/python benchmarks/decode_overhead.py --model smollm2 --batch 16 --context 1100 --kv-cache-dtype bfloat16
 
 --model shrunk measures the Python and dispatch overhead: SmolLM2-135M's op graph (30 layers, tied
 embeddings, the same fusions and kernels) with its arithmetic shrunk to nothing (hidden 64, one
@@ -72,6 +73,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=30, help="timed decode steps per mode and round")
     p.add_argument("--rounds", type=int, default=3, help="rounds alternating the modes")
     p.add_argument("--quantization", default=None)
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype), bfloat16, fp8_e4m3, ...")
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--modes", default="off,on", help="static path on and/or off (--disable-cuda-graph)")
     p.add_argument("--cuda-graph-max-bs", type=int, default=None, help="default: the largest --batch")
@@ -83,6 +85,7 @@ def main() -> None:
         path = shrunk_model(tmp)
     try:
         common = dict(device="cpu", dtype="float32", quantization=args.quantization, num_threads=args.num_threads,
+                      kv_cache_dtype=args.kv_cache_dtype,
                       max_total_tokens=max(args.batch) * (args.context + args.rounds * args.steps * 2 + 64) + 256,
                       max_model_len=max(1024, args.context + args.rounds * args.steps * 2 + 64),
                       cuda_graph_max_bs=args.cuda_graph_max_bs or max(args.batch))
@@ -110,7 +113,7 @@ def main() -> None:
                 finish(llm.engine)
                 med = statistics.median(steps[m])
                 fwd = forward[m] / (args.rounds * args.steps)
-                print(f"{args.model} {args.quantization or 'float32'} B={batch} ctx={args.context} static path {m}: "
+                print(f"{args.model} {args.quantization or 'float32'} kv {args.kv_cache_dtype} B={batch} ctx={args.context} static path {m}: "
                       f"step {med * 1e3:.3f} ms (p10 {sorted(steps[m])[len(steps[m]) // 10] * 1e3:.3f}), "
                       f"forward {fwd * 1e3:.3f} ms, {batch / med:.0f} tok/s", flush=True)
             print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
