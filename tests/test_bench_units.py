@@ -221,6 +221,35 @@ def test_serving_roofline_reads_the_servers_storage():
     assert (st.weight_bytes, st.row_scale_bytes, st.kv_bytes) == (4, 0, 4)
     st = storage_of_server({"dtype": "float32", "kv_cache_dtype": "bfloat16", "quantization": "w8a8"})
     assert (st.weight_bytes, st.row_scale_bytes, st.kv_bytes, st.int8_matmuls) == (1, 4, 2, True)
+    with pytest.raises(ValueError, match="w4a16"):               # group scales: no roofline, not a float one
+        storage_of_server({"dtype": "float32", "quantization": "w4a16"})
+
+
+def test_peers_and_serving_rate_polychip_by_the_same_storage():
+    from polychip.bench import peers
+    from polychip.bench.serving_roofline import storage_of_server
+    cfg = peers.PeersConfig(input_len=10, output_len=4, concurrency=2, decode_tokens=3, kv_cache_dtype="bfloat16")
+    for name, quantization in (("polychip", None), ("polychip-int8", "int8"), ("polychip-w8a8", "w8a8")):
+        served = storage_of_server({"dtype": "float32", "kv_cache_dtype": "bfloat16", "quantization": quantization})
+        assert peers.storage_of(name, cfg, None) == served
+
+
+def test_serving_roofline_names_why_a_w4a16_server_has_none(monkeypatch, tmp_path):
+    from polychip.bench import serving_roofline
+
+    class Reply:
+        def raise_for_status(self):
+            pass
+
+        def json(self):
+            return {"model_path": str(tmp_path), "dtype": "float32", "quantization": "w4a16"}
+
+    (tmp_path / "config.json").write_text("{}")
+    monkeypatch.setattr(serving_roofline.httpx, "get", lambda *a, **k: Reply())
+    monkeypatch.setattr("polychip.models.loader.read_config", lambda folder: None)
+    monkeypatch.setattr(serving_roofline.rl.ModelShape, "from_config", staticmethod(lambda cfg: "shape"))
+    roof, why = serving_roofline.prepare("http://127.0.0.1:1")
+    assert roof is None and "w4a16" in why and "not modelled" in why
 
 
 def test_gguf_weight_bytes_are_the_files_tensors():

@@ -86,14 +86,8 @@ def storage_of(name: str, cfg: PeersConfig, gguf_path: str | None) -> rl.Storage
     """How engine ``name`` stores its weights and KV cache: its own roofline's bytes."""
     from polychip.dtypes import KV_CACHE_DTYPES
     kv = KV_CACHE_DTYPES[cfg.kv_cache_dtype] or "float32"      # polychip runs float32: auto is float32
-    if name == "polychip":
-        return rl.Storage(f"float32 weights, {kv} KV", kv_bytes=rl.kv_itemsize(kv))
-    if name == "polychip-int8":
-        return rl.Storage(f"int8 weights + float32 row scales, {kv} KV", weight_bytes=1, row_scale_bytes=4,
-                          kv_bytes=rl.kv_itemsize(kv))
-    if name == "polychip-w8a8":
-        return rl.Storage(f"int8 weights + float32 row scales, int8 activations, {kv} KV", weight_bytes=1,
-                          row_scale_bytes=4, kv_bytes=rl.kv_itemsize(kv), int8_matmuls=True)
+    if name == "polychip" or name in QUANTIZED:
+        return rl.polychip_storage("float32", kv, QUANTIZED.get(name))
     if name == "llama.cpp" and gguf_path:
         nbytes = gguf_weight_bytes(gguf_path)
         return rl.Storage(f"GGUF weights as stored ({nbytes / 1e6:.1f} MB), float16 KV", kv_bytes=2,

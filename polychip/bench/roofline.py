@@ -111,6 +111,24 @@ def kv_itemsize(dtype_name: str) -> int:
     return getattr(torch, dtype_name).itemsize
 
 
+def polychip_storage(dtype: str = "float32", kv: str | None = None, quantization: str | None = None) -> Storage:
+    """How polychip stores a model run with ``dtype``, KV dtype ``kv`` (None: ``dtype``) and
+    ``quantization`` (None, int8: int8 weights with ``dtype`` row scales, w8a8: int8 activations too,
+    its matmuls at the machine's int8 rate). Both ``bench peers`` and ``bench serving`` rate polychip by it."""
+    kv = kv or dtype
+    compute, kv_bytes = kv_itemsize(dtype), kv_itemsize(kv)
+    if quantization == "int8":
+        return Storage(f"int8 weights + {dtype} row scales, {kv} KV", weight_bytes=1, row_scale_bytes=compute,
+                       kv_bytes=kv_bytes, float_bytes=compute)
+    if quantization == "w8a8":
+        return Storage(f"int8 weights + float32 row scales, int8 activations, {kv} KV", weight_bytes=1,
+                       row_scale_bytes=4, kv_bytes=kv_bytes, float_bytes=compute, int8_matmuls=True)
+    if quantization is not None:
+        raise ValueError(f"no roofline for quantization {quantization!r}: its scales' bytes are not modelled "
+                         "(only none, int8 and w8a8)")
+    return Storage(f"{dtype} weights, {kv} KV", weight_bytes=compute, kv_bytes=kv_bytes, float_bytes=compute)
+
+
 @dataclass
 class Machine:
     bandwidth_gbs: float      # read bandwidth

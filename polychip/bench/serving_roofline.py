@@ -5,7 +5,8 @@ the server's device type before and after the sweep (the server idles meanwhile)
 
 Each synthetic step is rated against the roofline of its own requests, concurrency, input and
 output lengths. A server without ``/server_info`` (another engine), a model folder this host cannot
-read, or a dataset of varying lengths gets no roofline, with the reason in the result.
+read, a quantization whose bytes ``roofline.polychip_storage`` does not model (group or block scales),
+or a dataset of varying lengths gets no roofline, with the reason in the result.
 """
 from __future__ import annotations
 
@@ -32,16 +33,7 @@ class ServingRoofline:
 def storage_of_server(info: dict) -> rl.Storage:
     """The server's weights and KV cache as ``/server_info`` reports them."""
     dtype = info.get("dtype", "float32")
-    kv = info.get("kv_cache_dtype") or dtype
-    compute = rl.kv_itemsize(dtype)
-    if info.get("quantization") == "int8":
-        return rl.Storage(f"int8 weights + {dtype} row scales, {kv} KV", weight_bytes=1, row_scale_bytes=compute,
-                          kv_bytes=rl.kv_itemsize(kv), float_bytes=compute)
-    if info.get("quantization") == "w8a8":       # int8 activations too: its matmuls at the measured int8 rate
-        return rl.Storage(f"int8 weights + float32 row scales, int8 activations, {kv} KV", weight_bytes=1,
-                          row_scale_bytes=4, kv_bytes=rl.kv_itemsize(kv), float_bytes=compute, int8_matmuls=True)
-    return rl.Storage(f"{dtype} weights, {kv} KV", weight_bytes=compute, kv_bytes=rl.kv_itemsize(kv),
-                      float_bytes=compute)
+    return rl.polychip_storage(dtype, info.get("kv_cache_dtype") or dtype, info.get("quantization"))
 
 
 def prepare(base_url: str, api_key: str | None = None) -> tuple[ServingRoofline | None, str]:
@@ -59,7 +51,11 @@ def prepare(base_url: str, api_key: str | None = None) -> tuple[ServingRoofline 
     if not folder or not os.path.isfile(os.path.join(folder, "config.json")):
         return None, f"the model folder {folder!r} the server reports is not readable here"
     shape = rl.ModelShape.from_config(read_config(folder))
-    return ServingRoofline(shape, storage_of_server(info), info.get("plugin") or "cpu"), ""
+    try:
+        storage = storage_of_server(info)
+    except ValueError as e:      # group or block scales (w4a16, fp8, ...): bytes Storage does not model
+        return None, str(e)
+    return ServingRoofline(shape, storage, info.get("plugin") or "cpu"), ""
 
 
 def measure(roof: ServingRoofline) -> None:
