@@ -85,6 +85,19 @@ def test_roofline_on_the_cpu_plugin_records_its_device():
     assert roofline.best_of(m, m).device == "cpu"
 
 
+def test_roofline_without_a_plugin_opens_the_cpu_plugin_once(monkeypatch):
+    import polychip.devices.discovery as discovery
+    opened = []
+
+    def counted(name, *a, **k):
+        opened.append(open_device(name, *a, **k))
+        return opened[-1]
+
+    monkeypatch.setattr(discovery, "open_device", counted)
+    m = roofline.measure_machine(SHAPE, reps=1, mib=2, int8=True)
+    assert [p.name for p in opened] == ["cpu"] and m.device == "cpu" and m.int8_gops > 0
+
+
 def test_llama_cpp_is_skipped_off_the_cpu_or_without_a_gguf():
     off, cpu = type("P", (), {"name": "simxpu"})(), type("P", (), {"name": "cpu"})()
     assert "not run on --device simxpu" in peers._skip_reason("llama.cpp", off, "m.gguf")

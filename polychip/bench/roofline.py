@@ -257,7 +257,15 @@ def measure_int8_matmul(shape: ModelShape, tokens: int = 512, reps: int = 5, plu
 
 
 def measure_machine(shape: ModelShape, reps: int = 5, plugin=None, mib: int = 512, int8: bool = False) -> Machine:
-    """The ceilings of ``plugin``'s device (the CPU when None); ``int8``: the W8A8 rate too."""
+    """The ceilings of ``plugin``'s device (the CPU plugin, opened once here, when None); ``int8``: the
+    W8A8 rate too."""
+    if plugin is None:
+        from polychip.devices.discovery import open_device
+        cpu = open_device("cpu")
+        try:
+            return measure_machine(shape, reps, cpu, mib, int8)
+        finally:
+            cpu.destroy()
     read, copy = measure_bandwidth(mib, reps, plugin=plugin)
     return Machine(read, copy, measure_matmul(shape, reps=reps, plugin=plugin), torch.get_num_threads(),
                    str(_target(plugin)[0]), measure_int8_matmul(shape, reps=reps, plugin=plugin) if int8 else 0.0)
