@@ -1,4 +1,4 @@
-"""Single-stream decode of polychip (float32 and int8 weights, float32 and bfloat16 KV) and llama.cpp
+"""Single-stream decode of polychip (float32, int8 and W8A8 weights, float32 and bfloat16 KV) and llama.cpp
 on the same 800-token prompt, in interleaved rounds: on a shared machine a neighbour's burst then
 slows one round of every engine, not all rounds of one. Reports each engine's best and median
 round and the % of its own honest roofline (polychip.bench.roofline), the machine measured in the
@@ -28,15 +28,14 @@ from polychip.dtypes import KV_CACHE_DTYPES
 LLAMA_CPP = "llama.cpp Q4_1, float16 KV"
 # (label, quantization, --kv-cache-dtype); llama.cpp is added when llama-cpp-python is installed
 POLYCHIP = [("polychip float32, float32 KV", None, "auto"), ("polychip float32, bfloat16 KV", None, "bfloat16"),
-            ("polychip int8, bfloat16 KV", "int8", "bfloat16")]
+            ("polychip int8, bfloat16 KV", "int8", "bfloat16"), ("polychip w8a8, bfloat16 KV", "w8a8", "bfloat16")]
 
 
 def _storage(label: str, gguf_path: str) -> rl.Storage:
     if label == LLAMA_CPP:
         return rl.Storage(label, kv_bytes=2, file_weight_bytes=peers.gguf_weight_bytes(gguf_path))
     _, quant, kv = next(e for e in POLYCHIP if e[0] == label)
-    return rl.Storage(label, weight_bytes=1 if quant else 4, row_scale_bytes=4 if quant else 0,
-                      kv_bytes=rl.kv_itemsize(KV_CACHE_DTYPES[kv] or "float32"))
+    return rl.polychip_storage("float32", KV_CACHE_DTYPES[kv] or "float32", quant)
 
 
 def worker(label: str, input_len: int, decode_tokens: int) -> None:
@@ -66,7 +65,7 @@ def main() -> None:
     from polychip.models.loader import read_config
     shape = rl.ModelShape.from_config(read_config(folder))
     cpu = open_device("cpu")   # its alloc: the memory the engines read (2 MiB pages), for the read's ceiling
-    before = rl.measure_machine(shape, plugin=cpu)
+    before = rl.measure_machine(shape, plugin=cpu, int8=True)   # int8: W8A8's roofline
     labels = [e[0] for e in POLYCHIP]
     try:
         import llama_cpp  # noqa: F401
@@ -81,8 +80,9 @@ def main() -> None:
                                  check=True, timeout=600)
             rates[label].append(float(out.stdout.strip().splitlines()[-1]))
         print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in rates.items()), flush=True)
-    machine = rl.best_of(before, rl.measure_machine(shape, plugin=cpu))
-    print(f"\nmachine: read {machine.bandwidth_gbs:.1f} GB/s, matmul {machine.matmul_gflops:.1f} GFLOP/s, "
+    machine = rl.best_of(before, rl.measure_machine(shape, plugin=cpu, int8=True))
+    print(f"\nmachine: read {machine.bandwidth_gbs:.1f} GB/s, matmul {machine.matmul_gflops:.1f} GFLOP/s, int8 "
+          f"{machine.int8_gops:.1f} GOP/s, "
           f"{torch.get_num_threads()} threads; {args.input_len}-token prompt, {args.decode_tokens} decode tokens, "
           f"{args.rounds} rounds\n")
     print("| engine | best tok/s | median tok/s | honest roofline tok/s | best % of it |")
