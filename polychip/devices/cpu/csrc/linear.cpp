@@ -11,7 +11,6 @@
 #include "common.h"
 
 #include <type_traits>
-#include <vector>
 
 using namespace polychip_cpu;
 
@@ -48,32 +47,6 @@ constexpr int64_t kAhead = 2;   // tiles of weight rows prefetched ahead
 constexpr int64_t kTilesOneBlockM = 64;   // up to this M, all rows of x in one block
 constexpr int64_t kGroupTiles = 2;   // decode-sized M > 1: tiles of weight rows per group of passes (tile_rows)
 
-// tile_rows' decode-sized M > 1 passes for int8 weights: each group's weight rows widened to float32 once
-// (into a scratch in L1), then the float32 tiles with the rows' scales: the widening, which bounds the int8
-// tiles on AVX2, is paid once per group, not once per pass. float32(q) is exact, so the bits are the
-// int8 tiles'. The next group's bytes are prefetched as one run while this one is widened.
-void widened_groups(const float* x, const int8_t* w, float* y, const float* b, const float* scale, int64_t M,
-                    int64_t N, int64_t K, int64_t n0, int64_t n1, int MR, int NR, int64_t group) {
-  thread_local std::vector<float> scratch;
-  scratch.resize(static_cast<size_t>(group * NR * K));
-  for (int64_t g = n0; g < n1; g += group * NR) {
-    const int64_t g1 = std::min(n1, g + group * NR), next = std::min(N, g1 + group * NR);
-    for (const char* p = reinterpret_cast<const char*>(w + g1 * K); p < reinterpret_cast<const char*>(w + next * K);
-         p += 64)
-      _mm_prefetch(p, _MM_HINT_T1);
-    const int8_t* src = w + g * K;
-    for (int64_t i = 0, n = (g1 - g) * K; i < n; ++i) scratch[i] = static_cast<float>(src[i]);
-    for (int64_t m = 0; m < M; m += MR) {
-      const int mr = static_cast<int>(std::min<int64_t>(MR, M - m));
-      for (int64_t n = g; n < g1; n += NR) {
-        const int nr = static_cast<int>(std::min<int64_t>(NR, g1 - n));
-        Tiles<float>::fns[mr - 1][nr - 1](x + m * K, scratch.data() + (n - g) * K, y + m * N + n,
-                                          b ? b + n : nullptr, scale + n, K, N, nullptr, 0);
-      }
-    }
-  }
-}
-
 // all M rows of x against weight rows [n0, n1), NR rows at a time, each tile prefetching the tile kAhead
 // tiles on. M > 1: the first of the M/MR passes over a tile loads it into L1; the passes share the
 // prefetch, a line of each of their rows per step. Decode-sized M > 1 runs the passes over groups of
@@ -100,9 +73,6 @@ void tile_rows(const float* x, const WT* w, float* y, const float* b, const floa
     Tiles<WT>::fns[mr - 1][nr - 1](x + m * K, w + n * K, y + m * N + n, b ? b + n : nullptr,
                                    scale ? scale + n : nullptr, K, N, pf_rows > 0 ? w + (pn + r0) * K : w, pf_rows);
   };
-  if constexpr (Vec::kWidenOnce && !std::is_same_v<WT, float>) {
-    if (group > 1) return widened_groups(x, w, y, b, scale, M, N, K, n0, n1, MR, NR, group);
-  }
   if (group > 1 && !run) {
     for (int64_t g = n0; g < n1; g += group * NR) {
       const int64_t g1 = std::min(n1, g + group * NR);

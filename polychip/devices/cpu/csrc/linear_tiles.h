@@ -14,8 +14,7 @@ struct Vec {
   using V = __m512;
   static constexpr int W = 16;
   static constexpr int MR = 4, NR = 6, NR1 = 8, NR1_INT8 = 8;   // tile shapes: MR*NR + NR + 1 <= 32 registers
-  // AVX2's two choices below, left as they were here (unmeasured on AVX-512)
-  static constexpr bool kPinX = false, kWidenOnce = false;
+  static constexpr bool kPinX = false;   // AVX2's choice below, left as it was here (unmeasured on AVX-512)
   static V zero() { return _mm512_setzero_ps(); }
   static V load(const float* p) { return _mm512_loadu_ps(p); }
   static V load_first(const float* p, int64_t n) { return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p); }
@@ -45,9 +44,11 @@ struct Vec {
   // M = 1: float32 8 weight rows a tile (8 ascending streams): 0.99-1.09x the time of a plain read of the weights,
   // against 1.08-1.21x with 4 (linears_cold_hot.py 1, Zen 3); int8, bound by its widening, keeps 4 (8 was slower hot)
   static constexpr int NR1 = 8, NR1_INT8 = 4;
-  // kPinX: x's vector held in a register (GCC would load it again in each FMA); kWidenOnce: int8 weights
-  // at M > 1 widened to float32 once per group of tiles, not once per pass (tile_rows)
-  static constexpr bool kPinX = true, kWidenOnce = true;
+  // kPinX: x's vector held in a register (GCC would load it again in each FMA). int8 weights are widened in
+  // registers in every pass: widening each group of tiles once into an L1 scratch for the passes to share was
+  // slower at every M from 2 to 16 with these tiles (one step's cold int8 linears, linears_cold_hot.py M int8:
+  // M = 2 14.2 -> 7.6 ms, 4 17.0 -> 10.5, 9 28.3 -> 20.9, 16 37.3 / 36.8 -> 30.8 / 30.9)
+  static constexpr bool kPinX = true;
   static V zero() { return _mm256_setzero_ps(); }
   static V load(const float* p) { return _mm256_loadu_ps(p); }
   static V load_first(const float* p, int64_t n) {
