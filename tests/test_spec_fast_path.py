@@ -89,6 +89,21 @@ def test_acceptance_starts_from_what_matches_of_that_length_were_worth():
     assert acc.estimate(0, 3, 12) < acc.estimate(0, 0, 12)      # a request's own refusals count
 
 
+@pytest.mark.device_independent
+def test_a_match_length_not_tried_yet_is_tried_once_where_rows_are_dear():
+    # int8 weights on a Zen 3 (AVX2): a verify row costs more than a 0.5 draft gains (the engine's seeds, ms)
+    dear = StepCost({1: 5.75, 2: 9.13, 3: 10.62, 4: 11.14, 5: 15.19, 6: 16.21, 7: 17.99, 8: 19.04, 9: 23.52})
+    assert allocate([(8, 0.5)], 1, dear) == [0]             # at the starting prior nothing would ever be tried
+    acc = Acceptance(12)
+    assert allocate([(8, acc.estimate(0, 0, 12))], 1, dear)[0] > 0      # untried: tried once
+    acc.record(12, 0, 1)                                    # it was refused
+    assert allocate([(8, acc.estimate(0, 0, 12))], 1, dear) == [0]      # tried: its prior decides
+    assert allocate([(8, acc.estimate(0, 0, 1))], 1, dear)[0] > 0       # another length is still untried
+    for _ in range(3):
+        acc.record(1, 8, 0)                                 # kept: drafts go on
+    assert allocate([(8, acc.estimate(0, 0, 1))], 1, dear)[0] > 0
+
+
 def test_verify_steps_run_through_the_compiled_buckets(model_factory):
     path = model_factory("llama", True)
     spec = engine_on(RecordingPlugin, path, speculative_algorithm="NGRAM", speculative_num_draft_tokens=3,

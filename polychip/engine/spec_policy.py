@@ -26,6 +26,10 @@ PRIOR_DECAY = 0.98
 OWN_DECAY = 0.9
 #: how fast an observed step time replaces the estimate
 COST_ALPHA = 0.2
+#: acceptance assumed for drafts from a match length no verify step has tried yet: where a verify row costs
+#: more than it gains at the prior's 0.5 (int8 weights on AVX2: 2 rows cost 1.6x one), nothing would ever be
+#: tried and the prior would never learn; one verify step of each length pays for finding out
+EXPLORE_ACCEPTANCE = 0.9
 
 
 class StepCost:
@@ -68,11 +72,13 @@ class Acceptance:
     """Per-token acceptance of drafts. The prior is what drafts from a match of the same length were
     worth lately, over all requests (a long match is a repeat in progress, a 1-token one a guess); a
     request's own counts, which fade with every step it decodes, move its estimate from there. So a
-    request whose first drafts failed gets drafts again once its text starts to repeat."""
+    request whose first drafts failed gets drafts again once its text starts to repeat. A length not
+    tried yet is estimated at EXPLORE_ACCEPTANCE until its first verify step is recorded."""
 
     def __init__(self, max_window: int):
         self.kept = [1.0] * (max_window + 1)       # decayed totals per match length: the priors
         self.refused = [1.0] * (max_window + 1)
+        self.tried = [False] * (max_window + 1)    # a verify step of that match length was recorded
 
     def prior(self, match: int) -> float:
         return self.kept[match] / (self.kept[match] + self.refused[match])
@@ -81,11 +87,14 @@ class Acceptance:
         """p for a draft from a ``match``-token match, for a request with (faded) ``kept`` draft tokens
         accepted and ``refused`` verify steps that ended in a refusal."""
         p = (kept + PRIOR_WEIGHT * self.prior(match)) / (kept + refused + PRIOR_WEIGHT)
+        if not self.tried[match]:
+            p = max(p, EXPLORE_ACCEPTANCE)
         return min(p, 0.98)
 
     def record(self, match: int, kept: int, refused: int) -> None:
         self.kept[match] = PRIOR_DECAY * self.kept[match] + kept
         self.refused[match] = PRIOR_DECAY * self.refused[match] + refused
+        self.tried[match] = True
 
 
 def allocate(candidates: list[tuple[int, float]], base_rows: int, cost: StepCost, max_rows: int | None = None) \
