@@ -208,52 +208,40 @@ def _linears(plugin, dtype: torch.dtype) -> list[Callable]:
     return [F.linear] + ([] if own.is_fallback else [own.fn])
 
 
-def measure_matmul(shape: ModelShape, tokens: int = 512, reps: int = 5, dtype=torch.float32, plugin=None) -> float:
+def measure_matmul(shape: ModelShape, plugin, tokens: int = 512, reps: int = 5, dtype=torch.float32) -> float:
     """GFLOP/s of one layer's matmuls on ``tokens`` rows on ``plugin``'s device, best of ``reps``, by
     the faster of ``F.linear`` and the plugin's own ``linear``."""
     device, sync = _target(plugin)
     ws = [torch.randn(o, i, dtype=dtype, device=device) * 0.02 for o, i in shape.layer_matmuls()]
     xs = {i: torch.randn(tokens, i, dtype=dtype, device=device) for _, i in shape.layer_matmuls()}
     flops = sum(2 * tokens * o * i for o, i in shape.layer_matmuls())
-    from polychip.devices.discovery import open_device
-    own = plugin if plugin is not None else open_device("cpu")       # opened here, destroyed here
     best = 0.0
-    try:
-        for linear in _linears(own, dtype):
-            def layer():
-                for w in ws:
-                    linear(xs[w.shape[1]], w)
+    for linear in _linears(plugin, dtype):
+        def layer():
+            for w in ws:
+                linear(xs[w.shape[1]], w)
 
-            with torch.inference_mode():
-                best = max(best, flops / _best(layer, reps, sync) / 1e9)
-    finally:
-        if plugin is None:
-            own.destroy()
+        with torch.inference_mode():
+            best = max(best, flops / _best(layer, reps, sync) / 1e9)
     return best
 
 
-def measure_int8_matmul(shape: ModelShape, tokens: int = 512, reps: int = 5, plugin=None) -> float:
+def measure_int8_matmul(shape: ModelShape, plugin, tokens: int = 512, reps: int = 5) -> float:
     """int8 GOP/s of one layer's W8A8 matmuls on ``tokens`` float32 rows, through the op the engine
     runs (the plugin's ``linear_w8a8``, or the native one it falls back to), best of ``reps``."""
-    from polychip.devices.discovery import open_device
     device, sync = _target(plugin)
-    own = plugin if plugin is not None else open_device("cpu")
-    try:
-        op = _resolve(own, "linear_w8a8", "float32").fn
-        ws = [(torch.randint(-127, 128, (o, i), dtype=torch.int8, device=device),
-               torch.rand(o, device=device) * 1e-3) for o, i in shape.layer_matmuls()]
-        xs = {i: torch.randn(tokens, i, device=device) for _, i in shape.layer_matmuls()}
-        ops = sum(2 * tokens * o * i for o, i in shape.layer_matmuls())
+    op = _resolve(plugin, "linear_w8a8", "float32").fn
+    ws = [(torch.randint(-127, 128, (o, i), dtype=torch.int8, device=device),
+           torch.rand(o, device=device) * 1e-3) for o, i in shape.layer_matmuls()]
+    xs = {i: torch.randn(tokens, i, device=device) for _, i in shape.layer_matmuls()}
+    ops = sum(2 * tokens * o * i for o, i in shape.layer_matmuls())
 
-        def layer():
-            for w, s in ws:
-                op(xs[w.shape[1]], w, s)
+    def layer():
+        for w, s in ws:
+            op(xs[w.shape[1]], w, s)
 
-        with torch.inference_mode():
-            return ops / _best(layer, reps, sync) / 1e9
-    finally:
-        if plugin is None:
-            own.destroy()
+    with torch.inference_mode():
+        return ops / _best(layer, reps, sync) / 1e9
 
 
 def measure_machine(shape: ModelShape, reps: int = 5, plugin=None, mib: int = 512, int8: bool = False) -> Machine:
@@ -267,8 +255,8 @@ def measure_machine(shape: ModelShape, reps: int = 5, plugin=None, mib: int = 51
         finally:
             cpu.destroy()
     read, copy = measure_bandwidth(mib, reps, plugin=plugin)
-    return Machine(read, copy, measure_matmul(shape, reps=reps, plugin=plugin), torch.get_num_threads(),
-                   str(_target(plugin)[0]), measure_int8_matmul(shape, reps=reps, plugin=plugin) if int8 else 0.0)
+    return Machine(read, copy, measure_matmul(shape, plugin, reps=reps), torch.get_num_threads(),
+                   str(_target(plugin)[0]), measure_int8_matmul(shape, plugin, reps=reps) if int8 else 0.0)
 
 
 def best_of(a: Machine, b: Machine) -> Machine:
