@@ -56,7 +56,7 @@ constexpr int64_t kGroupTiles = 2;   // decode-sized M > 1: tiles of weight rows
 // tile call, so its bits are the same. One step's cold float32 linears at M = 16: 8-9% faster on one core
 // (docs/bench/perf-round4-cpu.md, "float32 tiles at M = 16"). M = 1 (one pass that reads each weight once,
 // bound by memory bandwidth; docs/bench/perf-round4-cpu.md, "the M=1 linears' prefetch"): float32 leaves it to the
-// hardware prefetcher, which streams each thread's ascending walk (8 rows a tile on AVX2, Vec::NR1) at ~92-101%
+// hardware prefetcher, which streams each thread's ascending walk (Vec::NR1: 8 rows a tile on AVX2, one on AVX-512) at ~92-101%
 // of a plain read's speed (the software prefetch cut that to ~70%); int8, whose short rows (576 bytes here) the
 // hardware prefetcher does not follow, prefetches the tile as one ascending run, each line once (~12% faster
 // than a line of each row per step, four prefetches per line).
