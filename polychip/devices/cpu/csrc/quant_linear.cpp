@@ -95,7 +95,7 @@ constexpr int64_t W8A8_AHEAD_ROWS = 16;  // weight rows prefetched ahead (4 grou
 // and go through the same rescale, so y is the same to the bit whichever path a row took. Each group
 // prefetches the rows W8A8_AHEAD_ROWS on as one ascending run of lines: the hardware prefetcher does not
 // follow 4 interleaved short rows (one step's cold weights at M = 1 on a Zen 4: 5.6-6.4 ms without,
-// 3.2-4.4 ms with it and each thread's own share of the chunks; docs/bench/perf-round4-cpu.md).
+// 3.2-4.4 ms with it and each thread's own share of the chunks; benchmarks/w8a8_m1_prefetch.cpp).
 template <int MR>
 void w8a8_vnni_rows(const uint8_t* __restrict xu, const int8_t* __restrict w, int64_t n0, int64_t n1, int64_t K,
                     int64_t N, int32_t* __restrict acc_out) {
