@@ -198,7 +198,13 @@ def test_peers_rates_each_engine_against_its_own_roofline():
     row = lambda name: {"engine": name, "output_tok_s": 50.0, "decode_tok_s": 20.0, "prefill_tok_s": 100.0,  # noqa: E731
                         "wall_s": 1.0, "mean_ttft_s": 0.1}
     engines = {k: row(k) for k in storages}
+    engines["polychip"]["single_stream_read_gbs"] = 0.5e-5     # its single stream fell in a slower moment
     res = peers._analyse(cfg, 2, shape, m, [m], engines, {}, storages)
+    slow = roofline.Machine(bandwidth_gbs=0.5e-5, copy_gbs=1.0, matmul_gflops=1e-3, threads=1)
+    at_its_read = 100 * 20 / roofline.single_stream_decode_ceiling(shape, storages["polychip"], slow, 10, 3)
+    assert engines["polychip"]["pct_decode_roofline_at_its_read"] == pytest.approx(at_its_read)
+    assert at_its_read > engines["polychip"]["pct_decode_roofline"]    # a slower read, a lower ceiling
+    assert "pct_decode_roofline_at_its_read" not in engines["llama.cpp"]
     for name, st in storages.items():
         roof = roofline.workload_seconds(shape, st, m, 2, 10, 4, 2)
         assert engines[name]["pct_workload_roofline"] == pytest.approx(100 * 50 / roof["output_tok_s"])
@@ -211,6 +217,7 @@ def test_peers_rates_each_engine_against_its_own_roofline():
     assert pct["polychip-int8"] < pct["polychip"] and pct["llama.cpp"] < pct["polychip-int8"]
     table = peers.peers_table(res | {"device": "cpu"})
     assert "polychip (float32 weights, bfloat16 KV)" in table and "before issue 17" in table
+    assert f"polychip 20.0 tok/s at 0.0 GB/s, {at_its_read:.0f}%" in table
 
 
 def test_serving_roofline_reads_the_servers_storage():

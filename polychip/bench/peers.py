@@ -6,7 +6,7 @@ import gc
 import logging
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -20,6 +20,10 @@ log = logging.getLogger("polychip.bench")
 # polychip-w8a8: with --quantization w8a8 (int8 activations too: its matmuls at the measured int8 rate)
 ENGINES = ("polychip", "polychip-int8", "polychip-w8a8", "hf-naive", "hf-static", "llama.cpp")
 QUANTIZED = {"polychip-int8": "int8", "polychip-w8a8": "w8a8"}
+# the read measured just before and after each engine's single stream (MiB, repetitions): a shared machine's
+# bandwidth can move between levels for tens of seconds at a time (docs/bench/perf-round4-cpu.md, Zen 4), and a
+# one-second run falls in one of them
+WINDOW_READ = (256, 3)
 
 
 @dataclass
@@ -151,7 +155,9 @@ def _run_on(cfg: PeersConfig, plugin) -> dict:
         try:
             row = {"engine": eng.name}
             log.info("engine %s: single stream (%d prompt, %d decode tokens)", name, cfg.input_len, cfg.decode_tokens)
+            read_before = rl.measure_bandwidth(*WINDOW_READ, plugin=plugin)[0]
             row["prefill_tok_s"], row["decode_tok_s"] = eng.single_stream(single, cfg.decode_tokens)
+            row["single_stream_read_gbs"] = max(read_before, rl.measure_bandwidth(*WINDOW_READ, plugin=plugin)[0])
             log.info("engine %s: %d x %d in / %d out at concurrency %d", name, n, cfg.input_len, cfg.output_len,
                      cfg.concurrency)
             run: WorkloadRun = eng.workload(prompts, cfg.output_len, cfg.concurrency)
@@ -205,6 +211,10 @@ def _analyse(cfg, n, shape, machine, measurements, engines, skipped, storages) -
         rooflines[name] = roof
         row["pct_workload_roofline"] = 100 * row["output_tok_s"] / roof["output_tok_s"]
         row["pct_decode_roofline"] = 100 * row["decode_tok_s"] / roof["single_stream_decode_tok_s"]
+        if row.get("single_stream_read_gbs"):   # the same run against the read of its own moment
+            window = replace(machine, bandwidth_gbs=row["single_stream_read_gbs"])
+            row["pct_decode_roofline_at_its_read"] = 100 * row["decode_tok_s"] / rl.single_stream_decode_ceiling(
+                shape, st, window, cfg.input_len, cfg.decode_tokens)
         row["pct_prefill_roofline"] = 100 * row["prefill_tok_s"] / roof["prefill_tok_s"]
         row["pct_weights_only_workload_roofline"] = 100 * row["output_tok_s"] / old["output_tok_s"]
         row["pct_weights_only_decode_roofline"] = 100 * row["decode_tok_s"] / old["single_stream_decode_tok_s"]
@@ -257,6 +267,12 @@ def peers_table(res: dict) -> str:
                      f"{'-' if ratio is None else f'{ratio:.2f}x'} |")
     for key, why in res["skipped"].items():
         lines.append(f"| {key} | skipped: {why} |||||||")
+    windows = [r for r in res["engines"].values() if r.get("single_stream_read_gbs")]
+    if windows:
+        lines += ["", f"Single-stream decode against the read measured just before and after each engine's run (the "
+                      f"better of the two; the % columns above use this run's best, {m['bandwidth_gbs']:.1f} GB/s): "
+                      + "; ".join(f"{r['engine']} {_f(r['decode_tok_s'])} tok/s at {r['single_stream_read_gbs']:.1f} "
+                                  f"GB/s, {_f(r['pct_decode_roofline_at_its_read'], 0)}%" for r in windows)]
     if "polychip-int8" in res["engines"]:
         lines += ["", "polychip int8: weight-only int8 (--quantization int8); its % columns are of its own int8 "
                       "roofline, and the polychip x column is float32 over int8"]
