@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <chrono>
 #include <functional>
+#include <type_traits>
 #include "linear_tiles.h"
 
 static float* huge(size_t n) {
@@ -25,85 +26,56 @@ static float* huge(size_t n) {
   return f;
 }
 struct Lin { int64_t N, K; float* w; int8_t* q; float* sc; };
+template <typename WT> const WT* weight(const Lin& L);
+template <> const float* weight<float>(const Lin& L) { return L.w; }
+template <> const int8_t* weight<int8_t>(const Lin& L) { return L.q; }
 
-// variant: NR rows a tile, pf: 0 none, 1 run of the tile kAhead on (as int8), 2 rows prefetch
-template <int NR, int PF>
-void linear(const float* x, const Lin& L, float* y, int64_t chunk_rows) {
-  const int64_t N = L.N, K = L.K;
-  const int64_t nch = (N + chunk_rows - 1) / chunk_rows;
+// fn(n0, n1) over chunks of chunk_rows weight rows, each of the 2 threads its own half in order
+template <typename F>
+void each_chunk(const Lin& L, int64_t chunk_rows, const F& fn) {
+  const int64_t nch = (L.N + chunk_rows - 1) / chunk_rows;
   #pragma omp parallel num_threads(2)
   {
-    int t = omp_get_thread_num(), T = omp_get_num_threads();
-    for (int64_t c = nch * t / T; c < nch * (t + 1) / T; ++c) {
-      int64_t n0 = c * chunk_rows, n1 = std::min(N, n0 + chunk_rows);
-      for (int64_t n = n0; n < n1; n += NR) {
-        int nr = (int)std::min<int64_t>(NR, n1 - n);
-        int64_t pn = n + 2 * NR;
-        if (PF == 1) {
-          int64_t lines = 0; uintptr_t lo = 0;
-          if (pn < N) {
-            lo = reinterpret_cast<uintptr_t>(L.w + pn * K) & ~uintptr_t{63};
-            lines = (int64_t)((reinterpret_cast<uintptr_t>(L.w + std::min(N, pn + NR) * K) - lo + 63) / 64);
-          }
-          Tiles<float>::run_fns[nr - 1](x, L.w + n * K, y + n, nullptr, nullptr, K, N,
-                                        lines > 0 ? reinterpret_cast<const float*>(lo) : L.w, (int)lines);
-        } else {
-          int pr = PF == 2 ? (int)std::max<int64_t>(0, std::min<int64_t>(NR, N - pn)) : 0;
-          Tiles<float>::fns[0][nr - 1](x, L.w + n * K, y + n, nullptr, nullptr, K, N, pr ? L.w + pn * K : L.w, pr);
-        }
-      }
-    }
+    const int t = omp_get_thread_num(), T = omp_get_num_threads();
+    for (int64_t c = nch * t / T; c < nch * (t + 1) / T; ++c) fn(c * chunk_rows, std::min(L.N, (c + 1) * chunk_rows));
   }
 }
 
-template <int NR, int PF, int AHEAD = 2>
-void linear8(const float* x, const Lin& L, float* y, int64_t chunk_rows) {
+// NR rows a tile; PF: 0 none, 1 the tile AHEAD on as a run of lines (linear.cpp's int8 M = 1), 2 a line of each
+// of its rows per step (the M > 1 tiles' prefetch)
+template <typename WT, int NR, int PF, int AHEAD = 2>
+void linear(const float* x, const Lin& L, float* y, int64_t chunk_rows) {
   const int64_t N = L.N, K = L.K;
-  const int64_t nch = (N + chunk_rows - 1) / chunk_rows;
-  #pragma omp parallel num_threads(2)
-  {
-    int t = omp_get_thread_num(), T = omp_get_num_threads();
-    for (int64_t c = nch * t / T; c < nch * (t + 1) / T; ++c) {
-      int64_t n0 = c * chunk_rows, n1 = std::min(N, n0 + chunk_rows);
-      for (int64_t n = n0; n < n1; n += NR) {
-        int nr = (int)std::min<int64_t>(NR, n1 - n);
-        int64_t pn = n + AHEAD * NR;
+  const WT* w = weight<WT>(L);
+  const float* sc = std::is_same_v<WT, float> ? nullptr : L.sc;
+  each_chunk(L, chunk_rows, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; n += NR) {
+      const int nr = (int)std::min<int64_t>(NR, n1 - n);
+      const int64_t pn = n + AHEAD * NR;
+      if (PF == 1) {
         int64_t lines = 0; uintptr_t lo = 0;
-        if (PF == 1 && pn < N) {
-          lo = reinterpret_cast<uintptr_t>(L.q + pn * K) & ~uintptr_t{63};
-          lines = (int64_t)((reinterpret_cast<uintptr_t>(L.q + std::min(N, pn + NR) * K) - lo + 63) / 64);
+        if (pn < N) {
+          lo = reinterpret_cast<uintptr_t>(w + pn * K) & ~uintptr_t{63};
+          lines = (int64_t)((reinterpret_cast<uintptr_t>(w + std::min(N, pn + NR) * K) - lo + 63) / 64);
         }
-        Tiles<int8_t>::run_fns[nr - 1](x, L.q + n * K, y + n, nullptr, L.sc + n, K, N,
-                                        lines > 0 ? reinterpret_cast<const int8_t*>(lo) : L.q, (int)lines);
+        Tiles<WT>::run_fns[nr - 1](x, w + n * K, y + n, nullptr, sc ? sc + n : nullptr, K, N,
+                                   lines > 0 ? reinterpret_cast<const WT*>(lo) : w, (int)lines);
+      } else {
+        const int pr = PF == 2 ? (int)std::max<int64_t>(0, std::min<int64_t>(NR, N - pn)) : 0;
+        Tiles<WT>::fns[0][nr - 1](x, w + n * K, y + n, nullptr, sc ? sc + n : nullptr, K, N, pr ? w + pn * K : w, pr);
       }
     }
-  }
+  });
 }
 
 // one row at a time, the tile inlined (no call through the table per row)
+template <typename WT>
 void linear_rows(const float* x, const Lin& L, float* y, int64_t chunk_rows) {
-  const int64_t N = L.N, K = L.K;
-  const int64_t nch = (N + chunk_rows - 1) / chunk_rows;
-  #pragma omp parallel num_threads(2)
-  {
-    int t = omp_get_thread_num(), T = omp_get_num_threads();
-    for (int64_t c = nch * t / T; c < nch * (t + 1) / T; ++c) {
-      int64_t n0 = c * chunk_rows, n1 = std::min(N, n0 + chunk_rows);
-      for (int64_t n = n0; n < n1; ++n) tile<float, 1, 1>(x, L.w + n * K, y + n, nullptr, nullptr, K, N, L.w, 0);
-    }
-  }
-}
-void linear8_rows(const float* x, const Lin& L, float* y, int64_t chunk_rows) {
-  const int64_t N = L.N, K = L.K;
-  const int64_t nch = (N + chunk_rows - 1) / chunk_rows;
-  #pragma omp parallel num_threads(2)
-  {
-    int t = omp_get_thread_num(), T = omp_get_num_threads();
-    for (int64_t c = nch * t / T; c < nch * (t + 1) / T; ++c) {
-      int64_t n0 = c * chunk_rows, n1 = std::min(N, n0 + chunk_rows);
-      for (int64_t n = n0; n < n1; ++n) tile<int8_t, 1, 1>(x, L.q + n * K, y + n, nullptr, L.sc + n, K, N, L.q, 0);
-    }
-  }
+  const WT* w = weight<WT>(L);
+  const float* sc = std::is_same_v<WT, float> ? nullptr : L.sc;
+  each_chunk(L, chunk_rows, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) tile<WT, 1, 1>(x, w + n * L.K, y + n, nullptr, sc ? sc + n : nullptr, L.K, L.N, w, 0);
+  });
 }
 
 int main(int argc, char** argv) {
@@ -125,12 +97,12 @@ int main(int argc, char** argv) {
     return s; };
   std::vector<std::pair<const char*, std::function<void()>>> vs = {
     {"plain read", [&] { volatile double s = plain(); (void)s; }},
-#define V(NR, PF, CH) {#NR " rows pf" #PF " chunk" #CH, [&] { for (auto& L : ls) linear<NR, PF>(x.data(), L, y.data(), std::max<int64_t>(NR, (CH / 4 / L.K) / NR * NR)); }}
-#define V8(NR, PF, CH) {"int8 " #NR " rows pf" #PF " chunk" #CH, [&] { for (auto& L : ls) linear8<NR, PF>(x.data(), L, y.data(), std::max<int64_t>(NR, (CH / L.K) / NR * NR)); }}
+#define V(NR, PF, CH) {#NR " rows pf" #PF " chunk" #CH, [&] { for (auto& L : ls) linear<float, NR, PF>(x.data(), L, y.data(), std::max<int64_t>(NR, (CH / 4 / L.K) / NR * NR)); }}
+#define V8(NR, PF, CH) {"int8 " #NR " rows pf" #PF " chunk" #CH, [&] { for (auto& L : ls) linear<int8_t, NR, PF>(x.data(), L, y.data(), std::max<int64_t>(NR, (CH / L.K) / NR * NR)); }}
     V(8, 0, 65536), V(8, 1, 65536), V(8, 2, 65536), V(4, 0, 65536), V(4, 1, 65536), V(2, 0, 65536), V(1, 0, 65536),
-    {"rows inlined", [&] { for (auto& L : ls) linear_rows(x.data(), L, y.data(), std::max<int64_t>(1, 65536 / 4 / L.K)); }},
-#define VA(NR, A) {"int8 " #NR " rows ahead " #A, [&] { for (auto& L : ls) linear8<NR, 1, A>(x.data(), L, y.data(), std::max<int64_t>(NR, (65536 / L.K) / NR * NR)); }}
-    V8(8, 1, 65536), VA(8, 1), VA(8, 3), VA(8, 4), VA(8, 6), VA(4, 4), VA(4, 8), V8(1, 0, 65536), {"int8 rows inlined", [&] { for (auto& L : ls) linear8_rows(x.data(), L, y.data(), std::max<int64_t>(1, 65536 / L.K)); }},
+    {"rows inlined", [&] { for (auto& L : ls) linear_rows<float>(x.data(), L, y.data(), std::max<int64_t>(1, 65536 / 4 / L.K)); }},
+#define VA(NR, A) {"int8 " #NR " rows ahead " #A, [&] { for (auto& L : ls) linear<int8_t, NR, 1, A>(x.data(), L, y.data(), std::max<int64_t>(NR, (65536 / L.K) / NR * NR)); }}
+    V8(8, 1, 65536), VA(8, 1), VA(8, 3), VA(8, 4), VA(8, 6), VA(4, 4), VA(4, 8), V8(1, 0, 65536), {"int8 rows inlined", [&] { for (auto& L : ls) linear_rows<int8_t>(x.data(), L, y.data(), std::max<int64_t>(1, 65536 / L.K)); }},
   };
   int rounds = argc > 1 ? atoi(argv[1]) : 15;
   std::vector<std::vector<double>> ts(vs.size());
