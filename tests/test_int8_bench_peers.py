@@ -15,6 +15,8 @@ pytestmark = pytest.mark.device_independent   # runs the default device (cpu), a
 def test_peers_has_int8_and_w8a8_rows(model_factory, tmp_path, monkeypatch):
     small = roofline.measure_machine
     monkeypatch.setattr(roofline, "measure_machine", lambda shape, plugin=None, **kw: small(shape, 1, plugin, mib=2, **kw))
+    from polychip.bench import peers
+    monkeypatch.setattr(peers, "WINDOW_READ", (2, 1))
     out = tmp_path / "peers.json"
     threads = torch.get_num_threads()
     try:
@@ -34,3 +36,8 @@ def test_peers_has_int8_and_w8a8_rows(model_factory, tmp_path, monkeypatch):
     assert w8a8["engine"] == "polychip w8a8" and w8a8["output_tokens"] == 6 and w8a8["pct_workload_roofline"] > 0
     assert res["machine"]["int8_gops"] > 0 and "int8 activations" in res["rooflines"]["polychip-w8a8"]["storage"]
     assert "| polychip w8a8 |" in table and "W8A8 matmul" in table and "int8 activations quantised per token" in table
+    # each single stream read against its own moment; the run's read ceiling is the best read it saw
+    reads = [r["single_stream_read_gbs"] for r in res["engines"].values()]
+    assert len(reads) == 3 and min(reads) > 0 and res["machine"]["bandwidth_gbs"] >= max(reads)
+    assert all(r["pct_decode_roofline_at_its_read"] > 0 for r in res["engines"].values())
+    assert "the read the best of 8)" in table and "Single-stream decode against the read measured" in table
