@@ -20,7 +20,7 @@ log = logging.getLogger("polychip.bench")
 # polychip-w8a8: with --quantization w8a8 (int8 activations too: its matmuls at the measured int8 rate)
 ENGINES = ("polychip", "polychip-int8", "polychip-w8a8", "hf-naive", "hf-static", "llama.cpp")
 QUANTIZED = {"polychip-int8": "int8", "polychip-w8a8": "w8a8"}
-# the read measured just before and after each engine's single stream (MiB, repetitions): a shared machine's
+# the read measured just before and after each engine's single stream (MiB of one buffer for the run, repetitions): a shared machine's
 # bandwidth can move between levels for tens of seconds at a time (docs/bench/perf-round4-cpu.md, Zen 4), and a
 # one-second run falls in one of them
 WINDOW_READ = (256, 3)
@@ -134,6 +134,7 @@ def _run_on(cfg: PeersConfig, plugin) -> dict:
     log.info("measuring %s (bandwidth, matmul at the model's shapes)", plugin.device_handle())
     int8 = "polychip-w8a8" in cfg.engines
     before = rl.measure_machine(shape, plugin=plugin, int8=int8)
+    window = rl.read_buffer(WINDOW_READ[0], plugin=plugin)   # read around each single stream
     rng = random.Random(cfg.seed)
     n = cfg.num_prompts or cfg.concurrency
     single = random_prompts(1, cfg.input_len, mcfg.vocab_size, rng)[0]
@@ -155,9 +156,9 @@ def _run_on(cfg: PeersConfig, plugin) -> dict:
         try:
             row = {"engine": eng.name}
             log.info("engine %s: single stream (%d prompt, %d decode tokens)", name, cfg.input_len, cfg.decode_tokens)
-            read_before = rl.measure_bandwidth(*WINDOW_READ, plugin=plugin)[0]
+            read_before = rl.measure_read(window, WINDOW_READ[1], plugin)
             row["prefill_tok_s"], row["decode_tok_s"] = eng.single_stream(single, cfg.decode_tokens)
-            row["single_stream_read_gbs"] = max(read_before, rl.measure_bandwidth(*WINDOW_READ, plugin=plugin)[0])
+            row["single_stream_read_gbs"] = max(read_before, rl.measure_read(window, WINDOW_READ[1], plugin))
             log.info("engine %s: %d x %d in / %d out at concurrency %d", name, n, cfg.input_len, cfg.output_len,
                      cfg.concurrency)
             run: WorkloadRun = eng.workload(prompts, cfg.output_len, cfg.concurrency)
@@ -173,6 +174,7 @@ def _run_on(cfg: PeersConfig, plugin) -> dict:
             eng.close()
             del eng
             gc.collect()
+    del window
     after = rl.measure_machine(shape, plugin=plugin, int8=int8)
     # the machine's read ceiling: the best read of the run, the single streams' own reads included
     machine = rl.best_of(before, after)

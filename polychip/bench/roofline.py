@@ -178,16 +178,22 @@ def _buffer(plugin, n: int, dtype: torch.dtype) -> torch.Tensor:
     return memory.alloc(plugin, "the roofline's bandwidth buffer", (n,), dtype)
 
 
+def read_buffer(mib: int, dtype=torch.float32, plugin=None) -> torch.Tensor:
+    """``mib`` MiB, filled, in the memory ``_buffer`` picks: what ``measure_read`` reads."""
+    return _buffer(plugin, mib * 2**20 // torch.tensor([], dtype=dtype).element_size(), dtype).fill_(1)
+
+
+def measure_read(x: torch.Tensor, reps: int, plugin=None) -> float:
+    """Read GB/s: a full read (sum) of ``x`` on ``plugin``'s device, best of ``reps``."""
+    return x.numel() * x.element_size() / _best(lambda: x.sum(), reps, _target(plugin)[1]) / 1e9
+
+
 def measure_bandwidth(mib: int = 512, reps: int = 5, dtype=torch.float32, plugin=None) -> tuple[float, float]:
     """(read GB/s, copy GB/s) on ``plugin``'s device, in memory from its ``alloc``; best of ``reps``."""
-    _, sync = _target(plugin)
-    n = mib * 2**20 // torch.tensor([], dtype=dtype).element_size()
-    x = _buffer(plugin, n, dtype).fill_(1)
-    y = _buffer(plugin, n, dtype)
-    nbytes = x.numel() * x.element_size()
-    read = nbytes / _best(lambda: x.sum(), reps, sync) / 1e9
-    copy = 2 * nbytes / _best(lambda: y.copy_(x), reps, sync) / 1e9
-    return read, copy
+    x = read_buffer(mib, dtype, plugin)
+    read = measure_read(x, reps, plugin)
+    y = _buffer(plugin, x.numel(), dtype)
+    return read, 2 * x.numel() * x.element_size() / _best(lambda: y.copy_(x), reps, _target(plugin)[1]) / 1e9
 
 
 def _resolve(plugin, op: str, dtype: str):

@@ -15,9 +15,9 @@ struct Vec {
   static constexpr int W = 16;
   static constexpr int MR = 4, NR = 6;   // tile shapes: MR*NR + NR + 1 <= 32 registers
   // M = 1: float32 one weight row a tile, one ascending stream a thread. On a Zen 4, 8 rows a tile (8 streams
-  // 2304 bytes apart) read at 0.6x a plain read, 2 or 4 rows slower still, one row at 0.95-1.0x (one step's
-  // cold linears, 2 threads: 9.1-9.8 against 14.9-15.3 ms, plain read 9.3-9.8; benchmarks/linears_m1_rows.cpp).
-  // int8 keeps 8 with its prefetched run (3.0-3.1 ms against 3.6-3.7 with one row).
+  // 2304 bytes apart) read at ~0.6x a plain read, 2 or 4 rows slower still, one row at ~1x (one step's cold
+  // linears, 2 threads, fast windows: 8.4-10.6 against 14.0-16.7 ms, plain read 8.7-9.9;
+  // benchmarks/linears_m1_rows.cpp). int8 keeps 8 with its prefetched run (3.0-3.2 ms against 3.6-4.4 with one row).
   static constexpr int NR1 = 1, NR1_INT8 = 8;
   static constexpr bool kPinX = false;   // AVX2's choice below, left as it was here (unmeasured on AVX-512)
   static V zero() { return _mm512_setzero_ps(); }
