@@ -3,11 +3,15 @@ of 16): the native PyTorch op (gather + SDPA) against the CPU plugin's paged_dec
 
     .venv/bin/python benchmarks/attention_kernel.py [threads]      # default 2
     .venv/bin/python benchmarks/attention_kernel.py --kv-dtypes [threads]
+    .venv/bin/python benchmarks/attention_kernel.py --verify [threads]
 
 Each layer has its own pool (30 pools: K/V come from memory, as in a real step); each sequence's
 pages are consecutive, as the engine's allocator hands them out for a prompt. Prints ms per step and the K/V bytes read per second (model bytes, not counting gathers).
 With --kv-dtypes: the kernel alone on float32, bfloat16 and fp8 pools (--kv-cache-dtype), ms per
 step and GB/s of the bytes each pool stores.
+With --verify: a verify step's R rows of one sequence (the same pages, lengths L .. L + R - 1, bf16 pools)
+against one row, and against one row with R x 9 query heads (one walk of the K/V for all of them, the
+bound the rows' single walk aims at); ms per step and per row past the first.
 """
 import statistics
 import sys
@@ -70,7 +74,37 @@ def kv_dtypes(kernels, threads: int) -> None:
                 print(f"{b:>3} {length:>5} " + " ".join(cells), flush=True)
 
 
+def verify_rows(kernels, threads: int, rounds: int = 21) -> None:
+    scale = D ** -0.5
+    print(f"threads={threads}  ms per step of {LAYERS} layers, bf16 K/V, medians of {rounds} interleaved rounds: R "
+          f"rows of one sequence (ms per row past the first) | one row of R x {H} heads")
+    op = kernels.paged_decode_attention
+    with torch.inference_mode():
+        for length in (800, 808, 1100):
+            pools, meta, _ = make_step(1, length + 16, torch.bfloat16)
+            calls = {}
+            for r in (1, 2, 4, 8):
+                table, lens = meta.decode_pages.repeat(r, 1).contiguous(), torch.arange(length, length + r)
+                q, wide = torch.randn(r, H, D), torch.randn(1, r * H, D)
+                calls[r, "rows"] = lambda kc, vc, q=q, t=table, n=lens: op(q, kc, vc, t, n, scale)
+                calls[r, "heads"] = lambda kc, vc, q=wide, t=table[:1], n=lens[-1:]: op(q, kc, vc, t, n, scale)
+            times = {k: [] for k in calls}
+            for _ in range(rounds):
+                for k, fn in calls.items():
+                    times[k].append(time_step(fn, pools, 1))
+            med = {k: statistics.median(v) for k, v in times.items()}
+            for r in (1, 2, 4, 8):
+                extra = (med[r, "rows"] - med[1, "rows"]) / max(1, r - 1)
+                print(f"L={length:>5} R={r}: {med[r, 'rows'] * 1e3:6.2f} ms ({extra * 1e3:5.2f} a row) | "
+                      f"{med[r, 'heads'] * 1e3:6.2f} ms", flush=True)
+            del pools
+
+
 def main():
+    if "--verify" in sys.argv:
+        threads = int(next((a for a in sys.argv[1:] if a != "--verify"), 2))
+        torch.set_num_threads(threads)
+        return verify_rows(cpu_kernels.load(), threads)
     args = [a for a in sys.argv[1:] if a != "--kv-dtypes"]
     threads = int(args[0]) if args else 2
     torch.set_num_threads(threads)

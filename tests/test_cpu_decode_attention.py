@@ -95,3 +95,50 @@ def test_peaked_softmax():
 
 def test_block_table_wider_than_needed():
     _check(_case(9, 3, 64, [1, 16, 17, 40], page=8, spare=3))
+
+
+def _verify_batch(n, rows, d, page, dtype, seed):
+    """A batch of three sequences: X (one row, 37 tokens), Y (``rows`` rows at lengths n .. n + rows - 1:
+    a verify step) and Z (one row, 300 tokens), each with its own pages in random order."""
+    g = torch.Generator().manual_seed(seed)
+    lens = [37, *range(n, n + rows), 300]
+    width = (max(lens) + page - 1) // page
+    pages = 3 * width + 1
+    kc = torch.randn(pages, page, 3, d, generator=g).to(dtype)
+    vc = torch.randn(pages, page, 3, d, generator=g).to(dtype)
+    perm = torch.randperm(pages, generator=g)
+    own = [perm[i * width:(i + 1) * width] for i in range(3)]
+    table = torch.stack([own[0], *[own[1]] * rows, own[2]])
+    q = torch.randn(len(lens), 9, d, generator=g)
+    return q, kc, vc, table, torch.tensor(lens), d ** -0.5
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("d,page,dtype", [(64, 16, torch.bfloat16), (64, 3, torch.float32),
+                                          (128, 16, torch.bfloat16), (64, 16, torch.float8_e4m3fn)])
+@pytest.mark.parametrize("n", [1, 14, 30, 127, 400, 797])
+def test_a_verify_steps_rows_give_each_the_bits_of_a_decode_row(threads, d, page, dtype, n):
+    # Y's rows, read in one walk of its K/V rows, each equal (bit for bit) Y decoding alone at that length
+    # beside X and Z (the same number of sequences), and the float64 reference; lengths cross pieces, streams'
+    # blocks and pages
+    rows = 9
+    q, kc, vc, table, lens, scale = _verify_batch(n, rows, d, page, dtype, seed=n + d + page)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        batch = kernels.paged_decode_attention(q, kc, vc, table, lens, scale, 1.0, 1.0)
+        for j in range(rows):
+            keep = [0, 1 + j, rows + 1]
+            alone = kernels.paged_decode_attention(q[keep], kc, vc, table[keep], lens[keep], scale, 1.0, 1.0)
+            assert torch.equal(batch[1 + j], alone[1]), j
+            assert torch.equal(batch[0], alone[0]) and torch.equal(batch[-1], alone[2])
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(batch, _reference(q, kc.float(), vc.float(), table, lens, scale), atol=2e-5, rtol=1e-5)
+
+
+def test_rows_that_share_only_their_first_pages_are_not_one_sequence():
+    # two sequences whose first pages are one cached prefix, at consecutive lengths: each reads its own later pages
+    q, kc, vc, table, lens, scale = _verify_batch(100, 2, 64, 16, torch.float32, seed=5)
+    table[2, 2:] = table[0, 2:]        # row 2 (length 101) keeps row 1's first two pages, then X's pages
+    _check((q, kc, vc, table, lens, scale))

@@ -278,74 +278,132 @@ void accumulate_piece(const float* w, Streams<S, K> st, int64_t len, int64_t H, 
   }
 }
 
+// tokens per stream of an n-token piece, in whole blocks of 16 / S steps
+template <int S>
+constexpr int64_t stream_len(int64_t n) {
+  return ((n + S - 1) / S + 16 / S - 1) / (16 / S) * (16 / S);
+}
+
+// R rows of one sequence whose pieces start at t0 and end at t1[r] (ascending), all with one stream
+// length: one walk of their K and V rows (pages: the longest row's block table, which the others share)
+// for the R x H heads as one row's, grouped by kv head: head (g, r, hh) at g * R * G + r * G + hh. A row's
+// tokens past its own end get a score of -inf like those past a stream's end, so each row's bits are those
+// it gets alone: the same tokens in the same slots, and a weight of exactly 0 (times a finite V value: the
+// sequence's own tokens) where it alone would read a zero row.
 template <int DC, int S, KvKind K>
-void decode_piece_avx512(const float* qb, const typename Kv<K>::T* kp, const typename Kv<K>::T* vp,
-                         const int64_t* pages, int64_t t0, int64_t t1, int64_t page, int64_t H, int64_t Hkv,
-                         float scale, float* acc, float* m, float* l, std::vector<float>& buf) {
+void decode_rows_avx512(const float* qb, const typename Kv<K>::T* kp, const typename Kv<K>::T* vp,
+                        const int64_t* pages, int64_t t0, const int64_t* t1, int64_t R, int64_t page, int64_t H,
+                        int64_t Hkv, float scale, float* acc, int64_t acc_stride, float* ml, int64_t ml_stride,
+                        std::vector<float>& buf) {
   using T = typename Kv<K>::T;
   constexpr int64_t D = DC * 16, STEPS = 16 / S;
-  const int64_t row = Hkv * D, n = t1 - t0;
-  const int64_t len = ((n + S - 1) / S + STEPS - 1) / STEPS * STEPS;   // tokens per stream, whole blocks
-  const int64_t nsc = len / STEPS * 16;                                // score slots per head
-  buf.resize(16 + STEPS * H * 16 + H * nsc + H * D + row);
+  const int64_t row = Hkv * D, n = t1[R - 1] - t0, RH = R * H, G = H / Hkv;
+  const int64_t len = stream_len<S>(n);   // tokens per stream, whole blocks
+  const int64_t nsc = len / STEPS * 16;   // score slots per head
+  buf.resize(16 + STEPS * RH * 16 + RH * nsc + 2 * RH * D + row);
   __m512* fold = reinterpret_cast<__m512*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
-  float* sc = reinterpret_cast<float*>(fold + STEPS * H);
-  float* qs = sc + H * nsc;
-  float* zero = qs + H * D;
+  float* sc = reinterpret_cast<float*>(fold + STEPS * RH);
+  float* qs = sc + RH * nsc;
+  float* zero = qs + RH * D;
+  float* out = R == 1 ? acc : zero + row;   // one row: its heads' slots are its own
   std::fill(zero, zero + row, 0.f);      // all-zero bytes: 0 in every KV dtype
-  for (int64_t i = 0; i < H * D; ++i) qs[i] = qb[i] * scale;
+  // head (g, r, hh)'s slot: its query, scores and output
+  const auto slot = [&](int64_t r, int64_t h) { return (h / G) * R * G + r * G + h % G; };
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t d = 0; d < D; ++d) qs[slot(r, h) * D + d] = qb[(r * H + h) * D + d] * scale;
   const T* z = reinterpret_cast<const T*>(zero);
   const Streams<S, K> ks(kp, pages, z, page, row, t0, len, n), vs(vp, pages, z, page, row, t0, len, n);
-  score_piece<DC, S, K>(qs, ks, len, H, Hkv, sc, nsc, fold);
-  for (int s = 0; s < S; ++s)   // the slots past the end of stream s (it has n - s * len tokens, or none): -inf
-    for (int64_t i = std::max<int64_t>(0, std::min(len, n - s * len)); i < len; ++i)
-      for (int64_t h = 0; h < H; ++h) sc[h * nsc + i * S + s] = -INFINITY;
-  // softmax numerators per head, their max and sum
-  for (int64_t h = 0; h < H; ++h) {
-    float* sh = sc + h * nsc;
-    __m512 mx = _mm512_set1_ps(-INFINITY);
-    for (int64_t i = 0; i < nsc; i += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sh + i));
-    const float mh = _mm512_reduce_max_ps(mx);
-    const __m512 mv = _mm512_set1_ps(mh);
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t i = 0; i < nsc; i += 16) {
-      const __m512 e = exp_nonpos(_mm512_sub_ps(_mm512_loadu_ps(sh + i), mv));
-      _mm512_storeu_ps(sh + i, e);
-      sum = _mm512_add_ps(sum, e);
-    }
-    m[h] = mh;
-    l[h] = _mm512_reduce_add_ps(sum);
+  score_piece<DC, S, K>(qs, ks, len, RH, Hkv, sc, nsc, fold);
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t nr = t1[r] - t0;
+    for (int s = 0; s < S; ++s)   // the slots past the end of stream s for row r (nr - s * len tokens, or none): -inf
+      for (int64_t i = std::max<int64_t>(0, std::min(len, nr - s * len)); i < len; ++i)
+        for (int64_t h = 0; h < H; ++h) sc[slot(r, h) * nsc + i * S + s] = -INFINITY;
   }
-  accumulate_piece<DC, S, K>(sc, vs, len, H, Hkv, nsc, acc);
+  // softmax numerators per head, their max and sum
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t h = 0; h < H; ++h) {
+      float* sh = sc + slot(r, h) * nsc;
+      __m512 mx = _mm512_set1_ps(-INFINITY);
+      for (int64_t i = 0; i < nsc; i += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sh + i));
+      const float mh = _mm512_reduce_max_ps(mx);
+      const __m512 mv = _mm512_set1_ps(mh);
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t i = 0; i < nsc; i += 16) {
+        const __m512 e = exp_nonpos(_mm512_sub_ps(_mm512_loadu_ps(sh + i), mv));
+        _mm512_storeu_ps(sh + i, e);
+        sum = _mm512_add_ps(sum, e);
+      }
+      ml[r * ml_stride + h] = mh;
+      ml[r * ml_stride + H + h] = _mm512_reduce_add_ps(sum);
+    }
+  accumulate_piece<DC, S, K>(sc, vs, len, RH, Hkv, nsc, out);
+  if (R > 1)
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t h = 0; h < H; ++h) std::copy_n(out + slot(r, h) * D, D, acc + r * acc_stride + h * D);
+}
+
+// the rows of decode_rows_avx512's arguments in runs of one stream length, each run one walk
+template <int DC, int S, KvKind K>
+void decode_runs_avx512(const float* qb, const typename Kv<K>::T* kp, const typename Kv<K>::T* vp,
+                        const int64_t* pages, int64_t t0, const int64_t* t1, int64_t R, int64_t page, int64_t H,
+                        int64_t Hkv, float scale, float* acc, int64_t acc_stride, float* ml, int64_t ml_stride,
+                        std::vector<float>& buf) {
+  for (int64_t r0 = 0, r1; r0 < R; r0 = r1) {
+    for (r1 = r0 + 1; r1 < R && stream_len<S>(t1[r1] - t0) == stream_len<S>(t1[r0] - t0);) ++r1;
+    decode_rows_avx512<DC, S, K>(qb + r0 * H * DC * 16, kp, vp, pages, t0, t1 + r0, r1 - r0, page, H, Hkv, scale,
+                                 acc + r0 * acc_stride, acc_stride, ml + r0 * ml_stride, ml_stride, buf);
+  }
 }
 #endif
 
+// R rows of one sequence (q rows qb [R, H, D]) whose pieces start at t0 and end at t1[r] (ascending);
+// row r's acc [H, D] at acc + r * acc_stride, its max [H] and sum [H] at ml + r * ml_stride. The AVX-512
+// path walks the K/V rows once for the rows that share a stream length; the others take row by row.
 template <KvKind K>
 void decode_piece(const float* qb, const typename Kv<K>::T* kp, const typename Kv<K>::T* vp, const int64_t* pages,
-                  int64_t t0, int64_t t1, int64_t page, int64_t H, int64_t Hkv, int64_t D, float scale, float* acc,
-                  float* m, float* l, std::vector<float>& scores) {
+                  int64_t t0, const int64_t* t1, int64_t R, int64_t page, int64_t H, int64_t Hkv, int64_t D,
+                  float scale, float* acc, int64_t acc_stride, float* ml, int64_t ml_stride,
+                  std::vector<float>& scores) {
 #ifdef __AVX512F__
+#define POLYCHIP_RUNS(DC, S) \
+  return decode_runs_avx512<DC, S, K>(qb, kp, vp, pages, t0, t1, R, page, H, Hkv, scale, acc, acc_stride, ml, \
+                                      ml_stride, scores)
   switch (D) {   // 4 streams where their 4 x DC row vectors leave registers for the rest, else 2
-    case 16: return decode_piece_avx512<1, 4, K>(qb, kp, vp, pages, t0, t1, page, H, Hkv, scale, acc, m, l, scores);
-    case 32: return decode_piece_avx512<2, 4, K>(qb, kp, vp, pages, t0, t1, page, H, Hkv, scale, acc, m, l, scores);
-    case 48: return decode_piece_avx512<3, 4, K>(qb, kp, vp, pages, t0, t1, page, H, Hkv, scale, acc, m, l, scores);
-    case 64: return decode_piece_avx512<4, 4, K>(qb, kp, vp, pages, t0, t1, page, H, Hkv, scale, acc, m, l, scores);
-    case 80: return decode_piece_avx512<5, 2, K>(qb, kp, vp, pages, t0, t1, page, H, Hkv, scale, acc, m, l, scores);
-    case 96: return decode_piece_avx512<6, 2, K>(qb, kp, vp, pages, t0, t1, page, H, Hkv, scale, acc, m, l, scores);
-    case 112: return decode_piece_avx512<7, 2, K>(qb, kp, vp, pages, t0, t1, page, H, Hkv, scale, acc, m, l, scores);
-    case 128: return decode_piece_avx512<8, 2, K>(qb, kp, vp, pages, t0, t1, page, H, Hkv, scale, acc, m, l, scores);
+    case 16: POLYCHIP_RUNS(1, 4);
+    case 32: POLYCHIP_RUNS(2, 4);
+    case 48: POLYCHIP_RUNS(3, 4);
+    case 64: POLYCHIP_RUNS(4, 4);
+    case 80: POLYCHIP_RUNS(5, 2);
+    case 96: POLYCHIP_RUNS(6, 2);
+    case 112: POLYCHIP_RUNS(7, 2);
+    case 128: POLYCHIP_RUNS(8, 2);
     default: break;
   }
+#undef POLYCHIP_RUNS
 #endif
+  for (int64_t r = 0; r < R; ++r) {
+    const float* q = qb + r * H * D;
+    float *a = acc + r * acc_stride, *m = ml + r * ml_stride, *l = m + H;
 #if defined(__AVX2__) && defined(__FMA__)
-  // the common head sizes compiled for their D (the chunk loops unrolled): 15 against 18 ms resident
-  if (D == 64) return decode_piece_avx2<K, 64>(qb, kp, vp, pages, t0, t1, page, H, Hkv, D, scale, acc, m, l, scores);
-  if (D == 128) return decode_piece_avx2<K, 128>(qb, kp, vp, pages, t0, t1, page, H, Hkv, D, scale, acc, m, l, scores);
-  if (D % 8 == 0) return decode_piece_avx2<K>(qb, kp, vp, pages, t0, t1, page, H, Hkv, D, scale, acc, m, l, scores);
+    // the common head sizes compiled for their D (the chunk loops unrolled): 15 against 18 ms resident
+    if (D == 64) decode_piece_avx2<K, 64>(q, kp, vp, pages, t0, t1[r], page, H, Hkv, D, scale, a, m, l, scores);
+    else if (D == 128) decode_piece_avx2<K, 128>(q, kp, vp, pages, t0, t1[r], page, H, Hkv, D, scale, a, m, l, scores);
+    else if (D % 8 == 0) decode_piece_avx2<K>(q, kp, vp, pages, t0, t1[r], page, H, Hkv, D, scale, a, m, l, scores);
+    else
 #endif
-  decode_piece_portable<K>(qb, kp, vp, pages, t0, t1, page, H, Hkv, D, scale, acc, m, l, scores);
+      decode_piece_portable<K>(q, kp, vp, pages, t0, t1[r], page, H, Hkv, D, scale, a, m, l, scores);
+  }
 }
 
+// Whether rows b - 1 and b are one sequence at consecutive positions (a verify step's rows): lengths
+// n and n + 1 and the same pages for row b - 1's tokens.
+inline bool continues(const int64_t* tab, const int64_t* lp, int64_t W, int64_t page, int64_t b) {
+  if (b == 0 || lp[b] != lp[b - 1] + 1) return false;
+  const int64_t used = (lp[b - 1] + page - 1) / page;
+  return std::equal(tab + (b - 1) * W, tab + (b - 1) * W + used, tab + b * W);
+}
 
 // Every sequence's attention, cut into pieces of whole pages on the intra-op threads, then merged by
 // their max and sum. The KV scales are folded in: k_mult into the scaled query, v_mult into the
@@ -354,7 +412,8 @@ void decode_piece(const float* qb, const typename Kv<K>::T* kp, const typename K
 // How a row is cut depends on its own length and on how many sequences the batch holds, never on
 // its number of rows: the rows of a verify step (one per draft position of a sequence: the same
 // pages, consecutive lengths) count as one sequence, so each gives the bits one decode row of that
-// sequence would (greedy speculation reproduces plain decoding).
+// sequence would (greedy speculation reproduces plain decoding). A task is one piece of a sequence:
+// for all its rows at once (decode_piece), so their K/V rows are read once.
 template <KvKind K>
 void run_decode(const float* qp, const void* kc, const void* vc, const int64_t* tab, const int64_t* lp, int64_t B,
                 int64_t W, int64_t H, int64_t Hkv, int64_t D, int64_t page, float scale, float k_mult, float v_mult,
@@ -362,11 +421,14 @@ void run_decode(const float* qp, const void* kc, const void* vc, const int64_t* 
   using T = typename Kv<K>::T;
   const T* kp = static_cast<const T*>(kc);
   const T* vp = static_cast<const T*>(vc);
-  int64_t max_len = 0, seqs = 0;
+  int64_t max_len = 0;
+  std::vector<int64_t> first;   // each sequence's first row, then B
   for (int64_t b = 0; b < B; ++b) {
     max_len = std::max(max_len, lp[b]);
-    seqs += b == 0 || tab[b * W] != tab[(b - 1) * W] || lp[b] != lp[b - 1] + 1;
+    if (!continues(tab, lp, W, page, b)) first.push_back(b);
   }
+  const int64_t seqs = static_cast<int64_t>(first.size());
+  first.push_back(B);
   // split each sequence into pieces of whole pages so that every thread has work even at batch 1: the
   // fewest pieces that give every thread as many tasks (not 3 on 2 threads), up to 2 a thread. Each piece
   // starts its walks afresh (cold, ~10% of an 800-token row a piece, benchmarks/attention_kernel.py)
@@ -374,24 +436,33 @@ void run_decode(const float* qp, const void* kc, const void* vc, const int64_t* 
   const int64_t most = std::max<int64_t>(1, std::min<int64_t>((2 * threads + seqs - 1) / seqs, (max_len + 255) / 256));
   const int64_t fewest = threads / std::gcd(seqs, threads);   // the fewest with seqs * splits a multiple of threads
   const int64_t splits = fewest <= most ? fewest : 1;
+  // a row's piece: from its own length
+  const auto piece_of = [&](int64_t b) { return ((lp[b] + splits - 1) / splits + page - 1) / page * page; };
   std::vector<float> part_acc(B * splits * H * D), part_ml(B * splits * 2 * H, 0.f);
   float* pa = part_acc.data();
   float* pml = part_ml.data();
   const float sc = scale * k_mult;
   // pieces handed out one at a time: with a static share, libgomp's waiting was ~10% of the kernel's
   // samples for 16 equal sequences, and sequences of unequal lengths leave the shares more uneven
-  for_each_chunk(B * splits, [&](int64_t task) {
+  for_each_chunk(seqs * splits, [&](int64_t task) {
     thread_local std::vector<float> scores;
-    const int64_t b = task / splits, sp = task % splits;
-    const int64_t piece = ((lp[b] + splits - 1) / splits + page - 1) / page * page;   // the row's own length
-    const int64_t t0 = sp * piece, t1 = std::min(lp[b], t0 + piece);
-    float* ml = pml + task * 2 * H;
-    if (t0 >= t1) {
-      for (int64_t h = 0; h < H; ++h) ml[h] = -INFINITY;   // empty piece: weight zero in the merge
-      return;
+    thread_local std::vector<int64_t> ends;
+    const int64_t sp = task % splits, last = first[task / splits + 1];
+    for (int64_t b = first[task / splits], e; b < last; b = e) {
+      // the rows from b on whose piece sp starts where b's does (lengths ascend: consecutive rows)
+      const int64_t t0 = sp * piece_of(b);
+      ends.clear();
+      for (e = b; e < last && sp * piece_of(e) == t0; ++e) ends.push_back(std::min(lp[e], t0 + piece_of(e)));
+      int64_t r = 0;
+      for (; r < e - b && ends[r] <= t0; ++r) {   // empty pieces (the first rows only): weight zero in the merge
+        float* ml = pml + ((b + r) * splits + sp) * 2 * H;
+        for (int64_t h = 0; h < H; ++h) ml[h] = -INFINITY;
+      }
+      if (r == e - b) continue;
+      decode_piece<K>(qp + (b + r) * H * D, kp, vp, tab + (e - 1) * W, t0, ends.data() + r, e - b - r, page, H, Hkv,
+                      D, sc, pa + ((b + r) * splits + sp) * H * D, splits * H * D,
+                      pml + ((b + r) * splits + sp) * 2 * H, splits * 2 * H, scores);
     }
-    decode_piece<K>(qp + b * H * D, kp, vp, tab + b * W, t0, t1, page, H, Hkv, D, sc, pa + task * H * D, ml,
-                    ml + H, scores);
   });
   for (int64_t b = 0; b < B; ++b)
     for (int64_t h = 0; h < H; ++h) {
