@@ -137,6 +137,9 @@ def test_check_integrity_raises_integrity_error():
     with pytest.raises(IntegrityError, match="free list"):
         a.refs[pages[1]] = 0                         # a zero count for a page off the free list
         a.check_integrity()
+    a.refs[pages[0]] = -1                            # named as such, not as a free list that does not add up
+    with pytest.raises(IntegrityError, match=f"page {pages[0]} has a negative refcount"):
+        a.check_integrity()
 
 
 def test_no_prefix_cache_honours_the_contract():

@@ -110,14 +110,15 @@ class PageAllocator:
                           if self.refs[p] == 0 and not (p in seen or seen.add(p))][::-1]
 
     def check_integrity(self) -> None:
+        negative = [p for p, r in enumerate(self.refs) if r < 0]
+        if negative:    # first: such a page would otherwise show as a free-list count that does not add up
+            raise IntegrityError(f"page {negative[0]} has a negative refcount ({self.refs[negative[0]]})")
         free = {p for p, r in enumerate(self.refs) if r == 0}
         if len(free) != self._num_free:
             raise IntegrityError(f"{len(free)} pages have refcount 0 but the free list counts {self._num_free}")
         missing = free - set(self._free)
         if missing:
             raise IntegrityError(f"page {min(missing)} is free but not on the free list")
-        if any(r < 0 for r in self.refs):
-            raise IntegrityError("a page has a negative refcount")
 
 
 class KVPool:
