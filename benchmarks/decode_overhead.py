@@ -113,7 +113,8 @@ def main() -> None:
                 finish(llm.engine)
                 med = statistics.median(steps[m])
                 fwd = forward[m] / (args.rounds * args.steps)
-                print(f"{args.model} {args.quantization or 'float32'} kv {args.kv_cache_dtype} B={batch} ctx={args.context} static path {m}: "
+                print(f"{args.model} {args.quantization or 'float32'} kv {args.kv_cache_dtype} B={batch} "
+                      f"ctx={args.context} static path {m}: "
                       f"step {med * 1e3:.3f} ms (p10 {sorted(steps[m])[len(steps[m]) // 10] * 1e3:.3f}), "
                       f"forward {fwd * 1e3:.3f} ms, {batch / med:.0f} tok/s", flush=True)
             print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
