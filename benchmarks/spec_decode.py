@@ -13,13 +13,17 @@ prompts mixed). Greedy throughout.
 Prints per workload decode tokens/s of each engine (output tokens after the first over the time
 after the first token, summed over the batches), their ratio, the acceptance rate, the mean
 accepted length (tokens kept per verify forward, the model's own token included), whether the
-output tokens are identical, and the load average; ``--json`` writes the same.
+output tokens are identical, and the load average; ``--json`` writes the same. With ``--rounds N``
+every round starts a fresh pair of engines (no drafts from an earlier round's answers) and a last
+line per workload gives the median of the rounds' ratios and their range: on a machine whose memory
+bandwidth drifts, one short round's ratio moves by more than most changes to the engine.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -98,7 +102,25 @@ def main() -> None:
                     "plugin's; 1 on a shared, loaded machine)")
     ap.add_argument("--workloads", default="copy,grounded,agent,chat,concurrent")
     ap.add_argument("--json", default=None, help="write the rows here")
+    ap.add_argument("--rounds", type=int, default=1, help="fresh engine pairs, one after the other")
     a = ap.parse_args()
+    rounds = [run_round(a) for _ in range(a.rounds)]
+    rows = [r for rnd in rounds for r in rnd]
+    if a.rounds > 1:
+        for name in a.workloads.split(","):
+            ratios = sorted(r["ratio"] for r in rows if r["workload"] == name)
+            summary = {"workload": name, "rounds": a.rounds, "median_ratio": statistics.median(ratios),
+                       "ratios": ratios, "identical_tokens": all(r["identical_tokens"] for r in rows
+                                                                 if r["workload"] == name)}
+            print(json.dumps(summary), flush=True)
+            rows.append(summary)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+def run_round(a) -> list[dict]:
+    """Every workload once on a fresh pair of engines; the rows."""
     common = dict(max_total_tokens=max(a.concurrency, 1) * (a.length + a.max_tokens + 300) + 2048,
                   quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype, disable_radix_cache=True,
                   num_threads=a.num_threads)
@@ -126,9 +148,9 @@ def main() -> None:
             rows.append(workload(name, engines, mixed, params, a.concurrency))
         else:
             raise SystemExit(f"unknown workload {name!r}")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    for e in engines.values():
+        e.shutdown()
+    return rows
 
 
 if __name__ == "__main__":
