@@ -20,9 +20,9 @@ log = logging.getLogger("polychip.bench")
 # polychip-w8a8: with --quantization w8a8 (int8 activations too: its matmuls at the measured int8 rate)
 ENGINES = ("polychip", "polychip-int8", "polychip-w8a8", "hf-naive", "hf-static", "llama.cpp")
 QUANTIZED = {"polychip-int8": "int8", "polychip-w8a8": "w8a8"}
-# the read measured just before and after each engine's single stream (MiB of one buffer for the run, repetitions): a shared machine's
-# bandwidth can move between levels for tens of seconds at a time (docs/bench/perf-round4-cpu.md, Zen 4), and a
-# one-second run falls in one of them
+# the read measured just before and after each engine's single stream (MiB of one buffer for the run,
+# repetitions): a shared machine's bandwidth can move between levels for tens of seconds at a time
+# (docs/bench/perf-round4-cpu.md, Zen 4), and a one-second run falls in one of them
 WINDOW_READ = (256, 3)
 
 
@@ -244,7 +244,8 @@ def peers_table(res: dict) -> str:
     m, c = res["machine"], res["config"]
     device = res.get("device", m.get("device", "cpu"))      # results from before --device: the CPU
     old = res["weights_only_roofline"]
-    reads = len(res["machine_measurements"]) + 2 * sum(1 for r in res["engines"].values() if r.get("single_stream_read_gbs"))
+    windows = [r for r in res["engines"].values() if r.get("single_stream_read_gbs")]
+    reads = len(res["machine_measurements"]) + 2 * len(windows)   # two reads around each single stream
     lines = [f"Machine ({device}, best of {len(res['machine_measurements'])} in this run, "
              f"{res['torch_threads']} threads; the read the best of {reads}): "
              f"read {m['bandwidth_gbs']:.1f} GB/s, copy {m['copy_gbs']:.1f} GB/s, "
@@ -273,7 +274,6 @@ def peers_table(res: dict) -> str:
                      f"{'-' if ratio is None else f'{ratio:.2f}x'} |")
     for key, why in res["skipped"].items():
         lines.append(f"| {key} | skipped: {why} |||||||")
-    windows = [r for r in res["engines"].values() if r.get("single_stream_read_gbs")]
     if windows:
         lines += ["", f"Single-stream decode against the read measured just before and after each engine's run (the "
                       f"better of the two; the % columns above use this run's best, {m['bandwidth_gbs']:.1f} GB/s): "
