@@ -52,7 +52,8 @@ def test_stages_end_with_a_device_sync_only_when_profiling(model_factory, test_d
 
 
 def test_engine_thread_binds_the_device(model_factory, test_device):
-    """The serving engine steps in its own thread; the plugin binds its device there first."""
+    """The serving engine steps in its own thread: the starting thread releases what the plugin's runtime
+    kept for it, then the plugin binds its device in the engine thread."""
     import asyncio
     import threading
 
@@ -60,8 +61,9 @@ def test_engine_thread_binds_the_device(model_factory, test_device):
 
     llm = LLM(model_factory("llama", True), device=test_device, max_total_tokens=512, max_model_len=128,
               page_size=8)
-    bound = []
-    llm.engine.plugin.bind_thread = lambda: bound.append(threading.current_thread().name)
+    calls = []
+    llm.engine.plugin.bind_thread = lambda: calls.append(("bind", threading.current_thread().name))
+    llm.engine.plugin.release_thread = lambda: calls.append(("release", threading.current_thread().name))
 
     async def serve_one():
         engine = AsyncEngine(llm.engine)
@@ -71,7 +73,20 @@ def test_engine_thread_binds_the_device(model_factory, test_device):
         finally:
             engine.shutdown()
     asyncio.run(serve_one())
-    assert bound == ["polychip-engine"]
+    assert calls == [("release", "MainThread"), ("bind", "polychip-engine")]
+
+
+def test_a_failing_release_thread_is_logged_and_serving_goes_on(llm, caplog):
+    def broken():
+        raise RuntimeError("no such runtime")
+    llm.engine.plugin.release_thread = broken
+    try:
+        with caplog.at_level("WARNING", logger="polychip.engine"):
+            llm.engine.release_thread()
+    finally:
+        del llm.engine.plugin.release_thread
+    assert "release_thread() raised RuntimeError: no such runtime" in caplog.text
+    assert llm.generate([[5, 6, 7]], GREEDY)[0].outputs[0].token_ids
 
 
 def test_stats_snapshot_and_flush(llm):

@@ -38,6 +38,9 @@ class FakeEngine:
     def bind_thread(self):
         """A host-only fake has no device to make current."""
 
+    def release_thread(self):
+        """Nor any runtime state kept per thread."""
+
     def check_request(self, prompt_ids, params):
         if not prompt_ids:
             raise InvalidRequestError("prompt is empty")

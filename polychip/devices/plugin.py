@@ -1,4 +1,4 @@
-"""The device-plugin contract, API version 1.2.
+"""The device-plugin contract, API version 1.3.
 
 A chip vendor implements :class:`DevicePlugin`. The engine allocates, copies, synchronises and
 picks its ``torch.device`` only through such an object. ``docs/plugin-guide.md`` tells the whole
@@ -8,8 +8,8 @@ the memory contract.
 Versions: a plugin declares ``api_version`` as ``"MAJOR.MINOR"`` (an int ``1`` means ``"1.0"``).
 polychip loads a plugin whose major version equals its own and whose minor version is not newer
 (:func:`api_mismatch`). A minor version only adds methods and optional fields, each with a default
-here, so a 1.0 or 1.1 plugin runs on a 1.2 polychip unchanged; what 1.1 and 1.2 added is marked
-"(1.1)" or "(1.2)" below. A plugin that inherits ``api_version`` from this class declares the current
+here, so a 1.0, 1.1 or 1.2 plugin runs on a 1.3 polychip unchanged; what 1.1, 1.2 and 1.3 added is
+marked "(1.1)", "(1.2)" or "(1.3)" below. A plugin that inherits ``api_version`` from this class declares the current
 version. Every value a plugin hands back is validated where the framework reads it
 (:mod:`polychip.devices.boundary`): a wrong shape is one PluginError naming plugin, method and field.
 """
@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import torch
 
-API_VERSION = "1.2"
+API_VERSION = "1.3"
 
 
 def parse_api_version(value: Any) -> tuple[int, int]:
@@ -204,6 +204,12 @@ class DevicePlugin(abc.ABC):
         """(1.1) Called on a thread other than ``init``'s before it launches device work: the
         serving engine steps in its own thread. Make this plugin's device the thread's current one
         where the runtime keeps that per thread (CUDA's ``set_device``). Default: nothing."""
+
+    def release_thread(self) -> None:
+        """(1.3) Called on ``init``'s thread when another thread takes over the engine's steps (the
+        serving engine's, before its ``bind_thread``): the calling thread launches no more device work, so
+        free what the runtime keeps for it. The CPU plugin ends its OpenMP workers (a second team's threads
+        outnumber the cores, and libgomp then sleeps between parallel regions). Default: nothing."""
 
     def device_handle(self, index: int | None = None) -> torch.device:
         """The ``torch.device`` tensors of device ``index`` (default: the initialised one) live on."""

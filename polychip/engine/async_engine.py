@@ -194,6 +194,7 @@ class AsyncEngine:
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         self._loop = loop or asyncio.get_running_loop()
         self.engine.wake = self._wake
+        self.engine.release_thread()     # this thread steps it no more: the engine thread does
         self._thread = threading.Thread(target=self._run, name="polychip-engine", daemon=True)
         self._thread.start()
         if self.engine.disagg is not None:     # its threads post to the engine thread: start them after it

@@ -158,6 +158,15 @@ class Engine:
         """Make the engine's device current in the calling thread, before it steps the engine."""
         self.plugin.bind_thread()
 
+    def release_thread(self) -> None:
+        """The calling thread hands the engine's steps to another one (the server's engine thread), so the
+        plugin frees what its runtime keeps for this thread. A failure costs speed only: logged, not raised."""
+        try:
+            self.plugin.release_thread()
+        except Exception as e:  # a plugin may raise anything
+            log.warning("plugin %r: release_thread() raised %s: %s (this thread's runtime state is kept)",
+                        self.plugin.name, type(e).__name__, e)
+
     # requests
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0, arrival: float | None = None,

@@ -1,6 +1,7 @@
 // The CPU plugin's compiled module (built by ../kernels.py): the kernels of decode_attention.cpp,
 // prefill_attention.cpp, linear.cpp and elementwise.cpp, all float32 (the attention kernels' KV
 // caches also bfloat16 or fp8).
+#include <omp.h>
 #include <torch/extension.h>
 
 namespace py = pybind11;
@@ -60,6 +61,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "(rms_norm(residual + x), residual + x) (float32)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up (float32)");
   m.def("rotary_embedding", &rotary_embedding, "neox rotary on q and k, new contiguous outputs (float32)");
+  m.def("release_openmp_threads", [] { return omp_pause_resource_all(omp_pause_soft); },
+        "end the calling thread's OpenMP worker threads (0: done); its next parallel region starts new ones");
   bind_replay(m);
 }
 
