@@ -124,7 +124,7 @@ class CpuPlugin(DevicePlugin):
         """Ends this thread's OpenMP workers (torch's intra-op threads, which run the kernels too). While
         they live, the engine thread's own team makes libgomp count more threads than cores, and its waiting
         threads then sleep after ~100 spins instead of ~300,000: every parallel region of a step paid a
-        futex wake (the server's 16-stream float32 workload 7-9% slower than the same engine stepped on
+        futex wake (the served engine 7-10% slower on 16 float32 streams than the same engine stepped on
         one thread)."""
         if self.kernels is None:     # the function is the kernels' (the OpenMP runtime torch loaded)
             from polychip.devices.cpu import kernels
