@@ -358,9 +358,45 @@ void decode_runs_avx512(const float* qb, const typename Kv<K>::T* kp, const type
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__)
+// decode_piece_avx2 for D a multiple of 8, the common head sizes compiled for their D (the chunk loops
+// unrolled: 15 against 18 ms resident)
+template <KvKind K>
+void piece_avx2(const float* q, const typename Kv<K>::T* kp, const typename Kv<K>::T* vp, const int64_t* pages,
+                int64_t t0, int64_t t1, int64_t page, int64_t H, int64_t Hkv, int64_t D, float scale, float* a,
+                float* m, float* l, std::vector<float>& scores, int64_t R = 1, const int64_t* t1s = nullptr) {
+  if (D == 64) decode_piece_avx2<K, 64>(q, kp, vp, pages, t0, t1, page, H, Hkv, D, scale, a, m, l, scores, R, t1s);
+  else if (D == 128) decode_piece_avx2<K, 128>(q, kp, vp, pages, t0, t1, page, H, Hkv, D, scale, a, m, l, scores, R, t1s);
+  else decode_piece_avx2<K>(q, kp, vp, pages, t0, t1, page, H, Hkv, D, scale, a, m, l, scores, R, t1s);
+}
+
+// R > 1 rows of one sequence as one walk (decode_piece_avx2's R): their R x H heads grouped by kv head,
+// head (g, r, hh) at g * R * G + r * G + hh, as decode_rows_avx512 lays them out
+template <KvKind K>
+void rows_avx2(const float* qb, const typename Kv<K>::T* kp, const typename Kv<K>::T* vp, const int64_t* pages,
+               int64_t t0, const int64_t* t1, int64_t R, int64_t page, int64_t H, int64_t Hkv, int64_t D, float scale,
+               float* acc, int64_t acc_stride, float* ml, int64_t ml_stride, std::vector<float>& scores) {
+  thread_local std::vector<float> buf;
+  const int64_t RH = R * H, G = H / Hkv;
+  buf.resize(2 * RH * D + 2 * RH);
+  float *q = buf.data(), *a = q + RH * D, *m = a + RH * D, *l = m + RH;
+  const auto slot = [&](int64_t r, int64_t h) { return (h / G) * R * G + r * G + h % G; };
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t h = 0; h < H; ++h) std::copy_n(qb + (r * H + h) * D, D, q + slot(r, h) * D);
+  piece_avx2<K>(q, kp, vp, pages, t0, t1[R - 1], page, RH, Hkv, D, scale, a, m, l, scores, R, t1);
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t h = 0; h < H; ++h) {
+      std::copy_n(a + slot(r, h) * D, D, acc + r * acc_stride + h * D);
+      ml[r * ml_stride + h] = m[slot(r, h)];
+      ml[r * ml_stride + H + h] = l[slot(r, h)];
+    }
+}
+#endif
+
 // R rows of one sequence (q rows qb [R, H, D]) whose pieces start at t0 and end at t1[r] (ascending);
 // row r's acc [H, D] at acc + r * acc_stride, its max [H] and sum [H] at ml + r * ml_stride. The AVX-512
-// path walks the K/V rows once for the rows that share a stream length; the others take row by row.
+// path walks the K/V rows once for the rows that share a stream length, the AVX2 path once for all R
+// rows; the portable path takes row by row.
 template <KvKind K>
 void decode_piece(const float* qb, const typename Kv<K>::T* kp, const typename Kv<K>::T* vp, const int64_t* pages,
                   int64_t t0, const int64_t* t1, int64_t R, int64_t page, int64_t H, int64_t Hkv, int64_t D,
@@ -383,17 +419,17 @@ void decode_piece(const float* qb, const typename Kv<K>::T* kp, const typename K
   }
 #undef POLYCHIP_RUNS
 #endif
-  for (int64_t r = 0; r < R; ++r) {
-    const float* q = qb + r * H * D;
-    float *a = acc + r * acc_stride, *m = ml + r * ml_stride, *l = m + H;
 #if defined(__AVX2__) && defined(__FMA__)
-    // the common head sizes compiled for their D (the chunk loops unrolled): 15 against 18 ms resident
-    if (D == 64) decode_piece_avx2<K, 64>(q, kp, vp, pages, t0, t1[r], page, H, Hkv, D, scale, a, m, l, scores);
-    else if (D == 128) decode_piece_avx2<K, 128>(q, kp, vp, pages, t0, t1[r], page, H, Hkv, D, scale, a, m, l, scores);
-    else if (D % 8 == 0) decode_piece_avx2<K>(q, kp, vp, pages, t0, t1[r], page, H, Hkv, D, scale, a, m, l, scores);
-    else
+  if (D % 8 == 0) {
+    if (R > 1) return rows_avx2<K>(qb, kp, vp, pages, t0, t1, R, page, H, Hkv, D, scale, acc, acc_stride, ml,
+                                   ml_stride, scores);
+    return piece_avx2<K>(qb, kp, vp, pages, t0, t1[0], page, H, Hkv, D, scale, acc, ml, ml + H, scores);
+  }
 #endif
-      decode_piece_portable<K>(q, kp, vp, pages, t0, t1[r], page, H, Hkv, D, scale, a, m, l, scores);
+  for (int64_t r = 0; r < R; ++r) {
+    float* m = ml + r * ml_stride;
+    decode_piece_portable<K>(qb + r * H * D, kp, vp, pages, t0, t1[r], page, H, Hkv, D, scale, acc + r * acc_stride,
+                             m, m + H, scores);
   }
 }
 

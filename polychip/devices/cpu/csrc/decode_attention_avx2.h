@@ -171,11 +171,15 @@ inline void value_heads(const typename Kv<K>::T* const* r, int cnt, int64_t off,
   if (d < D) value_rows<K, NH, 8>(r, cnt, off + d, w, nw, D, acc + d);
 }
 
-// DC: the head size D when the caller compiles one for it (0: D at run time)
+// DC: the head size D when the caller compiles one for it (0: D at run time). R rows of one sequence
+// (a verify step's) walk once: their R x G heads of each kv head side by side (H counts them all), row
+// r's tokens past its own end t1s[r] (ascending, t1s[R - 1] == t1) scored -inf like those past a piece's
+// end, so each row keeps the bits it gets alone (a weight of exactly 0 on the later rows' tokens).
 template <KvKind K, int DC = 0>
 void decode_piece_avx2(const float* qb, const typename Kv<K>::T* kp, const typename Kv<K>::T* vp,
                        const int64_t* pages, int64_t t0, int64_t t1, int64_t page, int64_t H, int64_t Hkv,
-                       int64_t head_size, float scale, float* acc, float* m, float* l, std::vector<float>& scratch) {
+                       int64_t head_size, float scale, float* acc, float* m, float* l, std::vector<float>& scratch,
+                       int64_t R = 1, const int64_t* t1s = nullptr) {
   using T = typename Kv<K>::T;
   const int64_t D = DC ? DC : head_size;
   constexpr int64_t kBlock = 16;   // tokens a block: the scores' padding, and the prefetch's unit
@@ -228,9 +232,11 @@ void decode_piece_avx2(const float* qb, const typename Kv<K>::T* kp, const typen
       for (int64_t h = 0; h < H; ++h) _mm256_storeu_ps(sc + h * nb + b8, fold8(unfolded + h * 64));
     }
   }
+  const int64_t RG = G / R;   // a row's heads of one kv head
   for (int64_t h = 0; h < H; ++h) {
     float* sh = sc + h * nb;
-    std::fill(sh + n, sh + nb, -INFINITY);   // past the piece: weight 0
+    const int64_t end = R == 1 ? n : t1s[h % G / RG] - t0;
+    std::fill(sh + end, sh + nb, -INFINITY);   // past the piece (or the head's row): weight 0
     __m256 mx8 = _mm256_set1_ps(-INFINITY);
     for (int64_t i = 0; i < nb; i += 8) mx8 = _mm256_max_ps(mx8, _mm256_loadu_ps(sh + i));
     const float mx = lanes_max(mx8);
