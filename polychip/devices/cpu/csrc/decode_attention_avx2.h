@@ -11,7 +11,8 @@
 // left the reads and the arithmetic adding up; reading each row in order, with the arithmetic on it
 // straight away, overlaps them (benchmarks/decode_attention_overlap.cpp). Zen 3, 2 threads, bf16 KV,
 // 16 x 1100 tokens, 30 layers: 30-34 -> 21-24 ms a step from DRAM (a plain read: 12-17 ms), 24 -> 17 ms
-// with the pool in L2.
+// with the pool in L2. Not on a Zen 2: there they still add up (31-33 ms from DRAM, 16 in L2, a 12-15 ms
+// read), whatever the prefetch; the cause is not known (docs/bench/perf-round4-cpu.md).
 // Lane order: a 16-element bf16 chunk of a head widens as its even elements, then its odd ones (a shift
 // and an and, no shuffle), so the scaled queries and the accumulators are kept in that lane order
 // (lane_of) and put back in element order at the end. Other kinds, and a head's last chunk of 8, keep it.
