@@ -47,10 +47,18 @@ def fake_app(state: dict) -> FastAPI:
             f'polychip_engine_stage_seconds_total{{model_name="fake-model",stage="schedule"}} {0.1 * n}\n'
             f'polychip_engine_steps_total{{model_name="fake-model"}} {10 * n}\n')
 
+    @app.post("/flush_cache")
+    async def flush_cache():
+        if state.get("no_flush"):
+            return JSONResponse({"detail": "Not Found"}, status_code=404)
+        state["events"].append("flush")
+        return PlainTextResponse("ok")
+
     @app.post("/v1/completions")
     async def completions(req: Request):
         body = await req.json()
         state["bodies"].append(body)
+        state["events"].append(body["prompt"])
         if body["prompt"] == "fail":
             return JSONResponse({"error": {"message": "bad prompt"}}, status_code=400)
         n = body["max_tokens"]
@@ -69,7 +77,7 @@ def fake_app(state: dict) -> FastAPI:
 
 @pytest.fixture()
 def fake_server():
-    state = {"bodies": [], "completions": 0}
+    state = {"bodies": [], "completions": 0, "events": []}
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -102,6 +110,29 @@ def test_sweep_measures_each_step_and_reads_stage_metrics(fake_server):
     body = state["bodies"][-1]
     assert body["stream"] and body["ignore_eos"] and body["min_tokens"] == 6 and body["model"] == "fake-model"
     assert "| 3 |" in report.serving_table(res) and "forward" in report.stage_table(res)
+
+
+def test_flush_cache_empties_the_prefix_cache_before_each_step(fake_server):
+    url, state = fake_server
+    cfg = serving.ServingConfig(url, model="fake-model", progress=False, flush_cache=True)
+    reqs = lambda c: [BenchRequest(f"c{c}-{i}", 3, 2) for i in range(c)]  # noqa: E731
+    serving.run_sweep(cfg, reqs, [1, 2])
+    # the warm-up, then each step's prompts right after a flush
+    assert state["events"][1:] == ["flush", "c1-0", "flush", "c2-0", "c2-1"] or \
+        state["events"][1:] == ["flush", "c1-0", "flush", "c2-1", "c2-0"]
+    plain = serving.ServingConfig(url, model="fake-model", progress=False)
+    state["events"].clear()
+    serving.run_sweep(plain, reqs, [1])
+    assert "flush" not in state["events"]
+
+
+def test_flush_cache_on_a_server_without_it_fails_before_measuring(fake_server):
+    url, state = fake_server
+    state["no_flush"] = True
+    cfg = serving.ServingConfig(url, model="fake-model", progress=False, flush_cache=True)
+    with pytest.raises(RuntimeError, match=r"/flush_cache answered HTTP 404.*without --flush-cache"):
+        serving.run_sweep(cfg, lambda c: [BenchRequest("p", 3, 2)], [1])
+    assert state["events"] == ["Warm-up: count from one to ten."]
 
 
 def test_errors_are_counted_not_raised(fake_server):

@@ -29,6 +29,7 @@ class ServingConfig:
     extra_body: dict = field(default_factory=dict)
     progress: bool = True
     extra_headers: dict = field(default_factory=dict)     # e.g. a router's x-polychip-slo-* targets
+    flush_cache: bool = False           # POST /flush_cache (SGLang's) before each step: no cached prompts of a past run
 
 
 def api_root(base_url: str) -> str:
@@ -48,6 +49,16 @@ async def discover_model(client: httpx.AsyncClient, cfg: ServingConfig) -> str:
     if not data:
         raise RuntimeError(f"{cfg.base_url}/v1/models lists no model; pass --model")
     return data[0]["id"]
+
+
+async def flush_cache(client: httpx.AsyncClient, cfg: ServingConfig) -> None:
+    """Empty the server's prefix cache (SGLang's and polychip's ``/flush_cache``): a second run with the same
+    ``--seed`` sends the same prompts, and would otherwise start on their cached pages."""
+    url = f"{api_root(cfg.base_url)}/flush_cache"
+    r = await client.post(url, headers=_headers(cfg))
+    if r.status_code >= 400:
+        raise RuntimeError(f"--flush-cache: POST {url} answered HTTP {r.status_code} ({r.text[:200]!r}); this "
+                           "server has no SGLang-style /flush_cache, so run without --flush-cache and another --seed")
 
 
 def _body(cfg: ServingConfig, model: str, req: BenchRequest) -> dict:
@@ -128,6 +139,8 @@ async def _sweep(cfg: ServingConfig, requests_for, concurrencies: list[int]) -> 
         await send_request(client, cfg, model, BenchRequest("Warm-up: count from one to ten.", 8, 4))
         steps = []
         for c in concurrencies:
+            if cfg.flush_cache:
+                await flush_cache(client, cfg)
             before = await stage_metrics.scrape(client, api_root(cfg.base_url))
             results, wall = await run_step(cfg, model, requests_for(c), c, client)
             after = await stage_metrics.scrape(client, api_root(cfg.base_url))

@@ -46,6 +46,9 @@ def _serving_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tokenizer", default=None, help="model path whose tokenizer sizes prompts (default: embedded SmolLM2)")
     p.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos/min_tokens")
+    p.add_argument("--flush-cache", action="store_true",
+                   help="POST /flush_cache (SGLang's) before each concurrency step: a run repeated with the same "
+                        "--seed sends the same prompts and would start on their cached prefixes")
     p.add_argument("--label", default=None, help="engine name in tables and plots (default: the model name)")
     p.add_argument("--out-dir", default="bench_results", help="where the JSON, markdown and PNG go")
     p.add_argument("--name", default=None, help="file stem (default: serving-<label>-<time>)")
@@ -79,7 +82,8 @@ def run_serving(args) -> int:
     if kind not in ("synthetic", "sharegpt-like") or (kind == "sharegpt-like") != (len(args.dataset) == 2):
         print("error: --dataset is `synthetic` or `sharegpt-like FILE`", file=sys.stderr)
         return 2
-    cfg = ServingConfig(args.base_url, args.model, args.api_key, not args.no_ignore_eos, progress=not args.no_progress)
+    cfg = ServingConfig(args.base_url, args.model, args.api_key, not args.no_ignore_eos, progress=not args.no_progress,
+                        flush_cache=args.flush_cache)
     roof, why = (None, "prompts of varying lengths (only --dataset synthetic has a roofline)") if kind != "synthetic" \
         else serving_roofline.prepare(args.base_url, args.api_key)
     if roof is not None:
