@@ -3,7 +3,8 @@ cases of its AVX-512 path: 2 or 4 token streams per piece in blocks of 16 / S st
 a block and a stream), pages smaller than a block, head sizes that take each code path (16 .. 128 in
 steps of 16 on AVX-512; other multiples of 8, and every size on an AVX2 build, the AVX2 path; 20 the
 portable one), grouped heads (1 to 8 query heads a kv head: each register count of the AVX2 value
-pass), peaked softmaxes, and block tables whose unused entries must not be read."""
+pass), peaked softmaxes, and block tables whose unused entries must not be read; float32 pools and
+bfloat16 ones (each value widened in registers)."""
 import pytest
 import torch
 
@@ -29,7 +30,7 @@ def _reference(q, kc, vc, table, lens, scale):
     return torch.stack(out).float()
 
 
-def _case(heads, kv_heads, d, lengths, page=16, seed=0, q_scale=1.0, spare=0):
+def _case(heads, kv_heads, d, lengths, page=16, seed=0, q_scale=1.0, spare=0, dtype=torch.float32):
     """Caches with pages in random order; spare extra block-table columns hold page ids far outside
     the pool (reading one would crash or show in the result)."""
     g = torch.Generator().manual_seed(seed)
@@ -38,6 +39,7 @@ def _case(heads, kv_heads, d, lengths, page=16, seed=0, q_scale=1.0, spare=0):
     pages = max(8, width * len(lengths))
     kc = torch.randn(pages, page, kv_heads, d, generator=g)
     vc = torch.randn(pages, page, kv_heads, d, generator=g)
+    kc, vc = kc.to(dtype), vc.to(dtype)
     table = torch.stack([torch.randperm(pages, generator=g)[:width] for _ in lengths])
     for b, length in enumerate(lengths):        # past each sequence's last page: ids out of the pool
         table[b, (length + page - 1) // page:] = 1 << 40
@@ -59,24 +61,28 @@ def _check(args, threads=2):
 
 # around a block of 16 steps, 4 streams of 4-step blocks and 2 streams of 8-step blocks
 LENGTHS = [1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 129]
+DTYPES = [torch.float32, torch.bfloat16]
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("d", [16, 32, 48, 64, 80, 96, 112, 128, 24, 144, 8, 40, 20])
-def test_head_sizes(d):
-    _check(_case(9, 3, d, LENGTHS, seed=d))
+def test_head_sizes(d, dtype):
+    _check(_case(9, 3, d, LENGTHS, seed=d, dtype=dtype))
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 1), (16, 2), (6, 3), (1, 1)])
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("d", [64, 128])
-def test_head_layouts(heads, kv_heads, d):
-    _check(_case(heads, kv_heads, d, LENGTHS, seed=heads * d))
+def test_head_layouts(heads, kv_heads, d, dtype):
+    _check(_case(heads, kv_heads, d, LENGTHS, seed=heads * d, dtype=dtype))
 
 
 @pytest.mark.parametrize("page", [1, 3, 8, 12, 16, 32])
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("d", [64, 128])
-def test_page_sizes(page, d):
+def test_page_sizes(page, d, dtype):
     # pages smaller than a block, or not dividing it: blocks and streams cross pages mid-way
-    _check(_case(9, 3, d, [1, 15, 16, 17, 31, 33, 100, 257], page=page, seed=page))
+    _check(_case(9, 3, d, [1, 15, 16, 17, 31, 33, 100, 257], page=page, seed=page, dtype=dtype))
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -87,10 +93,11 @@ def test_long_sequences_cut_into_pieces(threads, length):
     _check(_case(9, 3, 64, [length, 5, length // 2], seed=length + 1), threads)
 
 
-def test_peaked_softmax():
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_peaked_softmax(dtype):
     # large scores: weights span many orders of magnitude and most underflow to 0
-    _check(_case(9, 3, 64, [1, 17, 33, 300], q_scale=30.0))
-    _check(_case(4, 4, 128, [1, 17, 33, 300], q_scale=30.0, seed=1))
+    _check(_case(9, 3, 64, [1, 17, 33, 300], q_scale=30.0, dtype=dtype))
+    _check(_case(4, 4, 128, [1, 17, 33, 300], q_scale=30.0, seed=1, dtype=dtype))
 
 
 def test_block_table_wider_than_needed():
