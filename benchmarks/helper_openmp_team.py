@@ -59,7 +59,8 @@ def engine_thread(ready: threading.Event, go: threading.Event, result: dict) -> 
 
 def main() -> None:
     mode = sys.argv[1] if len(sys.argv) > 1 else "none"
-    assert mode in ("none", "helper"), mode
+    if mode not in ("none", "helper"):
+        sys.exit(f"usage: {sys.argv[0]} none|helper (got {mode!r})")
     torch.set_num_threads(2)
     ready, go, stay, result = threading.Event(), threading.Event(), threading.Event(), {}
     a = threading.Thread(target=engine_thread, args=(ready, go, result))

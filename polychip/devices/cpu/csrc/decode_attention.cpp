@@ -13,6 +13,10 @@ using namespace polychip_cpu;
 
 namespace {
 
+// A verify step's R rows of one sequence walked as one row of R x H heads, grouped by kv head: head h of row r
+// (G query heads a kv head) sits at slot (g, r, hh) = g * R * G + r * G + hh. Its query, scores and output go there.
+inline int64_t head_slot(int64_t r, int64_t h, int64_t R, int64_t G) { return (h / G) * R * G + r * G + h % G; }
+
 inline void axpy(float* __restrict y, const float* __restrict x, float a, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
@@ -286,7 +290,7 @@ constexpr int64_t stream_len(int64_t n) {
 
 // R rows of one sequence whose pieces start at t0 and end at t1[r] (ascending), all with one stream
 // length: one walk of their K and V rows (pages: the longest row's block table, which the others share)
-// for the R x H heads as one row's, grouped by kv head: head (g, r, hh) at g * R * G + r * G + hh. A row's
+// for the R x H heads as one row's, grouped by kv head (head_slot). A row's
 // tokens past its own end get a score of -inf like those past a stream's end, so each row's bits are those
 // it gets alone: the same tokens in the same slots, and a weight of exactly 0 (times a finite V value: the
 // sequence's own tokens) where it alone would read a zero row.
@@ -307,8 +311,7 @@ void decode_rows_avx512(const float* qb, const typename Kv<K>::T* kp, const type
   float* zero = qs + RH * D;
   float* out = R == 1 ? acc : zero + row;   // one row: its heads' slots are its own
   std::fill(zero, zero + row, 0.f);      // all-zero bytes: 0 in every KV dtype
-  // head (g, r, hh)'s slot: its query, scores and output
-  const auto slot = [&](int64_t r, int64_t h) { return (h / G) * R * G + r * G + h % G; };
+  const auto slot = [&](int64_t r, int64_t h) { return head_slot(r, h, R, G); };
   for (int64_t r = 0; r < R; ++r)
     for (int64_t h = 0; h < H; ++h)
       for (int64_t d = 0; d < D; ++d) qs[slot(r, h) * D + d] = qb[(r * H + h) * D + d] * scale;
@@ -371,7 +374,7 @@ void piece_avx2(const float* q, const typename Kv<K>::T* kp, const typename Kv<K
 }
 
 // R > 1 rows of one sequence as one walk (decode_piece_avx2's R): their R x H heads grouped by kv head,
-// head (g, r, hh) at g * R * G + r * G + hh, as decode_rows_avx512 lays them out
+// in head_slot's order, as decode_rows_avx512 lays them out
 template <KvKind K>
 void rows_avx2(const float* qb, const typename Kv<K>::T* kp, const typename Kv<K>::T* vp, const int64_t* pages,
                int64_t t0, const int64_t* t1, int64_t R, int64_t page, int64_t H, int64_t Hkv, int64_t D, float scale,
@@ -380,7 +383,7 @@ void rows_avx2(const float* qb, const typename Kv<K>::T* kp, const typename Kv<K
   const int64_t RH = R * H, G = H / Hkv;
   buf.resize(2 * RH * D + 2 * RH);
   float *q = buf.data(), *a = q + RH * D, *m = a + RH * D, *l = m + RH;
-  const auto slot = [&](int64_t r, int64_t h) { return (h / G) * R * G + r * G + h % G; };
+  const auto slot = [&](int64_t r, int64_t h) { return head_slot(r, h, R, G); };
   for (int64_t r = 0; r < R; ++r)
     for (int64_t h = 0; h < H; ++h) std::copy_n(qb + (r * H + h) * D, D, q + slot(r, h) * D);
   piece_avx2<K>(q, kp, vp, pages, t0, t1[R - 1], page, RH, Hkv, D, scale, a, m, l, scores, R, t1);
