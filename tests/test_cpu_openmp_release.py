@@ -1,6 +1,7 @@
 """The cpu plugin's release_thread (plugin API 1.3): the thread that set the engine up ends its OpenMP
 workers when the serving engine's thread takes the steps over. With both teams alive libgomp counts more
-threads than cores and its waiting threads sleep between parallel regions (a futex wake each region)."""
+threads than cores and its waiting threads sleep between parallel regions (a futex wake each region).
+Its bind_helper_thread (1.4): a helper thread beside the steps runs its regions alone, starting no team."""
 from __future__ import annotations
 
 import json
@@ -65,8 +66,30 @@ kept = worker_sleeps(200)                  # the main thread's team still alive
 p.release_thread()
 after = settle(base)
 released = worker_sleeps(200)
+
+def beside_a_helper(bind):   # a helper thread (bound or not) runs one region and stays alive while we measure
+    ready, stay, seen = threading.Event(), threading.Event(), {}
+    def run():
+        if bind:
+            p.bind_helper_thread()
+        mine = torch.empty_like(x)
+        torch.mul(x, 3.0, out=mine)
+        seen["tasks"], seen["right"] = tasks(), bool(torch.equal(mine, x * 3.0))
+        ready.set()
+        stay.wait()
+    h = threading.Thread(target=run)
+    h.start()
+    ready.wait()
+    seen["sleeps"] = worker_sleeps(200)
+    stay.set()
+    h.join()
+    seen["after"] = settle(base)
+    return seen
+
+unbound, bound = beside_a_helper(False), beside_a_helper(True)
 print(json.dumps({"kernels": p.kernels is not None, "base": base, "with_team": with_team, "after": after,
-                  "sleeps_kept": kept, "sleeps_released": released, "sum": float(y.sum()) / float(x.sum())}))
+                  "sleeps_kept": kept, "sleeps_released": released, "sum": float(y.sum()) / float(x.sum()),
+                  "unbound": unbound, "bound": bound, "threads_after_bound": torch.get_num_threads()}))
 """
 
 
@@ -92,3 +115,21 @@ def test_a_second_team_sleeps_between_regions_until_the_first_is_released(run):
         pytest.skip("the CPU kernels did not build here")
     assert run["sleeps_kept"] >= 100         # ~one futex sleep a region while two teams outnumber the cores
     assert run["sleeps_released"] <= 20      # it spins from one region to the next
+
+
+def test_a_bound_helper_thread_starts_no_openmp_team_and_still_computes(run):
+    if not run["kernels"]:
+        pytest.skip("the CPU kernels did not build here (bind_helper_thread then does nothing, logged)")
+    assert run["unbound"]["tasks"] == run["base"] + 2    # the helper and its team's worker
+    assert run["bound"]["tasks"] == run["base"] + 1      # the helper alone
+    assert run["unbound"]["right"] and run["bound"]["right"]
+    assert run["bound"]["after"] == run["unbound"]["after"] == run["base"]
+    assert run["threads_after_bound"] == 2               # the setting was the helper's, not the process's
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="with one core libgomp never spins long")
+def test_the_steps_team_spins_beside_a_bound_helper_and_sleeps_beside_an_unbound_one(run):
+    if not run["kernels"]:
+        pytest.skip("the CPU kernels did not build here")
+    assert run["unbound"]["sleeps"] >= 100
+    assert run["bound"]["sleeps"] <= 20

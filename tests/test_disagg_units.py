@@ -116,3 +116,41 @@ def test_a_mismatch_names_both_sides_and_each_difference():
         assert part in msg, msg
     with pytest.raises(KVMismatchError, match="both are prefill sides"):
         check_compatible(_side("prefill"), _side("prefill"))
+
+
+class _Plugin:
+    name = "recording"
+
+    def __init__(self, error: Exception | None = None):
+        self.error, self.bound = error, []
+
+    def bind_helper_thread(self):
+        self.bound.append(threading.current_thread().name)
+        if self.error:
+            raise self.error
+
+
+def _agent_on(plugin):
+    from polychip.engine.disagg.agent import Agent
+    from polychip.engine.engine import Engine
+    engine = Engine.__new__(Engine)          # only its plugin: what bind_helper_thread reaches
+    engine.plugin = plugin
+    agent = Agent.__new__(Agent)             # only what spawn reaches
+    agent.engine, agent.stopping, agent.faults = engine, threading.Event(), []
+    return agent
+
+
+def test_every_agent_thread_is_bound_as_a_helper_before_its_loop_runs():
+    plugin, ran = _Plugin(), []
+    agent = _agent_on(plugin)
+    agent.spawn("disagg-send-x", lambda: ran.append((threading.current_thread().name, list(plugin.bound)))).join()
+    assert ran == [("disagg-send-x", ["disagg-send-x"])]        # bound on its own thread, before the loop
+
+
+def test_a_plugin_whose_helper_hook_raises_is_logged_and_the_loop_still_runs(caplog):
+    plugin, ran = _Plugin(RuntimeError("no such runtime call")), []
+    agent = _agent_on(plugin)
+    agent.spawn("disagg-read-0", lambda: ran.append(True)).join()
+    assert ran == [True] and agent.faults == []
+    assert "plugin 'recording': bind_helper_thread() raised RuntimeError: no such runtime call " \
+           "(thread disagg-read-0 runs on unbound)" in caplog.text

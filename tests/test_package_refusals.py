@@ -128,8 +128,8 @@ def test_wrong_plugin_api_version(tmp_path, cache):
     pkg = synthetic_package(tmp_path, plugin_api=2)
     refused(pkg, cache, "built for plugin API version 2; the cpu plugin here implements API version 1",
             plugin=open_device("cpu"))
-    newer = synthetic_package(tmp_path, plugin_api="1.4", name="newer.pcpkg")   # a newer minor: refused too
-    refused(newer, cache, r"built for plugin API version 1.4; the cpu plugin here implements API version 1.3",
+    newer = synthetic_package(tmp_path, plugin_api="1.5", name="newer.pcpkg")   # a newer minor: refused too
+    refused(newer, cache, r"built for plugin API version 1.5; the cpu plugin here implements API version 1.4",
             plugin=open_device("cpu"))
 
 

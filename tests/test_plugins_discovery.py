@@ -118,19 +118,19 @@ def test_import_failure_is_kept_with_its_reason(tmp_path):
 
 
 def test_api_version_mismatch_names_both_versions(tmp_path):
-    for i, theirs in enumerate(("'2.0'", "'1.4'", "2")):
+    for i, theirs in enumerate(("'2.0'", "'1.5'", "2")):
         (tmp_path / str(i)).mkdir()          # a file is imported once per path
         path = plugin_file(tmp_path / str(i), "future", api=theirs)
         rec = by_name(discover_plugins((path,)))["future"]
         assert rec.failed_step == "api_version"
         assert rec.reason == (f"plugin 'future' declares API version {theirs.strip(chr(39))}, polychip supports API "
                               f"version {API_VERSION} (and every 1.x up to it)")
-    with pytest.raises(PluginError, match=r"failed at api_version: .*version 2, polychip supports API version 1.3"):
+    with pytest.raises(PluginError, match=r"failed at api_version: .*version 2, polychip supports API version 1.4"):
         open_device("future", (path,))
 
 
-@pytest.mark.parametrize("declared", ["1", "1.0", "'1.0'", "'1.1'", "(1, 1)", "'1.2'", "'1.3'"])
-def test_plugins_declaring_1_0_to_1_3_load(tmp_path, declared):
+@pytest.mark.parametrize("declared", ["1", "1.0", "'1.0'", "'1.1'", "(1, 1)", "'1.2'", "'1.3'", "'1.4'"])
+def test_plugins_declaring_1_0_to_1_4_load(tmp_path, declared):
     """The compatibility rule: same major version, minor no newer than polychip's."""
     rec = by_name(discover_plugins((plugin_file(tmp_path, "old", api=declared),)))["old"]
     assert rec.ok, rec.reason
@@ -138,7 +138,7 @@ def test_plugins_declaring_1_0_to_1_3_load(tmp_path, declared):
 
 def test_an_unreadable_api_version_is_refused_with_the_expected_form(tmp_path):
     rec = by_name(discover_plugins((plugin_file(tmp_path, "odd", api="'one'"),)))["odd"]
-    assert rec.failed_step == "api_version" and "must be 'MAJOR.MINOR' such as '1.3', got 'one'" in rec.reason
+    assert rec.failed_step == "api_version" and "must be 'MAJOR.MINOR' such as '1.4', got 'one'" in rec.reason
 
 
 def test_unavailable_plugin_is_kept_and_asking_for_it_gives_the_reason(tmp_path):

@@ -1,4 +1,4 @@
-"""The device-plugin contract, API version 1.3.
+"""The device-plugin contract, API version 1.4.
 
 A chip vendor implements :class:`DevicePlugin`. The engine allocates, copies, synchronises and
 picks its ``torch.device`` only through such an object. ``docs/plugin-guide.md`` tells the whole
@@ -8,9 +8,9 @@ the memory contract.
 Versions: a plugin declares ``api_version`` as ``"MAJOR.MINOR"`` (an int ``1`` means ``"1.0"``).
 polychip loads a plugin whose major version equals its own and whose minor version is not newer
 (:func:`api_mismatch`). A minor version only adds methods and optional fields, each with a default
-here, so a 1.0, 1.1 or 1.2 plugin runs on a 1.3 polychip unchanged; what 1.1, 1.2 and 1.3 added is
-marked "(1.1)", "(1.2)" or "(1.3)" below. A plugin that inherits ``api_version`` from this class declares the current
-version. Every value a plugin hands back is validated where the framework reads it
+here, so a 1.0, 1.1, 1.2 or 1.3 plugin runs on a 1.4 polychip unchanged; what 1.1 to 1.4 added is
+marked "(1.1)", "(1.2)", "(1.3)" or "(1.4)" below. A plugin that inherits ``api_version`` from this class
+declares the current version. Every value a plugin hands back is validated where the framework reads it
 (:mod:`polychip.devices.boundary`): a wrong shape is one PluginError naming plugin, method and field.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import torch
 
-API_VERSION = "1.3"
+API_VERSION = "1.4"
 
 
 def parse_api_version(value: Any) -> tuple[int, int]:
@@ -210,6 +210,15 @@ class DevicePlugin(abc.ABC):
         serving engine's, before its ``bind_thread``): the calling thread launches no more device work, so
         free what the runtime keeps for it. The CPU plugin ends its OpenMP workers (a second team's threads
         outnumber the cores, and libgomp then sleeps between parallel regions). Default: nothing."""
+
+    def bind_helper_thread(self) -> None:
+        """(1.4) Called first on each helper thread the engine starts beside the one that steps it (the
+        disaggregation agent's send, receive and watchdog threads). Such a thread runs torch ops on host tensors
+        (a KV chunk converted to the wire's format) but launches no device work, and it must not slow the
+        steps. It may run while the engine steps: touch only the calling thread's state. The CPU plugin runs
+        the thread's parallel regions on the thread alone, so its OpenMP team does not make the engine
+        thread's team sleep between regions. A plugin whose hook raises is logged and the thread runs on.
+        Default: nothing."""
 
     def device_handle(self, index: int | None = None) -> torch.device:
         """The ``torch.device`` tensors of device ``index`` (default: the initialised one) live on."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from collections import Counter, defaultdict, deque
 
@@ -166,6 +167,15 @@ class Engine:
         except Exception as e:  # a plugin may raise anything
             log.warning("plugin %r: release_thread() raised %s: %s (this thread's runtime state is kept)",
                         self.plugin.name, type(e).__name__, e)
+
+    def bind_helper_thread(self) -> None:
+        """The calling thread helps beside the steps (a disaggregation loop): the plugin keeps its host work from
+        slowing them. A failure costs speed only: logged, not raised."""
+        try:
+            self.plugin.bind_helper_thread()
+        except Exception as e:  # a plugin may raise anything
+            log.warning("plugin %r: bind_helper_thread() raised %s: %s (thread %s runs on unbound)",
+                        self.plugin.name, type(e).__name__, e, threading.current_thread().name)
 
     # requests
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,

@@ -116,6 +116,7 @@ class Agent:
 
     def spawn(self, name: str, fn, *args) -> threading.Thread:
         def run():
+            self.engine.bind_helper_thread()
             try:
                 fn(*args)
             except Exception as e:

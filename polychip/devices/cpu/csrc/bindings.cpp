@@ -63,6 +63,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_embedding", &rotary_embedding, "neox rotary on q and k, new contiguous outputs (float32)");
   m.def("release_openmp_threads", [] { return omp_pause_resource_all(omp_pause_soft); },
         "end the calling thread's OpenMP worker threads (0: done); its next parallel region starts new ones");
+  m.def("confine_openmp_to_thread",
+        [] {
+          at::get_num_threads();   // torch's one-time setup of this thread, which would reset the count below
+          omp_set_num_threads(1);  // this thread's own setting: its parallel regions start no workers
+        },
+        "run the calling thread's parallel regions (torch's and these kernels') on that thread alone");
   bind_replay(m);
 }
 
