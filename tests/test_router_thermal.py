@@ -36,6 +36,26 @@ def _ask(url: str, n: int = 8) -> str:
     return r.headers["x-polychip-replica"]
 
 
+def _heat(url: str, hot_w) -> dict:
+    """Both cards busy (least_load splits the load) until the hot one throttles; r0 as /admin/replicas showed it
+    then, while the load still ran."""
+    stop = threading.Event()
+
+    def load():
+        while not stop.is_set():
+            _ask(url, 24)
+    threads = [threading.Thread(target=load) for _ in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        wait_for(lambda: hot_w.weight()[0] < 1, 60, "the hot card past its limit")
+        return {r["name"]: r for r in httpx.get(url + "/admin/replicas").json()["replicas"]}["r0"]
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+
+
 def test_traffic_leaves_a_hot_simxpu_card_and_comes_back_when_it_cools(model_factory, tmp_path):
     model = model_factory("qwen3", True)
     spec = tmp_path / "hot.yaml"
@@ -51,28 +71,17 @@ def test_traffic_leaves_a_hot_simxpu_card_and_comes_back_when_it_cools(model_fac
             wait_for(lambda: all(w.up for w in router.registry), 30, "both replicas up")
             hot_w = router.registry["r0"]
             assert hot_w.info.device_health and hot_w.weight() == (1.0, None)
-            stop = threading.Event()
-
-            def load():                    # both cards busy (least_load splits it) until the hot one throttles
-                while not stop.is_set():
-                    _ask(server.url, 24)
-            threads = [threading.Thread(target=load) for _ in range(4)]
-            for t in threads:
-                t.start()
-            try:
-                wait_for(lambda: hot_w.weight()[0] < 1, 60, "the hot card past its limit")
-            finally:
-                stop.set()
-                for t in threads:
-                    t.join()
-            seen = {r["name"]: r for r in httpx.get(server.url + "/admin/replicas").json()["replicas"]}["r0"]
-            assert seen["weight"] == 0.25 and "limit 45 C" in (seen["weight_reason"] or ""), seen
             while_hot = []
-            for _ in range(6):
-                hot_now = hot_w.weight()[0] < 1
-                where = _ask(server.url, 4)
-                if hot_now and hot_w.weight()[0] < 1:
-                    while_hot.append(where)
+            for _ in range(3):   # the card cools within seconds: heat it again if no ask fell inside a hot spell
+                seen = _heat(server.url, hot_w)
+                for _ in range(6):
+                    hot_now = hot_w.weight()[0] < 1
+                    where = _ask(server.url, 4)
+                    if hot_now and hot_w.weight()[0] < 1:
+                        while_hot.append(where)
+                if while_hot:
+                    break
+            assert seen["weight"] == 0.25 and "limit 45 C" in (seen["weight_reason"] or ""), seen
             assert while_hot and set(while_hot) == {"r1"}, while_hot
             wait_for(lambda: hot_w.weight()[0] == 1, 60, "the hot card cooled")
             back = Counter(_ask(server.url, 4) for _ in range(6))
