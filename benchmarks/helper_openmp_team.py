@@ -8,10 +8,12 @@ pays a futex wake (what `DevicePlugin.release_thread` ends for the thread that b
 Here the engine is built and stepped on one thread (A), as the serving engine's thread does; the main
 thread runs no parallel region. With ``helper``, a second thread (B) runs one ``torch.mul`` on 4 M floats
 before A's steps and stays alive, as a long-lived helper thread (a disaggregation send loop converting a
-chunk) would. Prints A's median 16-stream decode step and the process's voluntary context switches over
-those steps. Run the two modes in alternating processes:
+chunk) would. With ``bound``, that thread first calls the plugin's ``bind_helper_thread`` (plugin API 1.4),
+as every disaggregation thread does. Prints A's median 16-stream decode step, the process's voluntary
+context switches over those steps, and the seconds of the steps before them (the prefill). Run the three
+modes in alternating processes:
 
-    for i in 1 2 3; do for m in none helper; do .venv/bin/python benchmarks/helper_openmp_team.py $m; done; done
+    for i in 1 2 3; do for m in none helper bound; do .venv/bin/python benchmarks/helper_openmp_team.py $m; done; done
 """
 import json
 import os
@@ -37,7 +39,7 @@ def switches() -> int:
 
 def engine_thread(ready: threading.Event, go: threading.Event, result: dict) -> None:
     llm = LLM(None, max_total_tokens=16 * 600 + 2048, kv_cache_dtype="bfloat16", disable_radix_cache=True)
-    e = llm.engine
+    e = result["engine"] = llm.engine
     text = open(README).read()
     prompts = [f"{i}: " + text[i * 300:i * 300 + 900] for i in range(16)]
     params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
@@ -45,7 +47,7 @@ def engine_thread(ready: threading.Event, go: threading.Event, result: dict) -> 
     go.wait()
     for p in prompts:
         e.add_request(p, params)
-    steps, start = [], None
+    steps, start, prefill = [], None, 0.0
     while e.has_unfinished():
         t = time.perf_counter()
         outs = e.step()
@@ -53,14 +55,16 @@ def engine_thread(ready: threading.Event, go: threading.Event, result: dict) -> 
         if len(outs) == 16 and all(len(o.outputs[0].token_ids) > 1 for o in outs):   # all 16 decoding
             start = switches() if start is None else start
             steps.append(dt)
+        elif start is None:        # the steps that prefill the 16 prompts (~4,000 tokens)
+            prefill += dt
     result.update(decode_step_ms=round(statistics.median(steps) * 1e3, 2), steps=len(steps),
-                  voluntary_switches=switches() - start)
+                  voluntary_switches=switches() - start, prefill_s=round(prefill, 3))
 
 
 def main() -> None:
     mode = sys.argv[1] if len(sys.argv) > 1 else "none"
-    if mode not in ("none", "helper"):
-        sys.exit(f"usage: {sys.argv[0]} none|helper (got {mode!r})")
+    if mode not in ("none", "helper", "bound"):
+        sys.exit(f"usage: {sys.argv[0]} none|helper|bound (got {mode!r})")
     torch.set_num_threads(2)
     ready, go, stay, result = threading.Event(), threading.Event(), threading.Event(), {}
     a = threading.Thread(target=engine_thread, args=(ready, go, result))
@@ -68,17 +72,20 @@ def main() -> None:
     ready.wait()
 
     def helper():
+        if mode == "bound":
+            result["engine"].bind_helper_thread()     # as every disaggregation thread is (plugin API 1.4)
         x = torch.randn(4_000_000)
         torch.mul(x, 2.0)          # one parallel region: this thread's team, alive until the thread ends
         go.set()
         stay.wait()
 
-    if mode == "helper":
+    if mode != "none":
         threading.Thread(target=helper, daemon=True).start()
     else:
         go.set()
     a.join()
     stay.set()
+    del result["engine"]
     print(json.dumps({"mode": mode, **result}))
 
 
