@@ -126,24 +126,26 @@ class CpuPlugin(DevicePlugin):
         threads then sleep after ~100 spins instead of ~300,000: every parallel region of a step paid a
         futex wake (the served engine 7-10% slower on 16 float32 streams than the same engine stepped on
         one thread)."""
-        if self.kernels is None:     # the function is the kernels' (the OpenMP runtime torch loaded)
-            from polychip.devices.cpu import kernels
-            log.info("cpu: this thread's OpenMP workers are kept: %s", kernels.unavailable_reason() or
-                     "the kernels are not loaded")
-            return
-        if self.kernels.module.release_openmp_threads() != 0:
+        module = self._openmp_calls("this thread's OpenMP workers are kept")
+        if module is not None and module.release_openmp_threads() != 0:
             log.info("cpu: the OpenMP runtime did not end this thread's workers (omp_pause_resource_all failed)")
 
     def bind_helper_thread(self) -> None:
         """Runs this thread's parallel regions (torch's intra-op and the kernels') on the thread alone. Its
         first large torch op would otherwise start an OpenMP team that outlives the op, and the engine thread's
         team then sleeps between regions as ``release_thread`` says (16-stream decode step ~14% slower)."""
+        module = self._openmp_calls("a helper thread's OpenMP team is not confined")
+        if module is not None:
+            module.confine_openmp_to_thread()
+
+    def _openmp_calls(self, without: str):
+        """The kernels' module, whose functions reach the OpenMP runtime torch loaded; None (``without`` logged
+        with the reason) when the kernels are not loaded."""
         if self.kernels is None:
             from polychip.devices.cpu import kernels
-            log.info("cpu: a helper thread's OpenMP team is not confined: %s", kernels.unavailable_reason() or
-                     "the kernels are not loaded")
-            return
-        self.kernels.module.confine_openmp_to_thread()
+            log.info("cpu: %s: %s", without, kernels.unavailable_reason() or "the kernels are not loaded")
+            return None
+        return self.kernels.module
 
     def mem_info(self) -> tuple[int, int]:
         """This device's share of the host's available memory (a spec may cut the host into shares),
